@@ -1,0 +1,40 @@
+"""`llmserve` command line: one entry point, one sub-command per job.
+
+Each sub-command lives beside the code it drives and is imported lazily, so `llmserve bench`
+never pays for importing torch and `llmserve --help` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# sub-command -> module exposing add_arguments(parser) and run(args) -> int
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("llmserve.server.cli", "Serve a model over an OpenAI-compatible HTTP API."),
+    "generate": ("llmserve.entrypoints.generate_cli", "Generate text offline and print it as it streams."),
+    "bench": ("llmserve.bench.cli", "Load-test any OpenAI-compatible server (TTFT, ITL, throughput)."),
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmserve", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    chosen = next((a for a in argv if a in SUBCOMMANDS), None)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:  # only the chosen sub-command's module is imported
+            importlib.import_module(module_name).add_arguments(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    module = importlib.import_module(SUBCOMMANDS[args.command][0])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

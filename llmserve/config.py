@@ -1,0 +1,94 @@
+"""Engine configuration: one frozen dataclass per concern, gathered in `EngineConfig`.
+
+Values are checked where they are made (bad ones raise `ValueError` naming the argument); anything
+derived from them is computed by a method, never written back, so a config can be shared freely.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to run and in what precision.
+
+    `model` is a registered name (see `loader.default_models`), a GGUF file or a Hugging Face
+    directory; None means the embedded default model.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    max_model_len: int | None = None  # None: the model's own context length
+    seed: int = 0
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: block size and the memory budget the block count is derived from."""
+
+    block_size: int = 16
+    kv_cache_memory_gb: float | None = None  # explicit budget; wins over the fraction
+    kv_cache_memory_fraction: float = 0.1  # of the memory available when the engine starts
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if not 0 < self.kv_cache_memory_fraction <= 0.9:
+            raise ValueError(
+                f"kv_cache_memory_fraction must be in (0, 0.9], got {self.kv_cache_memory_fraction}"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits: how many sequences and tokens one step may carry."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    # A prompt longer than this is prefilled in several steps so running decodes keep flowing.
+    long_prefill_token_threshold: int = 512
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+def cpu_has_native_bf16() -> bool:
+    """True where the CPU multiplies bf16 natively (AVX512-BF16 or AMX), so bf16 is faster, not slower."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """The dtype 'auto' stands for: bfloat16 where the hardware has it natively, else float32."""
+    if dtype != "auto":
+        return DTYPES[dtype]
+    if device.startswith("cuda"):
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32

@@ -1,0 +1,194 @@
+"""The synchronous engine: requests in, one `step()` at a time, incremental outputs out.
+
+step() = schedule ▶ execute (one forward pass + sampling) ▶ update (append tokens, stop checks,
+free finished requests' blocks) ▶ outputs. Everything a request can be refused for is checked in
+`add_request`, before it takes any resource.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import psutil
+import torch
+
+from llmserve.config import EngineConfig, resolve_dtype
+from llmserve.engine.detokenizer import IncrementalDetokenizer
+from llmserve.engine.model_runner import ModelRunner
+from llmserve.engine.request import Request, RequestStatus
+from llmserve.engine.scheduler import Scheduler
+from llmserve.kv_cache.kv_cache_manager import KVCacheManager
+from llmserve.loader import build_model, load_checkpoint
+from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
+from llmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model
+        torch.manual_seed(mc.seed)
+        ckpt = load_checkpoint(mc.model)
+        self.model_name = ckpt.name
+        self.model_config = ckpt.config
+        self.tokenizer = ckpt.tokenizer
+        self.chat_template = ckpt.chat_template
+        self.eos_token_ids = ckpt.eos_token_ids or [ckpt.tokenizer.eos_token_id]
+        self.dtype = resolve_dtype(mc.dtype, mc.device)
+        logger.info("dtype %s (%s)", self.dtype, "chosen automatically" if mc.dtype == "auto" else "as asked")
+        model = build_model(ckpt, self.dtype, mc.device)
+        del ckpt
+        self.max_model_len = min(mc.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        block_size = config.cache.block_size
+        num_blocks = self._num_kv_blocks()
+        self.kv_cache = KVCacheManager(num_blocks, block_size)
+        self.runner = ModelRunner(model, self.model_config, num_blocks, block_size, self.dtype, mc.device)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache)
+        self.requests: dict[str, Request] = {}
+        self._backend_tokenizer = getattr(self.tokenizer, "backend_tokenizer", None) or self.tokenizer._tokenizer
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); max_model_len %d",
+            num_blocks, block_size, num_blocks * block_size, self.kv_cache_bytes / 2**30, self.max_model_len,
+        )
+
+    # --- public API -------------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> Request:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, token_ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, prompt)
+        max_tokens = self._check_lengths(token_ids, params)
+        detok = IncrementalDetokenizer(
+            self._backend_tokenizer, token_ids, params.stop, params.include_stop_str_in_output,
+            params.skip_special_tokens,
+        )
+        req = Request(request_id, text, token_ids, params, max_tokens, self.eos_token_ids, detok)
+        self.requests[request_id] = req
+        self.scheduler.add_request(req)
+        return req
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks now; returns its last output, or None if unknown."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        req.detokenizer.finish()
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        return self._output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration; outputs of every request that produced a token or finished."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled.scheduled:
+            return []
+        sampled = self.runner.execute(scheduled.scheduled, self.kv_cache)
+        outputs = []
+        for (req, n), token in zip(scheduled.scheduled, sampled, strict=True):
+            req.num_computed_tokens += n
+            if token is None:
+                continue  # a prompt chunk that is not the last
+            req.append_token(token.token_id)
+            if req.logprobs is not None:
+                self._record_logprobs(req, token)
+            if req.status.finished:
+                self.scheduler.finish(req, req.status)
+                self.requests.pop(req.request_id, None)
+            outputs.append(self._output(req))
+        return outputs
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache.num_blocks * self._block_bytes()
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; use generate() with a plain prompt")
+        return self.tokenizer.apply_chat_template(
+            messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    # --- internals --------------------------------------------------------------------------
+
+    def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> int:
+        n = len(token_ids)
+        if n == 0:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {n} tokens, but max_model_len is {self.max_model_len} "
+                "(the prompt must leave room for at least one new token)"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        if n + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
+                f"max_model_len {self.max_model_len}"
+            )
+        need = self.kv_cache.blocks_needed(n + max_tokens)
+        if need > self.kv_cache.num_blocks:
+            raise ValueError(
+                f"prompt + max_tokens = {n + max_tokens} tokens need {need} KV blocks, but the whole cache "
+                f"holds {self.kv_cache.num_blocks}; lower max_tokens or raise kv_cache_memory_gb"
+            )
+        return max_tokens
+
+    def _block_bytes(self) -> int:
+        return (
+            self.config.cache.block_size * self.model_config.kv_bytes_per_token
+            * torch.tensor([], dtype=self.dtype).element_size()
+        )
+
+    def _num_kv_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.kv_cache_memory_gb is not None:
+            budget = cache.kv_cache_memory_gb * 2**30
+        else:
+            budget = cache.kv_cache_memory_fraction * psutil.virtual_memory().available
+        # never more than every sequence at full length could use
+        ceiling = self.config.scheduler.max_num_seqs * self.max_model_len
+        blocks = min(int(budget // self._block_bytes()), -(-ceiling // cache.block_size))
+        if blocks < 1:
+            raise ValueError(f"KV cache budget of {budget / 2**30:.4f} GiB holds not even one block")
+        return blocks
+
+    def _record_logprobs(self, req: Request, token) -> None:
+        entry = {token.token_id: Logprob(token.logprob, token.rank, self.tokenizer.decode([token.token_id]))}
+        for rank, (tid, lp) in enumerate(token.top or [], start=1):
+            if tid not in entry:
+                entry[tid] = Logprob(lp, rank, self.tokenizer.decode([tid]))
+        req.logprobs.append(entry)
+        req.cumulative_logprob += token.logprob
+
+    def _output(self, req: Request) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0,
+            text=req.detokenizer.output_text,
+            token_ids=req.output_token_ids,
+            cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
+            logprobs=req.logprobs,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+        )
+        metrics = {"arrival_time": req.arrival_time, "num_preemptions": req.num_preemptions}
+        if req.first_token_time is not None:
+            metrics["first_token_time"] = req.first_token_time
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[completion],
+            finished=req.status.finished,
+            metrics=metrics,
+        )

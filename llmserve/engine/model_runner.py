@@ -1,0 +1,155 @@
+"""Turns a scheduler decision into one forward pass and one sampling call.
+
+Per step: the scheduled requests are ordered decodes first, their new tokens flattened into one
+vector, and every index the attention needs (slot mapping, per-decode context slots, per-prefill
+masks) is built once with batched tensor ops from a padded block-table tensor. Logits are computed
+only for the rows that sample (the last token of a request whose tokens are all computed).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmserve.engine.request import Request
+from llmserve.kv_cache.kv_cache_manager import KVCacheManager
+from llmserve.layers.attention import AttentionMetadata, PrefillSpan
+from llmserve.layers.sampler import SampledToken, SamplingMetadata, sample
+from llmserve.models.llama import LlamaConfig
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: LlamaConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: str,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.block_size = block_size
+        self.device = torch.device(device)
+        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        # Zero-filled, not empty: padded decode gathers read arbitrary slots, which must be finite.
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(config.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def execute(
+        self, scheduled: list[tuple[Request, int]], kv_cache: KVCacheManager
+    ) -> list[SampledToken | None]:
+        """Run the scheduled tokens; returns, per scheduled entry, its sampled token or None."""
+        # decodes (one new token) first: they form the batched decode group of the attention
+        order = sorted(range(len(scheduled)), key=lambda i: scheduled[i][1] != 1)
+        reqs = [scheduled[i][0] for i in order]
+        counts = [scheduled[i][1] for i in order]
+        starts = [r.num_computed_tokens for r in reqs]
+        token_ids: list[int] = []
+        for r, s, n in zip(reqs, starts, counts, strict=True):
+            token_ids.extend(r.all_token_ids[s : s + n])
+
+        dev = self.device
+        tables = [kv_cache.block_ids(r.request_id) for r in reqs]
+        width = max(len(t) for t in tables)
+        block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        counts_t = torch.tensor(counts)
+        starts_t = torch.tensor(starts)
+        row_of_token = torch.repeat_interleave(torch.arange(len(reqs)), counts_t)
+        first_token = torch.cumsum(counts_t, 0) - counts_t
+        positions = torch.arange(len(token_ids)) - first_token[row_of_token] + starts_t[row_of_token]
+        # every slot of every row's blocks, in position order: [rows, width * block_size]
+        all_slots = (block_table.unsqueeze(2) * self.block_size + torch.arange(self.block_size)).flatten(1)
+        slot_mapping = all_slots[row_of_token, positions]
+
+        meta = self._attention_metadata(all_slots, counts, starts, first_token.tolist(), slot_mapping)
+        sample_rows = [i for i, r in enumerate(reqs) if starts[i] + counts[i] == r.num_tokens]
+        hidden = self.model(
+            torch.tensor(token_ids, device=dev), positions.to(dev), self.kv_caches, meta
+        )
+        results: list[SampledToken | None] = [None] * len(scheduled)
+        if not sample_rows:
+            return results
+        last_token = (first_token + counts_t - 1)[sample_rows].to(dev)
+        logits = self.model.compute_logits(hidden[last_token])
+        sampled = sample(logits, self._sampling_metadata([reqs[i] for i in sample_rows], logits.shape[1]))
+        for row, token in zip(sample_rows, sampled, strict=True):
+            results[order[row]] = token
+        return results
+
+    def _attention_metadata(
+        self,
+        all_slots: torch.Tensor,
+        counts: list[int],
+        starts: list[int],
+        first_token: list[int],
+        slot_mapping: torch.Tensor,
+    ) -> AttentionMetadata:
+        dev = self.device
+        num_decodes = sum(1 for n in counts if n == 1)
+        decode_slots = decode_mask = None
+        if num_decodes:
+            ctx = torch.tensor(starts[:num_decodes]) + 1
+            max_ctx = int(ctx.max())
+            decode_slots = all_slots[:num_decodes, :max_ctx].to(dev)
+            decode_mask = (torch.arange(max_ctx) < ctx.unsqueeze(1)).view(num_decodes, 1, 1, max_ctx).to(dev)
+        prefills = []
+        for row in range(num_decodes, len(counts)):
+            start, n, first = starts[row], counts[row], first_token[row]
+            if start == 0:
+                prefills.append(PrefillSpan(first, first + n, None, None))
+                continue
+            ctx = start + n
+            # bottom-right causal: query i (position start + i) sees keys 0 .. start + i
+            mask = torch.arange(ctx).unsqueeze(0) <= (torch.arange(n) + start).unsqueeze(1)
+            prefills.append(PrefillSpan(first, first + n, all_slots[row, :ctx].to(dev), mask.to(dev)))
+        return AttentionMetadata(slot_mapping.to(dev), num_decodes, decode_slots, decode_mask, prefills)
+
+    def _sampling_metadata(self, reqs: list[Request], vocab_size: int) -> SamplingMetadata:
+        params = [r.params for r in reqs]
+        dev = self.device
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        all_greedy = all(p.greedy for p in params)
+        top_k = top_p = min_p = None
+        if not all_greedy:
+            if any(p.top_k > 0 for p in params):
+                top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=dev)
+            if any(p.top_p < 1 for p in params):
+                top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+            if any(p.min_p > 0 for p in params):
+                min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+        counts = prompt_mask = presence = frequency = repetition = None
+        if any(p.uses_penalties for p in params):
+            counts = torch.zeros(len(reqs), vocab_size, device=dev)
+            prompt_mask = torch.zeros(len(reqs), vocab_size, dtype=torch.bool, device=dev)
+            for i, r in enumerate(reqs):
+                out = torch.tensor(r.output_token_ids, dtype=torch.long, device=dev)
+                counts[i].index_add_(0, out, torch.ones(len(out), device=dev))
+                prompt_mask[i, torch.tensor(r.prompt_token_ids, dtype=torch.long, device=dev)] = True
+            presence = torch.tensor([p.presence_penalty for p in params], device=dev)
+            frequency = torch.tensor([p.frequency_penalty for p in params], device=dev)
+            repetition = torch.tensor([p.repetition_penalty for p in params], device=dev)
+        banned = [
+            (i, ([] if r.params.ignore_eos else r.eos_token_ids) + r.params.stop_token_ids)
+            for i, r in enumerate(reqs)
+            if r.num_output_tokens < r.params.min_tokens
+        ]
+        return SamplingMetadata(
+            temperature=temperature,
+            all_greedy=all_greedy,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            generators=[r.generator for r in reqs],
+            output_counts=counts,
+            prompt_mask=prompt_mask,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            repetition_penalty=repetition,
+            banned=banned,
+            num_logprobs=[p.logprobs for p in params],
+        )

@@ -1,0 +1,100 @@
+"""A request's whole state inside the engine.
+
+Prompt and output tokens live in one list; `num_computed_tokens` says how much of it already has
+K/V in the cache. The scheduler only ever closes that gap — a prompt chunk, a decode token or a
+recompute after preemption are the same operation.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from llmserve.engine.detokenizer import IncrementalDetokenizer
+from llmserve.outputs import Logprob
+from llmserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, to recompute
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        eos_token_ids: list[int],
+        detokenizer: IncrementalDetokenizer,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens
+        self.eos_token_ids = eos_token_ids
+        self.detokenizer = detokenizer
+        self.all_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None
+
+    def append_token(self, token_id: int) -> None:
+        """Record a sampled token, detokenize it and decide whether the request is done."""
+        self.all_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        n = self.num_output_tokens
+        is_eos = token_id in self.eos_token_ids and not self.params.ignore_eos
+        is_stop_id = token_id in self.params.stop_token_ids
+        if (is_eos or is_stop_id) and n > self.params.min_tokens:
+            self.detokenizer.finish()
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = None if is_eos else token_id
+            return
+        stop_str = self.detokenizer.append(token_id, check_stop=n > self.params.min_tokens)
+        if stop_str is not None:
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = stop_str
+        elif n >= self.max_tokens:
+            self.detokenizer.finish()
+            self.status = RequestStatus.FINISHED_LENGTH

@@ -1,0 +1,99 @@
+"""Continuous batching under one token budget per step.
+
+There is no prefill or decode phase. Each step, every scheduled request closes part of the gap
+between `num_computed_tokens` and its token count: running requests first (a decode is one token,
+an unfinished prompt a chunk), then waiting requests in arrival order while the budget, the
+sequence limit and the KV cache allow. When a running request cannot get a block, the newest
+running request is preempted: its blocks are freed and it goes back to the front of the queue to
+recompute. Nothing is dropped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from llmserve.config import SchedulerConfig
+from llmserve.engine.request import Request, RequestStatus
+from llmserve.kv_cache.kv_cache_manager import KVCacheManager
+
+
+@dataclass
+class SchedulerOutput:
+    # (request, number of tokens to run now), running requests first
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Take a request out (finished or aborted) and give its blocks back."""
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv_cache.free(request.request_id)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        chunk_cap = self.config.long_prefill_token_threshold
+
+        # 1. Running requests, oldest first; preempt from the newest end when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget, chunk_cap)
+            while not self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append((req, n))
+                budget -= n
+                i += 1
+                continue
+            break  # req itself was preempted; everything after it already was too
+
+        # 2. Waiting requests in order, while nothing was preempted this step (no room then).
+        while self.waiting and budget > 0 and not out.preempted:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget, chunk_cap)
+            if not self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append((req, n))
+            budget -= n
+        return out
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.kv_cache.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req)  # victims come from the unscheduled tail, never from out.scheduled

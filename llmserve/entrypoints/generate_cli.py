@@ -1,0 +1,64 @@
+"""`llmserve generate "prompt"`: one prompt through the offline engine, text printed as it streams."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from llmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from llmserve.sampling_params import SamplingParams
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="the prompt text (a user message with --chat)")
+    parser.add_argument("--model", default=None, help="registered name, GGUF file or HF directory "
+                        "(default: the embedded smollm2-135m)")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt with the model's chat template")
+    parser.add_argument("--system", default=None, help="system message (with --chat)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=0.5)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from llmserve.engine.llm_engine import LLMEngine
+
+    try:
+        params = SamplingParams(
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+            max_tokens=args.max_tokens, stop=args.stop,
+        )
+        engine = LLMEngine(EngineConfig(
+            model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len),
+            cache=CacheConfig(kv_cache_memory_gb=args.kv_cache_memory_gb),
+            scheduler=SchedulerConfig(max_num_seqs=1),
+        ))
+        prompt: str | list[int] = args.prompt
+        if args.chat:
+            messages = ([{"role": "system", "content": args.system}] if args.system else [])
+            messages.append({"role": "user", "content": args.prompt})
+            prompt = engine.tokenizer.encode(engine.apply_chat_template(messages), add_special_tokens=False)
+        engine.add_request("cli", prompt, params)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    shown = 0
+    finish = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text
+            sys.stdout.write(text[shown:])
+            sys.stdout.flush()
+            shown = len(text)
+            finish = out.outputs[0].finish_reason
+    sys.stdout.write("\n")
+    print(f"[finish_reason={finish}]", file=sys.stderr)
+    return 0

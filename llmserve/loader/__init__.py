@@ -1,0 +1,41 @@
+"""Load a checkpoint (GGUF file or Hugging Face directory) and build the model from it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+from torch import nn
+
+from llmserve.loader.checkpoint import Checkpoint
+from llmserve.loader.default_models import resolve_model_path
+from llmserve.models.registry import model_class
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Checkpoint", "load_checkpoint", "build_model"]
+
+
+def load_checkpoint(model: str | None) -> Checkpoint:
+    path, name = resolve_model_path(model)
+    start = time.perf_counter()
+    if os.path.isdir(path):
+        from llmserve.loader.safetensors import load_hf_dir
+
+        ckpt = load_hf_dir(path, name)
+    elif path.endswith(".gguf"):
+        from llmserve.loader.gguf import load_gguf
+
+        ckpt = load_gguf(path, name)
+    else:
+        raise ValueError(f"{path}: expected a .gguf file or a Hugging Face model directory")
+    logger.info("loaded %s (%s) in %.1fs", name, path, time.perf_counter() - start)
+    return ckpt
+
+
+def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: str) -> nn.Module:
+    model = model_class(ckpt.config)(ckpt.config)
+    model.load_weights(ckpt.weights)
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)

@@ -1,0 +1,19 @@
+"""What every loader returns: one in-memory model description, whatever the file format."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmserve.models.llama import LlamaConfig
+
+
+@dataclass
+class Checkpoint:
+    name: str
+    config: LlamaConfig
+    weights: dict[str, torch.Tensor]  # Hugging Face tensor names, dense
+    tokenizer: object  # a transformers fast tokenizer
+    chat_template: str | None
+    eos_token_ids: list[int]

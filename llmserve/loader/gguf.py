@@ -1,0 +1,147 @@
+"""GGUF files (llama.cpp's format): config from metadata, tensors dequantized with the `gguf` package,
+tokenizer and chat template from the file itself.
+
+llama.cpp's converter permutes the rows of Llama q/k weights for its interleaved RoPE; we undo that so
+the weights are exactly those of the Hugging Face checkpoint and one rotate-half RoPE serves both.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+from tqdm import tqdm
+
+from llmserve.loader.checkpoint import Checkpoint
+from llmserve.models.llama import LlamaConfig
+
+logger = logging.getLogger(__name__)
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_VOCAB_FIELDS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def load_gguf(path: str, name: str) -> Checkpoint:
+    reader = GGUFReader(path)
+    # Skip the vocabulary arrays (tens of thousands of entries): the tokenizer reads them itself.
+    meta = {
+        key: field.contents()
+        for key, field in reader.fields.items()
+        if key not in _VOCAB_FIELDS
+    }
+    arch = meta["general.architecture"]
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {sorted(_ARCHITECTURES)})")
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
+    config = _config_from_metadata(meta, arch, shapes)
+    weights = {}
+    for tensor in tqdm(reader.tensors, desc=f"Dequantizing {os.path.basename(path)}", unit="tensor"):
+        hf_name = _hf_name(tensor.name)
+        array = _dense(tensor)
+        if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_heads if "q_proj" in hf_name else config.num_kv_heads
+            array = _unpermute_rope_rows(array, heads)
+        weights[hf_name] = torch.from_numpy(np.ascontiguousarray(array))
+    tokenizer = _tokenizer(path)
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    eos_ids = [int(eos)] if eos is not None else []
+    return Checkpoint(
+        name=name,
+        config=config,
+        weights=weights,
+        tokenizer=tokenizer,
+        chat_template=meta.get("tokenizer.chat_template"),
+        eos_token_ids=eos_ids,
+    )
+
+
+def _config_from_metadata(meta: dict, arch: str, shapes: dict[str, tuple[int, ...]]) -> LlamaConfig:
+    if "rope_freqs.weight" in shapes:
+        raise ValueError("GGUF files with rope_freqs (Llama-3.1 scaling) are not supported; use the HF directory")
+    heads = int(meta[f"{arch}.attention.head_count"])
+    hidden = int(meta[f"{arch}.embedding_length"])
+    scaling = None
+    if meta.get(f"{arch}.rope.scaling.type") == "linear":
+        scaling = {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
+    return LlamaConfig(
+        vocab_size=shapes["token_embd.weight"][0],
+        hidden_size=hidden,
+        intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
+        num_layers=int(meta[f"{arch}.block_count"]),
+        num_heads=heads,
+        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(meta.get(f"{arch}.rope.dimension_count", hidden // heads)),
+        rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(meta[f"{arch}.context_length"]),
+        tie_word_embeddings="output.weight" not in shapes,
+        attention_bias=arch == "qwen2",
+        rope_scaling=scaling,
+        architecture=_ARCHITECTURES[arch],
+    )
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
+    if not m or m.group(2) not in _LAYER_TENSORS:
+        raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
+    return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.{m.group(3)}"
+
+
+def _dense(tensor) -> np.ndarray:
+    """float32 array in PyTorch's [out, in] order (GGUF lists shapes innermost first)."""
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return np.array(tensor.data, dtype=np.float32).reshape(shape)  # a copy: the reader's view is read-only
+    return dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False).reshape(shape)
+
+
+def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's convert_hf_to_gguf `permute` (rows: interleaved pairs -> halves)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _tokenizer(path: str):
+    """The GGUF vocabulary as a fast HF tokenizer; converted once, then read from a cache folder."""
+    from transformers import AutoTokenizer
+
+    folder, filename = os.path.split(os.path.abspath(path))
+    stat = os.stat(path)
+    cache_root = os.environ.get("LLMSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "llmserve"))
+    cached = os.path.join(cache_root, "tokenizers", f"{filename}-{stat.st_size}-{stat.st_mtime_ns}")
+    if os.path.exists(os.path.join(cached, "tokenizer.json")):
+        return AutoTokenizer.from_pretrained(cached)
+    logger.info("building the tokenizer from the GGUF metadata (once; cached in %s)", cached)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+    try:
+        tmp = f"{cached}.tmp{os.getpid()}"
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, cached)
+    except OSError as e:  # a read-only home only costs the conversion next time
+        logger.warning("could not cache the tokenizer: %s", e)
+    return tokenizer

@@ -1,0 +1,152 @@
+"""Llama-family decoder (Llama 2/3, SmolLM, Qwen2 through `attention_bias`).
+
+The forward pass takes one flat batch of tokens from many requests — no padding, no batch axis —
+with their positions; attention finds each request's past through the paged KV cache.
+q/k/v and gate/up are fused into single matmuls at load time (fewer, larger GEMMs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from llmserve.layers.attention import AttentionMetadata, paged_attention
+from llmserve.layers.layernorm import RMSNorm
+from llmserve.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2: biases on q/k/v
+    rope_scaling: dict | None = None
+    architecture: str = "LlamaForCausalLM"
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K+V one token occupies across all layers, per byte of element size."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), *cos_sin)
+        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), *cos_sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg)
+
+    def forward(self, x, cos_sin, kv_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.lookup(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos_sin, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [N, vocab] for the rows that will be sampled."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return nn.functional.linear(hidden, weight).float()
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up. Raises on missing or extra."""
+        own = dict(self.named_parameters())
+        fused = {
+            ".self_attn.qkv_proj.": (".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.v_proj."),
+            ".mlp.gate_up_proj.": (".mlp.gate_proj.", ".mlp.up_proj."),
+        }
+        remaining = {k.removeprefix("model."): v for k, v in weights.items()}
+        if self.lm_head is None:
+            remaining.pop("lm_head.weight", None)
+        loaded = set()
+        for name, param in own.items():
+            sources = [name]
+            for fused_part, parts in fused.items():
+                if fused_part in name:
+                    sources = [name.replace(fused_part, p) for p in parts]
+            missing = [s for s in sources if s not in remaining]
+            if missing:
+                raise ValueError(f"checkpoint lacks {missing[0]!r}")
+            tensor = torch.cat([remaining.pop(s) for s in sources], dim=0)
+            if tensor.shape != param.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(tensor)
+            loaded.add(name)
+        extra = [k for k in remaining if "rotary_emb" not in k]
+        if extra:
+            raise ValueError(f"checkpoint has tensors the model does not use: {extra[:5]}")

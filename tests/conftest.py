@@ -1,0 +1,77 @@
+"""Shared fixtures: the real default model, loaded once per test session, and its reference."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from llmserve import LLM
+from llmserve.loader.default_models import resolve_model_path
+
+# Prompts of different lengths (3 to ~300 tokens): chat-templated and raw text.
+PROMPT_TEXTS = [
+    "Hi",
+    "The capital of France is",
+    "Write a short poem about the ocean and the moon.",
+    "List three prime numbers and explain why each is prime.",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a village at the edge of a great forest, there lived an old clockmaker "
+    "who had never once left the valley. Every morning he",
+    " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(12)),
+    "Summarise the following text in one sentence.\n\n"
+    + " ".join(
+        "Large language models generate text one token at a time, and each step reads every weight "
+        "of the model from memory, which is why batching many requests together pays off."
+        for _ in range(8)
+    ),
+]
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    return resolve_model_path(None)[0]
+
+
+@pytest.fixture(scope="session")
+def llm_fp32() -> LLM:
+    return LLM(dtype="float32", kv_cache_memory_gb=0.25, max_model_len=2048)
+
+
+@pytest.fixture(scope="session")
+def prompt_token_ids(llm_fp32: LLM) -> list[list[int]]:
+    tok = llm_fp32.get_tokenizer()
+    ids = [tok.encode(p) for p in PROMPT_TEXTS]
+    lengths = sorted(len(i) for i in ids)
+    assert lengths[0] <= 4 and lengths[-1] >= 250, lengths  # the spread the tests rely on
+    return ids
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_path: str):
+    """transformers' own Llama on transformers' own dequantization of the same GGUF file."""
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    folder, filename = os.path.split(model_path)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=filename, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+    )
+    return model.eval()
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Reference greedy decoding with transformers' KV cache, no logits processors (EOS not special)."""
+    out_ids: list[int] = []
+    with torch.inference_mode():
+        out = model(torch.tensor([prompt_ids]), use_cache=True)
+        for _ in range(max_new_tokens):
+            token = int(out.logits[0, -1].argmax())
+            out_ids.append(token)
+            out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+    return out_ids
+
+
+@pytest.fixture(scope="session")
+def hf_reference(hf_model, prompt_token_ids) -> list[list[int]]:
+    return [hf_greedy(hf_model, ids, 64) for ids in prompt_token_ids]

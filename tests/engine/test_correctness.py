@@ -1,0 +1,49 @@
+"""Greedy output of our engine equals transformers on the same weights, in every mode."""
+
+from __future__ import annotations
+
+from llmserve import LLM, SamplingParams
+
+GREEDY_64 = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+
+
+def test_greedy_one_at_a_time_matches_transformers(llm_fp32: LLM, prompt_token_ids, hf_reference):
+    for ids, expected in zip(prompt_token_ids, hf_reference, strict=True):
+        [out] = llm_fp32.generate([ids], GREEDY_64, use_tqdm=False)
+        assert out.outputs[0].token_ids == expected
+        assert out.outputs[0].finish_reason == "length"
+    assert llm_fp32.engine.kv_cache.num_free_blocks == llm_fp32.engine.kv_cache.num_blocks
+
+
+def test_greedy_batched_matches_transformers(llm_fp32: LLM, prompt_token_ids, hf_reference):
+    outs = llm_fp32.generate(prompt_token_ids, GREEDY_64, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_reference
+    assert [o.prompt_token_ids for o in outs] == prompt_token_ids
+    assert llm_fp32.engine.kv_cache.num_free_blocks == llm_fp32.engine.kv_cache.num_blocks
+
+
+def test_text_is_the_decoded_tokens(llm_fp32: LLM, prompt_token_ids):
+    outs = llm_fp32.generate(prompt_token_ids[:3], GREEDY_64, use_tqdm=False)
+    tok = llm_fp32.get_tokenizer()
+    for o in outs:
+        assert o.outputs[0].text == tok.decode(o.outputs[0].token_ids, skip_special_tokens=True)
+
+
+def test_preemption_keeps_outputs_and_frees_every_block(prompt_token_ids, hf_reference):
+    # 40 blocks of 16 tokens = 640 tokens for 8 requests needing ~1,100 tokens: preemption must happen.
+    block_bytes = 16 * 2 * 30 * 3 * 64 * 4
+    llm = LLM(dtype="float32", kv_cache_memory_gb=40 * block_bytes / 2**30, max_model_len=2048)
+    assert llm.engine.kv_cache.num_blocks == 40
+    outs = llm.generate(prompt_token_ids, GREEDY_64, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == hf_reference
+    assert llm.engine.kv_cache.num_free_blocks == 40
+    assert not llm.engine.requests
+
+
+def test_small_token_budget_chunks_prompts_and_keeps_outputs(prompt_token_ids, hf_reference):
+    llm = LLM(dtype="float32", kv_cache_memory_gb=0.1, max_model_len=2048,
+              max_num_batched_tokens=64, long_prefill_token_threshold=64)
+    outs = llm.generate(prompt_token_ids, GREEDY_64, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_reference
+    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
