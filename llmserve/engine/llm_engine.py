@@ -96,9 +96,16 @@ class LLMEngine:
             req.num_computed_tokens += n
             if token is None:
                 continue  # a prompt chunk that is not the last
-            req.append_token(token.token_id)
-            if req.logprobs is not None:
-                self._record_logprobs(req, token)
+            try:
+                req.append_token(token.token_id)
+                if req.logprobs is not None:
+                    self._record_logprobs(req, token)
+            except Exception as e:  # one request's failure (e.g. detokenizing) is not the batch's
+                logger.exception("request %s failed", req.request_id)
+                failed = self.abort_request(req.request_id)
+                failed.error = f"{type(e).__name__}: {e}"
+                outputs.append(failed)
+                continue
             if req.status.finished:
                 self.scheduler.finish(req, req.status)
                 self.requests.pop(req.request_id, None)

@@ -32,7 +32,7 @@ class ModelRunner:
         self.config = config
         self.block_size = block_size
         self.device = torch.device(device)
-        shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        shape = (num_blocks, config.num_kv_heads, block_size, config.head_dim)  # see layers/attention.py
         # Zero-filled, not empty: padded decode gathers read arbitrary slots, which must be finite.
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
@@ -62,11 +62,7 @@ class ModelRunner:
         row_of_token = torch.repeat_interleave(torch.arange(len(reqs)), counts_t)
         first_token = torch.cumsum(counts_t, 0) - counts_t
         positions = torch.arange(len(token_ids)) - first_token[row_of_token] + starts_t[row_of_token]
-        # every slot of every row's blocks, in position order: [rows, width * block_size]
-        all_slots = (block_table.unsqueeze(2) * self.block_size + torch.arange(self.block_size)).flatten(1)
-        slot_mapping = all_slots[row_of_token, positions]
-
-        meta = self._attention_metadata(all_slots, counts, starts, first_token.tolist(), slot_mapping)
+        meta = self._attention_metadata(block_table, row_of_token, positions, counts, starts, first_token.tolist())
         sample_rows = [i for i, r in enumerate(reqs) if starts[i] + counts[i] == r.num_tokens]
         hidden = self.model(
             torch.tensor(token_ids, device=dev), positions.to(dev), self.kv_caches, meta
@@ -83,31 +79,41 @@ class ModelRunner:
 
     def _attention_metadata(
         self,
-        all_slots: torch.Tensor,
+        block_table: torch.Tensor,  # [rows, max_blocks], padded with block 0
+        row_of_token: torch.Tensor,
+        positions: torch.Tensor,
         counts: list[int],
         starts: list[int],
         first_token: list[int],
-        slot_mapping: torch.Tensor,
     ) -> AttentionMetadata:
-        dev = self.device
+        dev, bs = self.device, self.block_size
+        num_kv_heads, num_heads = self.config.num_kv_heads, self.config.num_heads
+        write_blocks = block_table[row_of_token, positions // bs]
+        # rows of the (block, kv head) view of the cache, per request: [rows, kv_heads, max_blocks]
+        head_rows = block_table.unsqueeze(1) * num_kv_heads + torch.arange(num_kv_heads).view(1, -1, 1)
         num_decodes = sum(1 for n in counts if n == 1)
-        decode_slots = decode_mask = None
+        decode_rows = decode_bias = None
         if num_decodes:
             ctx = torch.tensor(starts[:num_decodes]) + 1
-            max_ctx = int(ctx.max())
-            decode_slots = all_slots[:num_decodes, :max_ctx].to(dev)
-            decode_mask = (torch.arange(max_ctx) < ctx.unsqueeze(1)).view(num_decodes, 1, 1, max_ctx).to(dev)
+            max_blocks = -(-int(ctx.max()) // bs)
+            decode_rows = head_rows[:num_decodes, :, :max_blocks].flatten().to(dev)
+            padding = torch.arange(max_blocks * bs) >= ctx.unsqueeze(1)  # [B, max_blocks * bs]
+            bias = torch.zeros(padding.shape, dtype=self.kv_caches[0][0].dtype).masked_fill_(padding, float("-inf"))
+            decode_bias = bias.unsqueeze(1).expand(-1, num_heads, -1).contiguous().to(dev)
         prefills = []
         for row in range(num_decodes, len(counts)):
             start, n, first = starts[row], counts[row], first_token[row]
             if start == 0:
-                prefills.append(PrefillSpan(first, first + n, None, None))
+                prefills.append(PrefillSpan(first, first + n, None, n, None))
                 continue
             ctx = start + n
+            rows = head_rows[row, :, : -(-ctx // bs)].flatten().to(dev)
             # bottom-right causal: query i (position start + i) sees keys 0 .. start + i
             mask = torch.arange(ctx).unsqueeze(0) <= (torch.arange(n) + start).unsqueeze(1)
-            prefills.append(PrefillSpan(first, first + n, all_slots[row, :ctx].to(dev), mask.to(dev)))
-        return AttentionMetadata(slot_mapping.to(dev), num_decodes, decode_slots, decode_mask, prefills)
+            prefills.append(PrefillSpan(first, first + n, rows, ctx, mask.to(dev)))
+        return AttentionMetadata(
+            write_blocks.to(dev), (positions % bs).to(dev), num_decodes, decode_rows, decode_bias, prefills
+        )
 
     def _sampling_metadata(self, reqs: list[Request], vocab_size: int) -> SamplingMetadata:
         params = [r.params for r in reqs]

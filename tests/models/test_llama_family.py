@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from llmserve import LLM, SamplingParams
-from tests.conftest import hf_greedy
+from llmserve.evaluate.reference import reference_greedy
 
 VOCAB = 49152  # the default model's tokenizer is reused, so the vocabulary matches it
 
@@ -47,6 +47,6 @@ def test_tiny_hf_directory_matches_transformers(kind, tmp_path, llm_fp32, prompt
     assert (llm.engine.model_config.rope_scaling is not None) == (kind == "llama3-scaled")
     prompts = [ids for ids in prompt_token_ids if len(ids) < 400][:4]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
-    expected = [hf_greedy(reference, ids, 24) for ids in prompts]
+    expected = [reference_greedy(reference, ids, 24) for ids in prompts]
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert len({tuple(e) for e in expected}) > 1  # the check is not vacuous

@@ -1,0 +1,356 @@
+#!/usr/bin/env python3
+"""llmserve vs the reference ("peer") servers, measured by one client: `llmserve bench`.
+
+Why this script: peerbench (shared/peers/README.md) measured vLLM, llama.cpp's llama-server,
+llama-cpp-python and a naive HF server on this machine with SmolLM2-135M-Instruct. To compare llmserve
+fairly we start each server the same way peerbench did (its servers/*.sh, one at a time, on 2 cores),
+drive it with the same workload, and write one markdown table + one plot.
+
+Workload (the default `peers` style, mirroring peerbench's loadgen.py): seed 1234, a shared ~205-token
+system prompt + a distinct user question per request, padded so the chat-templated prompt is 256 tokens
+(exact with the model's tokenizer, found under $PEERS/models/smollm2-135m-hf), max_tokens 128,
+temperature 0, ignore_eos (llama-cpp-python: EOS blocked by logit_bias instead), 2 sequential warm-up
+requests, closed-loop levels 1:8, 8:32, 32:64 (concurrency:requests), a fresh connection per request.
+
+Engines that are not installed under $PEERS (default ~/peers) are skipped and said so; their numbers
+recorded by peerbench (shared/peers/results/*.json) are then shown instead, marked "recorded".
+Note: peerbench's ITL is per stream chunk, `llmserve bench`'s is per token (a 2-token chunk's gap is
+split in two), so recorded ITL p99 for vLLM is ~2x what this script would measure; TPOT is comparable.
+
+Usage:
+  python benchmarks/bench_vs_peers.py                       # everything available
+  python benchmarks/bench_vs_peers.py --engines llmserve,llama-server-np32 --quick
+  python benchmarks/bench_vs_peers.py --engines llmserve \
+      --llmserve-cmd "{python} -m llmserve.cli serve --model {model} --port {port}"
+  python benchmarks/bench_vs_peers.py --dry-run             # show what would run / be skipped
+Writes benchmarks/results/<engine>.json, peers_comparison.md and peers_comparison.png (--out-dir).
+Exit status 1 only if an engine that is available could not be measured (absent ones are just skipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from llmserve.bench.report import (  # noqa: E402 - after the sys.path fix-up for direct runs
+    compare_table,
+    load_result,
+    plot_results,
+    render_table,
+)
+
+PEERS = Path(os.environ.get("PEERS", os.path.expanduser("~/peers")))
+MODEL_DIR = "models/smollm2-135m-hf"
+GGUF = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_LLMSERVE_CMD = "{python} -m llmserve.cli serve --model {model} --host 127.0.0.1 --port {port}"
+LEVELS = "1:8,8:32,32:64"
+QUICK_LEVELS = "1:4,4:8"
+
+
+@dataclass
+class Engine:
+    """One server to measure: how to start it, what it needs, how to drive it."""
+
+    name: str
+    port: int
+    script: str | None = None  # peerbench servers/*.sh, relative to shared/peers
+    env: dict[str, str] = field(default_factory=dict)
+    needs: tuple[str, ...] = ()  # paths under $PEERS that must exist
+    ready_path: str = "/v1/models"
+    model: str | None = "smollm2"  # None: let `llmserve bench` ask GET /v1/models
+    bench_args: tuple[str, ...] = ()
+
+
+PEER_ENGINES = (
+    Engine("vllm-cpu", 8001, "servers/vllm.sh", needs=("venv-vllm/bin/python", MODEL_DIR)),
+    Engine("vllm-cpu-2thr", 8001, "servers/vllm.sh",
+           env={"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+           needs=("venv-vllm/bin/python", MODEL_DIR)),
+    Engine("llama-server-np32", 8004, "servers/llama_server.sh", env={"NP": "32"},
+           needs=("build/llamacpp-noamx/bin/llama-server", GGUF), ready_path="/health"),
+    Engine("llama-cpp-python", 8002, "servers/llamacpp_python.sh",
+           needs=("venv-llamacpp/bin/python", "build/llamacpp-noamx/bin", GGUF),
+           bench_args=("--no-ignore-eos", "--extra-body", json.dumps({"logit_bias": {"2": -100}}))),
+    Engine("naive-hf", 8003, "servers/naive_hf.sh", needs=("venv-hf/bin/python", MODEL_DIR)),
+)
+
+
+def find_shared_peers() -> Path | None:
+    for cand in (REPO / "shared" / "peers", REPO.parent / "shared" / "peers", Path("/work/shared/peers")):
+        if (cand / "README.md").is_file():
+            return cand
+    return None
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+class TreeMemory(threading.Thread):
+    """Peak RSS of the server's whole process tree (psutil), sampled every 0.5 s."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid = pid
+        self.peak_rss = 0
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        try:
+            import psutil
+        except ImportError:
+            return
+        while not self.stop_event.is_set():
+            try:
+                root = psutil.Process(self.pid)
+                procs = [root, *root.children(recursive=True)]
+            except psutil.Error:
+                procs = []
+            rss = 0
+            for p in procs:
+                try:
+                    rss += p.memory_info().rss
+                except psutil.Error:
+                    pass
+            self.peak_rss = max(self.peak_rss, rss)
+            self.stop_event.wait(0.5)
+
+
+def why_unavailable(engine: Engine, args: argparse.Namespace, shared: Path | None) -> str | None:
+    if engine.name == "llmserve":
+        if args.llmserve_cmd == DEFAULT_LLMSERVE_CMD:
+            import importlib.util
+
+            if importlib.util.find_spec("llmserve.server.cli") is None:
+                return "llmserve.server.cli does not exist yet (`llmserve serve` not implemented)"
+            if not (args.peers / MODEL_DIR).is_dir():
+                return f"model dir {args.peers / MODEL_DIR} not found (set $PEERS or --peers-dir)"
+        return None
+    if shared is None or engine.script is None or not (shared / engine.script).is_file():
+        return "peerbench server scripts (shared/peers/servers) not found"
+    missing = [n for n in engine.needs if not (args.peers / n).exists()]
+    if missing:
+        return f"not installed under {args.peers}: missing {', '.join(missing)}"
+    return None
+
+
+def start_command(engine: Engine, args: argparse.Namespace, shared: Path | None) -> str:
+    if engine.name == "llmserve":
+        return args.llmserve_cmd.format(python=shlex.quote(sys.executable), port=engine.port,
+                                        model=shlex.quote(str(args.peers / MODEL_DIR)))
+    assert shared is not None and engine.script is not None
+    return shlex.quote(str(shared / engine.script))
+
+
+def bench_command(engine: Engine, args: argparse.Namespace, out: Path) -> list[str]:
+    conc = ",".join(lv.split(":")[0] for lv in args.levels.split(","))
+    nreq = ",".join(lv.split(":")[1] for lv in args.levels.split(","))
+    cmd = [sys.executable, "-m", "llmserve.cli", "bench", "--base-url", f"http://127.0.0.1:{engine.port}",
+           "--workload", "shared-prefix", "--prefix-len", "200", "--input-len", "256", "--output-len", "128",
+           "--seed", "1234", "--temperature", "0", "--concurrency", conc, "--num-requests", nreq,
+           "--warmup", str(args.warmup), "--request-timeout", str(args.request_timeout),
+           "--label", engine.name, "--out", str(out), "--no-progress"]
+    tokenizer = args.tokenizer or (args.peers / MODEL_DIR)
+    if Path(tokenizer).exists():
+        cmd += ["--tokenizer", str(tokenizer)]
+    if engine.model:
+        cmd += ["--model", engine.model]
+    return cmd + list(engine.bench_args)
+
+
+def stop_group(proc: subprocess.Popen[bytes], pgid: int) -> None:
+    """Stop the server we started: SIGTERM to its own process group, SIGKILL after 30 s."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(pgid, signal.SIGKILL)
+        proc.wait(10)
+    except ProcessLookupError:
+        pass
+
+
+def measure(engine: Engine, args: argparse.Namespace, shared: Path | None) -> dict[str, Any]:
+    """Start, wait until ready, run `llmserve bench`, stop. Returns facts; the result JSON is on disk."""
+    out = args.out_dir / f"{engine.name}.json"
+    log = args.out_dir / f"{engine.name}.server.log"
+    if not port_free(engine.port):
+        return {"ok": False, "reason": f"port {engine.port} is busy; refusing to start a second server"}
+    env = {**os.environ, **engine.env, "PORT": str(engine.port), "PEERS": str(args.peers)}
+    cmd = start_command(engine, args, shared)
+    print(f"[peers] {engine.name}: starting: {cmd}", flush=True)
+    t0 = time.time()
+    with log.open("w") as logf:
+        proc = subprocess.Popen(cmd, shell=True, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                start_new_session=True)
+    pgid = os.getpgid(proc.pid)
+    mem = TreeMemory(proc.pid)
+    mem.start()
+    facts: dict[str, Any] = {"cmd": cmd, "log": str(log)}
+    try:
+        ready_url = f"http://127.0.0.1:{engine.port}{engine.ready_path}"
+        startup = None
+        while time.time() - t0 < args.ready_timeout:
+            if proc.poll() is not None:
+                return {**facts, "ok": False, "reason": f"server exited with {proc.returncode}; see {log}"}
+            try:
+                with urllib.request.urlopen(ready_url, timeout=2) as r:
+                    if r.status == 200:
+                        startup = time.time() - t0
+                        break
+            except OSError:
+                pass
+            time.sleep(0.25)
+        if startup is None:
+            return {**facts, "ok": False, "reason": f"not ready after {args.ready_timeout:g} s; see {log}"}
+        print(f"[peers] {engine.name}: ready after {startup:.1f} s", flush=True)
+        bcmd = bench_command(engine, args, out)
+        t_bench = time.time()
+        rc = subprocess.call(bcmd, cwd=REPO)
+        facts.update(startup_to_ready_s=round(startup, 2), bench_wall_s=round(time.time() - t_bench, 1),
+                     bench_rc=rc, bench_cmd=bcmd)
+    finally:
+        mem.stop_event.set()
+        stop_group(proc, pgid)
+    facts["peak_tree_rss_mib"] = round(mem.peak_rss / 2**20, 1)
+    if not out.is_file():
+        reason = f"`llmserve bench` wrote no results (rc {facts.get('bench_rc')})"
+        return {**facts, "ok": False, "reason": reason}
+    doc = json.loads(out.read_text())
+    doc.setdefault("server", {}).update({k: v for k, v in facts.items() if k != "bench_cmd"})
+    out.write_text(json.dumps(doc, indent=1))
+    return {**facts, "ok": True, "out": str(out)}
+
+
+def _f(v: Any, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def markdown_report(rows: list[tuple[str, str, dict[str, Any]]], skipped: dict[str, str], levels: str) -> str:
+    """rows: (engine label, source, result doc)."""
+    headers = ["engine", "source", "conc", "ok/n", "out tok/s", "req/s", "TTFT p50", "TTFT p99", "ITL p50",
+               "ITL p99", "TPOT p50", "TPOT p99", "start s", "peak RSS MiB"]
+    table = []
+    for label, source, doc in rows:
+        srv = doc.get("server", {})
+        for i, s in enumerate(doc.get("summary", [])):
+            table.append([label if i == 0 else "", source if i == 0 else "", str(s.get("concurrency", "-")),
+                          f"{s.get('num_ok')}/{s.get('num_requests')}", _f(s.get("output_tok_per_s")),
+                          _f(s.get("req_per_s"), 2), _f(s.get("ttft_p50_ms"), 0), _f(s.get("ttft_p99_ms"), 0),
+                          _f(s.get("itl_p50_ms")), _f(s.get("itl_p99_ms")), _f(s.get("tpot_p50_ms")),
+                          _f(s.get("tpot_p99_ms")),
+                          _f(srv.get("startup_to_ready_s")) if i == 0 else "",
+                          _f(srv.get("peak_tree_rss_mib"), 0) if i == 0 else ""])
+    parts = [
+        "# llmserve vs peers (SmolLM2-135M-Instruct, CPU)",
+        f"Generated {time.strftime('%Y-%m-%d %H:%M:%S')} by `benchmarks/bench_vs_peers.py`. Workload: shared "
+        f"~205-token system prompt, 256 prompt tokens, 128 output tokens (ignore_eos), levels {levels} "
+        "(concurrency:requests), times in ms. 'measured' rows were run now with `llmserve bench`; 'recorded' "
+        "rows are peerbench's own runs (its loadgen.py: ITL per chunk, not per token).",
+        render_table(headers, table, markdown=True, left=2),
+    ]
+    if skipped:
+        parts.append("Skipped:\n\n" + "\n".join(f"- **{k}**: {v}" for k, v in skipped.items()))
+    measured = [(lab, doc) for lab, src, doc in rows if src == "measured"]
+    if len(rows) >= 2 and rows[0][0] == "llmserve":
+        docs = [{**doc, "engine": f"{lab} ({src})"} for lab, src, doc in rows]
+        parts.append("## Ratios to llmserve (a)\n\n" + compare_table(docs, markdown=True))
+    elif not measured:
+        parts.append("Nothing was measured in this run (see Skipped).")
+    return "\n\n".join(parts) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engines", default="llmserve," + ",".join(e.name for e in PEER_ENGINES),
+                    help="comma list (default: llmserve and every peer)")
+    ap.add_argument("--peers-dir", dest="peers", type=Path, default=PEERS, help="default $PEERS or ~/peers")
+    ap.add_argument("--shared-peers", type=Path, default=None, help="peerbench dir (default: found)")
+    ap.add_argument("--llmserve-cmd", default=DEFAULT_LLMSERVE_CMD,
+                    help="start line for llmserve; {python}, {port}, {model} are filled in "
+                         "(default %(default)r)")
+    ap.add_argument("--llmserve-port", type=int, default=8010)
+    ap.add_argument("--tokenizer", default=None, help=f"default $PEERS/{MODEL_DIR}")
+    ap.add_argument("--levels", default=LEVELS, help="concurrency:requests,... (default %(default)s)")
+    ap.add_argument("--quick", action="store_true", help=f"levels {QUICK_LEVELS}, 1 warm-up (smoke test)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--request-timeout", type=float, default=3600.0)
+    ap.add_argument("--ready-timeout", type=float, default=900.0)
+    ap.add_argument("--no-recorded", dest="recorded", action="store_false",
+                    help="do not show peerbench's recorded results for peers that were not measured")
+    ap.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
+    ap.add_argument("--dry-run", action="store_true", help="only say what would run and what is skipped")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.levels, args.warmup = QUICK_LEVELS, min(args.warmup, 1)
+
+    shared = args.shared_peers or find_shared_peers()
+    engines = {e.name: e for e in PEER_ENGINES}
+    engines["llmserve"] = Engine("llmserve", args.llmserve_port, model=None)
+    wanted = [n.strip() for n in args.engines.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in engines]
+    if unknown:
+        ap.error(f"unknown engines {unknown}; known: {', '.join(engines)}")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+
+    skipped: dict[str, str] = {}
+    failed: list[str] = []  # available but could not be measured
+    rows: list[tuple[str, str, dict[str, Any]]] = []
+    for name in wanted:
+        engine = engines[name]
+        reason = why_unavailable(engine, args, shared)
+        if reason is None and args.dry_run:
+            print(f"[peers] {name}: would run: {start_command(engine, args, shared)}")
+            continue
+        if reason is None:
+            res = measure(engine, args, shared)
+            reason = None if res["ok"] else res["reason"]
+            if res["ok"]:
+                rows.append((name, "measured", load_result(res["out"])))
+            else:
+                failed.append(name)
+        if reason is not None:
+            skipped[name] = reason
+            print(f"[peers] {name}: skipped: {reason}", flush=True)
+            recorded = shared / "results" / f"{name}.json" if shared else None
+            if args.recorded and recorded is not None and recorded.is_file():
+                doc = load_result(recorded)
+                when = time.strftime("%Y-%m-%d", time.localtime(doc.get("started_unix", 0)))
+                rows.append((name, f"recorded {when}", doc))
+    if args.dry_run:
+        return 0
+    md = markdown_report(rows, skipped, args.levels)
+    md_path = args.out_dir / "peers_comparison.md"
+    md_path.write_text(md)
+    print(md)
+    print(f"[peers] wrote {md_path}")
+    if rows:
+        png = args.out_dir / "peers_comparison.png"
+        plot_results([doc for _, _, doc in rows], png, [f"{lab} ({src.split()[0]})" for lab, src, _ in rows])
+        print(f"[peers] wrote {png}")
+    if failed:
+        print(f"[peers] failed to measure: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""The engine behind a server: one background thread runs the step loop; each request gets an
+asyncio stream of incremental outputs.
+
+Why a thread and not a process: on a 2-core machine the model's kernels release the GIL and use
+both cores, and a thread hands outputs to the event loop with no serialisation. Engine state is
+guarded by one condition lock: `add`/`abort` take it between steps, never during a forward pass
+they would have to wait for twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from llmserve.config import EngineConfig
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.outputs import RequestOutput
+from llmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound; the caller should retry later (HTTP 429)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can be served."""
+
+
+class RequestFailedError(RuntimeError):
+    """This request failed inside the engine; other requests are unaffected."""
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, max_queued_requests: int | None = None) -> None:
+        self.engine = LLMEngine(config)  # blocking: call from a worker thread at server start-up
+        self.max_queued_requests = max_queued_requests
+        self._cond = threading.Condition()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._ids = itertools.count()
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._thread = threading.Thread(target=self._loop, name="llmserve-engine", daemon=True)
+        self._thread.start()
+
+    # --- facts the server needs ---------------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        text = self.engine.apply_chat_template(messages, add_generation_prompt)
+        return self.engine.tokenizer.encode(text, add_special_tokens=False)
+
+    def stats(self) -> EngineStats:
+        with self._cond:
+            sched, kv = self.engine.scheduler, self.engine.kv_cache
+            return EngineStats(
+                num_running=len(sched.running),
+                num_waiting=len(sched.waiting),
+                num_kv_blocks=kv.num_blocks,
+                num_free_kv_blocks=kv.num_free_blocks,
+                kv_cache_usage=kv.usage,
+                num_preemptions=sched.num_preemptions,
+                prompt_tokens_total=self._prompt_tokens,
+                generation_tokens_total=self._generation_tokens,
+            )
+
+    # --- requests -----------------------------------------------------------------------------
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields cumulative outputs as tokens arrive; the last has finished=True.
+
+        Raises ValueError (bad request, nothing queued), QueueFullError, EngineDeadError, or
+        RequestFailedError mid-stream. Leaving the iteration early (a client that went away)
+        aborts the request and frees its KV blocks before the next step.
+        """
+        request_id = request_id or f"req-{next(self._ids)}"
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._cond:
+            if self._dead is not None:
+                raise EngineDeadError(f"engine stopped: {self._dead}")
+            if self._stopping:
+                raise EngineDeadError("server is shutting down")
+            if self.max_queued_requests is not None and len(self.engine.scheduler.waiting) >= self.max_queued_requests:
+                raise QueueFullError(f"{self.max_queued_requests} requests are already waiting")
+            req = self.engine.add_request(request_id, prompt, params)
+            self._prompt_tokens += req.num_prompt_tokens
+            self._streams[request_id] = (asyncio.get_running_loop(), queue)
+            self._cond.notify()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._cond:
+            self._streams.pop(request_id, None)
+            self.engine.abort_request(request_id)
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop taking requests, let the running ones finish (up to timeout), stop the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout)
+        with self._cond:
+            for request_id in list(self._streams):
+                self._deliver(request_id, EngineDeadError("server shut down before the request finished"))
+                self.engine.abort_request(request_id)
+            self._dead = self._dead or EngineDeadError("shut down")
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive()
+
+    # --- the step loop ------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self.engine.has_unfinished_requests() and not self._stopping:
+                        self._cond.wait()
+                    if self._stopping and not self.engine.has_unfinished_requests():
+                        return
+                    self._step()
+        except BaseException as e:  # the loop itself broke: fail every open stream, say why
+            logger.exception("engine loop died")
+            with self._cond:
+                self._dead = e
+                for request_id in list(self._streams):
+                    self._deliver(request_id, EngineDeadError(f"engine stopped: {e}"))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # a failed forward pass fails the requests it carried, not the server
+            logger.exception("engine step failed; failing its requests")
+            for request_id in list(self.engine.requests):
+                self.engine.abort_request(request_id)
+                self._deliver(request_id, RequestFailedError(f"engine step failed: {e}"))
+            return
+        for out in outputs:
+            self._generation_tokens += out.error is None  # each step output carries one new token
+            error = out.error
+            self._deliver(out.request_id, RequestFailedError(error) if error else out)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        finished = isinstance(item, BaseException) or item.finished
+        stream = self._streams.pop(request_id, None) if finished else self._streams.get(request_id)
+        if stream is not None:
+            loop, queue = stream
+            loop.call_soon_threadsafe(queue.put_nowait, item)
