@@ -41,6 +41,7 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory_gb: float | None = None  # explicit budget; wins over the fraction
     kv_cache_memory_fraction: float = 0.1  # of the memory available when the engine starts
+    enable_prefix_caching: bool = True  # share the KV of common prompt prefixes across requests
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -31,6 +31,7 @@ class LLM:
         kv_cache_memory_gb: float | None = None,
         kv_cache_memory_fraction: float = 0.1,
         block_size: int = 16,
+        enable_prefix_caching: bool = True,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         long_prefill_token_threshold: int = 512,
@@ -43,6 +44,7 @@ class LLM:
                 block_size=block_size,
                 kv_cache_memory_gb=kv_cache_memory_gb,
                 kv_cache_memory_fraction=kv_cache_memory_fraction,
+                enable_prefix_caching=enable_prefix_caching,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -62,7 +64,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Outputs in the order of the prompts. A list of ints is one tokenized prompt."""
+        """Outputs in the order of the prompts. A list of ints is one tokenized prompt; a dict holds
+        `prompt` or `prompt_token_ids`, and optionally `cache_salt` (no prefix sharing across salts)."""
         prompt_list = _as_prompt_list(prompts)
         params = sampling_params or SamplingParams()
         param_list = [params] * len(prompt_list) if isinstance(params, SamplingParams) else list(params)
@@ -77,7 +80,8 @@ class LLM:
                 for i in range(p.n):
                     child = p if p.n == 1 else replace(p, n=1, seed=None if p.seed is None else p.seed + i)
                     rid = str(next(self._ids))
-                    self.engine.add_request(rid, _unwrap(prompt), child)
+                    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+                    self.engine.add_request(rid, _unwrap(prompt), child, cache_salt=salt)
                     added.append(rid)
                     ids.append(rid)
                 children.append(ids)

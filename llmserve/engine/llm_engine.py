@@ -44,7 +44,7 @@ class LLMEngine:
                                  self.model_config.max_position_embeddings)
         block_size = config.cache.block_size
         num_blocks = self._num_kv_blocks()
-        self.kv_cache = KVCacheManager(num_blocks, block_size)
+        self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.runner = ModelRunner(model, self.model_config, num_blocks, block_size, self.dtype, mc.device)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.requests: dict[str, Request] = {}
@@ -57,7 +57,11 @@ class LLMEngine:
     # --- public API -------------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         params = params or SamplingParams()
         if request_id in self.requests:
@@ -68,7 +72,7 @@ class LLMEngine:
             self._backend_tokenizer, token_ids, params.stop, params.include_stop_str_in_output,
             params.skip_special_tokens,
         )
-        req = Request(request_id, text, token_ids, params, max_tokens, self.eos_token_ids, detok)
+        req = Request(request_id, text, token_ids, params, max_tokens, self.eos_token_ids, detok, cache_salt)
         self.requests[request_id] = req
         self.scheduler.add_request(req)
         return req
@@ -94,6 +98,9 @@ class LLMEngine:
         outputs = []
         for (req, n), token in zip(scheduled.scheduled, sampled, strict=True):
             req.num_computed_tokens += n
+            self.kv_cache.cache_blocks(
+                req.request_id, req.all_token_ids, req.block_hashes, req.num_computed_tokens, req.cache_salt
+            )
             if token is None:
                 continue  # a prompt chunk that is not the last
             try:
@@ -197,5 +204,6 @@ class LLMEngine:
             prompt_token_ids=req.prompt_token_ids,
             outputs=[completion],
             finished=req.status.finished,
+            num_cached_tokens=req.num_cached_tokens or 0,
             metrics=metrics,
         )

@@ -40,6 +40,7 @@ class Request:
         max_tokens: int,
         eos_token_ids: list[int],
         detokenizer: IncrementalDetokenizer,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -51,6 +52,9 @@ class Request:
         self.all_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache, once admitted
+        self.cache_salt = cache_salt  # requests with different salts never share KV blocks
+        self.block_hashes: list[int] = []  # chained hashes of the full blocks of all_token_ids
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

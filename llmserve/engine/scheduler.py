@@ -55,13 +55,12 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        chunk_cap = self.config.long_prefill_token_threshold
 
         # 1. Running requests, oldest first; preempt from the newest end when blocks run out.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget, chunk_cap)
+            n = self._num_new_tokens(req.num_computed_tokens, req.num_tokens, budget)
             while not self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim, out)
@@ -79,15 +78,34 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget, chunk_cap)
-            if not self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + n):
+            hits, num_hit = self.kv_cache.get_computed_blocks(req.all_token_ids, req.block_hashes, req.cache_salt)
+            n = self._num_new_tokens(num_hit, req.num_tokens, budget)
+            if not self.kv_cache.allocate_slots(req.request_id, num_hit + n, hits):
                 break
             self.waiting.popleft()
+            self.kv_cache.record_lookup(req.num_tokens, num_hit)
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = num_hit
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append((req, n))
             budget -= n
         return out
+
+    def _num_new_tokens(self, num_computed: int, num_tokens: int, budget: int) -> int:
+        """Tokens to run now: all that remain, or a chunk within the budget and the long-prefill cap.
+
+        A chunk that does not finish the sequence ends on a block boundary, so a prompt is computed
+        in the same block-aligned pieces whether or not a cached prefix covered its start.
+        """
+        n = min(num_tokens - num_computed, budget, self.config.long_prefill_token_threshold)
+        if num_computed + n < num_tokens:
+            bs = self.kv_cache.block_size
+            aligned = (num_computed + n) // bs * bs - num_computed
+            if aligned > 0:
+                n = aligned
+        return n
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv_cache.free(req.request_id)

@@ -45,10 +45,12 @@ def test_decodes_first_then_prompt_chunks_within_the_token_budget():
     sched.add_request(make_request("a", 3))
     assert run_step(sched) == {"a": 3}
     sched.add_request(make_request("b", 20))
-    assert run_step(sched) == {"a": 1, "b": 6}  # chunk capped by the long-prefill threshold
-    assert run_step(sched) == {"a": 1, "b": 6}
-    sched.add_request(make_request("c", 5))
-    assert run_step(sched) == {"a": 1, "b": 6, "c": 3}  # c gets what is left of the budget
+    # capped by the long-prefill threshold (6), then cut back to a block boundary (4)
+    assert run_step(sched) == {"a": 1, "b": 4}
+    assert run_step(sched) == {"a": 1, "b": 4}
+    sched.add_request(make_request("c", 9))
+    assert run_step(sched) == {"a": 1, "b": 4, "c": 4}  # c gets what is left (5), block-aligned
+    assert run_step(sched) == {"a": 1, "b": 4, "c": 5}  # c's last chunk needs no alignment
 
 
 def test_max_num_seqs_limits_running_requests():
