@@ -10,14 +10,17 @@ they would have to wait for twice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
+from llmserve.engine.request import RequestStatus
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 
@@ -53,6 +56,11 @@ class AsyncLLM:
         self.engine = LLMEngine(config)  # blocking: call from a worker thread at server start-up
         self.max_queued_requests = max_queued_requests
         self._cond = threading.Condition()
+        # Callers (add/abort/stats) waiting for the lock; the step loop lets them in between steps.
+        self._num_callers = 0
+        self._callers_lock = threading.Lock()
+        # request id -> when it was first scheduled, for the server's queue-time metric.
+        self._scheduled_at: dict[str, float] = {}
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
         self._stopping = False
@@ -81,7 +89,7 @@ class AsyncLLM:
         return self.engine.tokenizer.encode(text, add_special_tokens=False)
 
     def stats(self) -> EngineStats:
-        with self._cond:
+        with self._turn():
             sched, kv = self.engine.scheduler, self.engine.kv_cache
             return EngineStats(
                 num_running=len(sched.running),
@@ -107,7 +115,7 @@ class AsyncLLM:
         """
         request_id = request_id or f"req-{next(self._ids)}"
         queue: asyncio.Queue = asyncio.Queue()
-        with self._cond:
+        with self._turn():
             if self._dead is not None:
                 raise EngineDeadError(f"engine stopped: {self._dead}")
             if self._stopping:
@@ -134,13 +142,14 @@ class AsyncLLM:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        with self._cond:
+        with self._turn():
             self._streams.pop(request_id, None)
+            self._scheduled_at.pop(request_id, None)
             self.engine.abort_request(request_id)
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop taking requests, let the running ones finish (up to timeout), stop the thread."""
-        with self._cond:
+        with self._turn():
             self._stopping = True
             self._cond.notify()
         self._thread.join(timeout)
@@ -149,6 +158,27 @@ class AsyncLLM:
                 self._deliver(request_id, EngineDeadError("server shut down before the request finished"))
                 self.engine.abort_request(request_id)
             self._dead = self._dead or EngineDeadError("shut down")
+
+    @contextlib.contextmanager
+    def _turn(self) -> Iterator[None]:
+        """The engine lock, taken before the step loop's next step.
+
+        A plain lock is unfair: the step loop re-takes it the moment it lets go, and a caller on
+        the event loop waited over a second under load (measured), stalling every HTTP request.
+        Callers announce themselves; the loop waits after each step until none is left.
+        """
+        with self._callers_lock:
+            self._num_callers += 1
+        try:
+            self._cond.acquire()
+        finally:
+            with self._callers_lock:
+                self._num_callers -= 1
+        try:
+            yield
+        finally:
+            self._cond.notify_all()
+            self._cond.release()
 
     @property
     def is_running(self) -> bool:
@@ -165,6 +195,8 @@ class AsyncLLM:
                     if self._stopping and not self.engine.has_unfinished_requests():
                         return
                     self._step()
+                    while self._num_callers:  # give way to callers queued on the lock (see _turn)
+                        self._cond.wait()
         except BaseException as e:  # the loop itself broke: fail every open stream, say why
             logger.exception("engine loop died")
             with self._cond:
@@ -173,6 +205,10 @@ class AsyncLLM:
                     self._deliver(request_id, EngineDeadError(f"engine stopped: {e}"))
 
     def _step(self) -> None:
+        # Requests still waiting for their first schedule; those that leave the queue in this step
+        # get its start time as `scheduled_time` (the engine itself stamps only arrival and first token).
+        waiting = [r for r in self.engine.scheduler.waiting if r.status is RequestStatus.WAITING]
+        step_start = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as e:  # a failed forward pass fails the requests it carried, not the server
@@ -180,8 +216,16 @@ class AsyncLLM:
             for request_id in list(self.engine.requests):
                 self.engine.abort_request(request_id)
                 self._deliver(request_id, RequestFailedError(f"engine step failed: {e}"))
+            self._scheduled_at.clear()
             return
+        for r in waiting:
+            if r.status is not RequestStatus.WAITING and r.request_id in self._streams:
+                self._scheduled_at[r.request_id] = step_start
         for out in outputs:
+            if out.request_id in self._scheduled_at:
+                out.metrics["scheduled_time"] = self._scheduled_at[out.request_id]
+                if out.finished:
+                    del self._scheduled_at[out.request_id]
             self._generation_tokens += out.error is None  # each step output carries one new token
             error = out.error
             self._deliver(out.request_id, RequestFailedError(error) if error else out)

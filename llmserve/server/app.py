@@ -1,0 +1,189 @@
+"""The FastAPI app: lifespan (load the engine off the event loop, shut it down gracefully) and thin routes.
+
+The engine loads in a worker thread after the app starts, so /health answers 503 while it loads
+and 200 once it serves; the routes only parse, check readiness and hand over to `serving_*`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from llmserve import __version__
+from llmserve.config import EngineConfig
+from llmserve.engine.async_engine import AsyncLLM, EngineStats
+from llmserve.server.errors import APIError, install_handlers
+from llmserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from llmserve.server.middleware import BodyLimitMiddleware, GateMiddleware
+from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from llmserve.server.serving_chat import OpenAIServingChat
+from llmserve.server.serving_completion import OpenAIServingCompletion
+from llmserve.server.serving_engine import ModelInfo
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    served_model_names: list[str] | None = None  # None: the engine's model name
+    max_queued_requests: int | None = None
+    api_key: str | None = field(default=None, repr=False)  # repr=False: a logged config never shows it
+    max_request_body_bytes: int = 1 << 20
+    shutdown_timeout: float = 30.0  # seconds the engine may take to finish running requests at exit
+    url: str | None = None  # where clients reach us, for the start-up log line
+
+
+class ServerState:
+    """What the routes need, filled in once the engine has loaded."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.llm: AsyncLLM | None = None
+        self.chat: OpenAIServingChat | None = None
+        self.completion: OpenAIServingCompletion | None = None
+        self.info: ModelInfo | None = None
+        self.load_error: BaseException | None = None
+        self.draining = False
+        self.metrics = ServerMetrics(self.stats)
+
+    def stats(self) -> EngineStats | None:
+        return self.llm.stats() if self.llm is not None else None
+
+    def ready(self) -> AsyncLLM:
+        """The engine, or 503 while it is loading, failed to load, or the server is shutting down."""
+        if self.draining:
+            raise APIError(503, "server is shutting down")
+        if self.llm is None:
+            raise APIError(503, "the model failed to load" if self.load_error else "the model is still loading")
+        return self.llm
+
+    def serving(self, llm: AsyncLLM, config: ServerConfig) -> None:
+        block_size = config.engine.cache.block_size
+        self.info = ModelInfo(
+            served_names=list(config.served_model_names or [llm.model_name]),
+            max_model_len=llm.max_model_len,
+            kv_cache_tokens=llm.stats().num_kv_blocks * block_size,
+        )
+        self.metrics.bind(self.info.served_names[0])
+        self.chat = OpenAIServingChat(llm, self.info, self.metrics)
+        self.completion = OpenAIServingCompletion(llm, self.info, self.metrics)
+        self.llm = llm  # last: from here on the routes serve
+
+
+def create_app(config: ServerConfig, on_load_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """The app; the engine starts loading when the app starts (its lifespan), not here."""
+    state = ServerState(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loading = asyncio.create_task(_load(state, config, on_load_failure))
+        yield
+        state.draining = True
+        if not loading.done():
+            logger.info("shutting down while the model loads; waiting for the load to end")
+            await asyncio.gather(loading, return_exceptions=True)
+        if state.llm is not None:
+            # uvicorn has already waited for open responses; this lets the engine finish anything left
+            await asyncio.to_thread(state.llm.shutdown, config.shutdown_timeout)
+            logger.info("engine stopped")
+
+    app = FastAPI(title="llmserve", version=__version__, lifespan=lifespan)
+    app.state.server = state
+    install_handlers(app)
+    # Outermost first: draining and the API key are checked before a body is read.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes)
+    app.add_middleware(GateMiddleware, api_key=config.api_key, is_draining=lambda: state.draining)
+    app.include_router(_open_routes(state))
+    app.include_router(_api_routes(state), prefix="/v1")
+    return app
+
+
+def _open_routes(state: ServerState) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> JSONResponse:
+        if state.draining:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
+        if state.llm is None:
+            status = "failed" if state.load_error else "loading"
+            return JSONResponse({"status": status}, status_code=503)
+        if not state.llm.is_running:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        body = await asyncio.to_thread(state.metrics.render)  # stats() waits for the engine lock
+        return Response(body, media_type=CONTENT_TYPE)
+
+    @router.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    return router
+
+
+def _api_routes(state: ServerState) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/models")
+    async def models() -> JSONResponse:
+        state.ready()
+        info = state.info
+        cards = [ModelCard(id=name, root=state.llm.model_name, max_model_len=info.max_model_len)
+                 for name in info.served_names]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    @router.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        state.ready()
+        return await _guarded(state.chat.create(body, raw), "chat completion")
+
+    @router.post("/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        state.ready()
+        return await _guarded(state.completion.create(body, raw), "completion")
+
+    return router
+
+
+async def _guarded(work: Awaitable[Response], what: str) -> Response:
+    """A bug while serving one request fails that request alone, with a 500 envelope."""
+    try:
+        return await work
+    except APIError:
+        raise
+    except Exception as e:
+        logger.exception("%s request failed", what)
+        raise APIError(500, f"internal server error ({type(e).__name__})") from e
+
+
+async def _load(state: ServerState, config: ServerConfig,
+                on_failure: Callable[[BaseException], None] | None) -> None:
+    try:
+        llm = await asyncio.to_thread(AsyncLLM, config.engine, config.max_queued_requests)
+        state.serving(llm, config)
+    except Exception as e:
+        if isinstance(e, ValueError):  # a bad flag or path: the message says it all
+            logger.error("the model failed to load: %s", e)
+        else:
+            logger.exception("the model failed to load")
+        state.load_error = e
+        if on_failure is not None:
+            on_failure(e)
+        return
+    info, stats = state.info, llm.stats()
+    logger.info(
+        "serving %s as %s: dtype %s, max_model_len %d, KV cache %d blocks (%d tokens)%s",
+        llm.model_name, ", ".join(info.served_names), str(llm.engine.dtype).removeprefix("torch."),
+        info.max_model_len, stats.num_kv_blocks, info.kv_cache_tokens,
+        f" at {config.url}" if config.url else "",
+    )

@@ -1,0 +1,177 @@
+"""POST /v1/chat/completions: messages through the model's chat template, answered whole or as SSE."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from jinja2 import TemplateError
+from starlette.responses import Response
+
+from llmserve.outputs import Logprob, RequestOutput
+from llmserve.server.errors import APIError
+from llmserve.server.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    TopLogprob,
+)
+from llmserve.server.serving_engine import (
+    ADMITTED,
+    SSE_DONE,
+    SSE_HEADERS,
+    Choice,
+    ChoiceStreams,
+    OpenAIServing,
+    new_request_id,
+    primed,
+    token_logprobs,
+    top_logprobs,
+    unless_disconnected,
+    usage,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create(self, request: ChatCompletionRequest, raw: Request) -> Response:
+        model = self.check_model(request.model)
+        self.check_unsupported(request)
+        prompt_ids = self._render(request)
+        num_logprobs = self._num_logprobs(request)
+        requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        max_tokens = self.max_tokens(requested, len(prompt_ids), "messages")
+        params = self.sampling_params(request, max_tokens, num_logprobs)
+        choices = self.choices([prompt_ids], [params], request.n)
+        request_id = new_request_id("chatcmpl")
+        streams = self.streams(request_id, choices)
+        if request.stream:
+            events = await primed(self._stream(streams, choices, request, request_id, model, num_logprobs))
+            return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        return await unless_disconnected(raw, self._complete(streams, choices, request_id, model, num_logprobs))
+
+    # --- request → prompt ---------------------------------------------------------------------
+
+    def _render(self, request: ChatCompletionRequest) -> list[int]:
+        if request.tools:
+            raise APIError(400, "tools are not supported", param="tools")
+        if request.response_format is not None and request.response_format.type != "text":
+            raise APIError(400, f"response_format {request.response_format.type!r} is not supported (only 'text')",
+                           param="response_format")
+        messages = []
+        for i, m in enumerate(request.messages):
+            if isinstance(m.content, list):
+                if any(part.type != "text" or part.text is None for part in m.content):
+                    raise APIError(400, f"messages[{i}].content: only text parts are supported",
+                                   param=f"messages[{i}].content")
+                content = "\n".join(part.text for part in m.content)
+            else:
+                content = m.content or ""
+            role = "system" if m.role == "developer" else m.role  # templates predate the 'developer' role
+            messages.append({"role": role, "content": content})
+        try:
+            return self.llm.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt)
+        except (ValueError, TemplateError) as e:
+            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+
+    @staticmethod
+    def _num_logprobs(request: ChatCompletionRequest) -> int | None:
+        if request.top_logprobs is not None and not request.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        return (request.top_logprobs or 0) if request.logprobs else None
+
+    # --- non-streaming ------------------------------------------------------------------------
+
+    async def _complete(self, streams: ChoiceStreams, choices: list[Choice], request_id: str, model: str,
+                        num_logprobs: int | None) -> JSONResponse:
+        async with streams:
+            finals = await streams.collect()
+        response = ChatCompletionResponse(
+            id=request_id, model=model, usage=usage(choices, finals),
+            choices=[
+                ChatCompletionChoice(
+                    index=i,
+                    message=ChatResponseMessage(content=finals[i].outputs[0].text),
+                    logprobs=_logprobs(finals[i], 0, num_logprobs),
+                    finish_reason=finals[i].outputs[0].finish_reason,
+                )
+                for i in sorted(finals)
+            ],
+        )
+        return JSONResponse(response.model_dump())
+
+    # --- streaming ----------------------------------------------------------------------------
+
+    async def _stream(self, streams: ChoiceStreams, choices: list[Choice], request: ChatCompletionRequest,
+                      request_id: str, model: str, num_logprobs: int | None) -> AsyncIterator[str]:
+        """SSE as OpenAI sends it: role chunk, content deltas, finish chunk, [usage chunk], [DONE]."""
+        created = int(time.time())
+        include_usage = request.include_usage
+
+        def chunk(choice: ChatStreamChoice | None, usage_info=None) -> str:
+            body = ChatCompletionChunk(id=request_id, created=created, model=model,
+                                       choices=[choice] if choice else [], usage=usage_info)
+            return f"data: {body.model_dump_json(exclude=None if include_usage else {'usage'})}\n\n"
+
+        sent_text = {c.index: 0 for c in choices}  # characters of each choice already sent
+        sent_tokens = dict.fromkeys(sent_text, 0)
+        finals: dict[int, RequestOutput] = {}
+        await streams.__aenter__()  # admission: a refusal raises here, before the 200 goes out
+        try:
+            try:
+                yield ADMITTED
+                for c in choices:
+                    yield chunk(ChatStreamChoice(index=c.index, delta={"role": "assistant", "content": ""}))
+                async for batch in streams.batches():
+                    for index in sorted(batch):
+                        out = batch[index]
+                        completion = out.outputs[0]
+                        delta = completion.text[sent_text[index]:]
+                        lps = _logprobs(out, sent_tokens[index], num_logprobs)
+                        sent_text[index] = len(completion.text)
+                        sent_tokens[index] = len(completion.token_ids)
+                        if delta or (lps and lps.content):
+                            yield chunk(ChatStreamChoice(index=index, delta={"content": delta}, logprobs=lps))
+                        if out.finished:
+                            finals[index] = out
+                            yield chunk(ChatStreamChoice(index=index, delta={},
+                                                         finish_reason=completion.finish_reason))
+            finally:
+                await streams.aclose()  # a no-op when all finished; aborts the rest on disconnect
+            if include_usage:
+                yield chunk(None, usage(choices, finals))
+        except APIError as e:
+            yield e.sse_event()
+        except Exception as e:  # this stream fails alone; the headers are out, so the error goes in-band
+            logger.exception("chat stream %s failed", request_id)
+            yield APIError(500, f"internal server error ({type(e).__name__})").sse_event()
+        yield SSE_DONE
+
+
+def _logprobs(out: RequestOutput, start: int, k: int | None) -> ChatChoiceLogprobs | None:
+    """OpenAI's chat logprobs of tokens from `start` on, or None when they were not asked for."""
+    if k is None:
+        return None
+    return ChatChoiceLogprobs(content=[_token_logprob(entry, k) for entry in token_logprobs(out, start)])
+
+
+def _token_logprob(entry: dict[int, Logprob], k: int) -> ChatTokenLogprob:
+    chosen = next(iter(entry.values()))  # the engine puts the sampled token first
+    return ChatTokenLogprob(
+        token=chosen.decoded_token or "", logprob=chosen.logprob, bytes=_bytes(chosen.decoded_token),
+        top_logprobs=[TopLogprob(token=lp.decoded_token or "", logprob=lp.logprob, bytes=_bytes(lp.decoded_token))
+                      for _, lp in top_logprobs(entry, k)],
+    )
+
+
+def _bytes(text: str | None) -> list[int] | None:
+    return list(text.encode("utf-8")) if text is not None else None

@@ -1,0 +1,171 @@
+"""POST /v1/completions: raw prompts (text or token ids, one or several), answered whole or as SSE."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.responses import Response
+
+from llmserve.outputs import RequestOutput
+from llmserve.server.errors import APIError
+from llmserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from llmserve.server.serving_engine import (
+    ADMITTED,
+    SSE_DONE,
+    SSE_HEADERS,
+    Choice,
+    ChoiceStreams,
+    OpenAIServing,
+    new_request_id,
+    primed,
+    token_logprobs,
+    top_logprobs,
+    unless_disconnected,
+    usage,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create(self, request: CompletionRequest, raw: Request) -> Response:
+        model = self.check_model(request.model)
+        self.check_unsupported(request)
+        if request.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if request.best_of is not None and request.best_of != request.n:
+            raise APIError(400, "best_of is supported only when equal to n", param="best_of")
+        if request.echo and request.logprobs is not None:
+            raise APIError(400, "echo with logprobs is not supported (prompt logprobs are not computed)",
+                           param="echo")
+        prompts = self._tokenize(request.prompt)
+        params = [
+            self.sampling_params(request, self.max_tokens(request.max_tokens, len(ids), "prompt"), request.logprobs)
+            for ids in prompts
+        ]
+        choices = self.choices(prompts, params, request.n)
+        # echo: the prompt's text goes in front of each choice's text
+        echoes = [self._prompt_text(request.prompt, c.prompt_index, c.prompt_ids) if request.echo else ""
+                  for c in choices]
+        request_id = new_request_id("cmpl")
+        streams = self.streams(request_id, choices)
+        if request.stream:
+            events = await primed(self._stream(streams, choices, echoes, request, request_id, model))
+            return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        return await unless_disconnected(raw, self._complete(streams, choices, echoes, request, request_id, model))
+
+    # --- request → prompts --------------------------------------------------------------------
+
+    def _tokenize(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        if isinstance(prompt[0], int):
+            prompt = [prompt]  # one prompt of token ids
+        out = []
+        for p in prompt:
+            ids = self.llm.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            if not ids:
+                raise APIError(400, "prompt must not be empty", param="prompt")
+            out.append(ids)
+        return out
+
+    def _prompt_text(self, prompt: str | list, index: int, ids: list[int]) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt[index], str):
+            return prompt[index]
+        return self.llm.tokenizer.decode(ids)
+
+    # --- non-streaming ------------------------------------------------------------------------
+
+    async def _complete(self, streams: ChoiceStreams, choices: list[Choice], echoes: list[str],
+                        request: CompletionRequest, request_id: str, model: str) -> JSONResponse:
+        async with streams:
+            finals = await streams.collect()
+        response = CompletionResponse(
+            id=request_id, model=model, usage=usage(choices, finals),
+            choices=[
+                CompletionChoice(
+                    index=i,
+                    text=echoes[i] + finals[i].outputs[0].text,
+                    logprobs=_logprobs(finals[i], 0, request.logprobs, 0),
+                    finish_reason=finals[i].outputs[0].finish_reason,
+                )
+                for i in sorted(finals)
+            ],
+        )
+        return JSONResponse(response.model_dump())
+
+    # --- streaming ----------------------------------------------------------------------------
+
+    async def _stream(self, streams: ChoiceStreams, choices: list[Choice], echoes: list[str],
+                      request: CompletionRequest, request_id: str, model: str) -> AsyncIterator[str]:
+        """SSE as OpenAI sends it: text deltas, finish_reason on each choice's last chunk, [usage], [DONE]."""
+        created = int(time.time())
+        include_usage = request.include_usage
+
+        def chunk(choice: CompletionChoice | None, usage_info=None) -> str:
+            body = CompletionResponse(id=request_id, created=created, model=model,
+                                      choices=[choice] if choice else [], usage=usage_info)
+            return f"data: {body.model_dump_json(exclude=None if include_usage else {'usage'})}\n\n"
+
+        sent_text = {c.index: 0 for c in choices}
+        sent_tokens = dict.fromkeys(sent_text, 0)
+        offsets = {c.index: len(echoes[c.index]) for c in choices}  # text_offset of the next token
+        finals: dict[int, RequestOutput] = {}
+        await streams.__aenter__()  # admission: a refusal raises here, before the 200 goes out
+        try:
+            try:
+                yield ADMITTED
+                for c in choices:
+                    if echoes[c.index]:
+                        yield chunk(CompletionChoice(index=c.index, text=echoes[c.index]))
+                async for batch in streams.batches():
+                    for index in sorted(batch):
+                        out = batch[index]
+                        completion = out.outputs[0]
+                        delta = completion.text[sent_text[index]:]
+                        lps = _logprobs(out, sent_tokens[index], request.logprobs, offsets[index])
+                        if lps is not None:
+                            offsets[index] += sum(len(t) for t in lps.tokens)
+                        sent_text[index] = len(completion.text)
+                        sent_tokens[index] = len(completion.token_ids)
+                        if out.finished:
+                            finals[index] = out
+                        if delta or (lps and lps.tokens) or out.finished:
+                            yield chunk(CompletionChoice(index=index, text=delta, logprobs=lps,
+                                                         finish_reason=completion.finish_reason))
+            finally:
+                await streams.aclose()  # a no-op when all finished; aborts the rest on disconnect
+            if include_usage:
+                yield chunk(None, usage(choices, finals))
+        except APIError as e:
+            yield e.sse_event()
+        except Exception as e:  # this stream fails alone; the headers are out, so the error goes in-band
+            logger.exception("completion stream %s failed", request_id)
+            yield APIError(500, f"internal server error ({type(e).__name__})").sse_event()
+        yield SSE_DONE
+
+
+def _logprobs(out: RequestOutput, start: int, k: int | None, offset: int) -> CompletionLogprobs | None:
+    """The legacy logprobs of tokens from `start` on: the chosen token and the k most likely ones."""
+    if k is None:
+        return None
+    result = CompletionLogprobs()
+    for entry in token_logprobs(out, start):
+        chosen = next(iter(entry.values()))  # the engine puts the sampled token first
+        token = chosen.decoded_token or ""
+        top = {lp.decoded_token or "": lp.logprob for _, lp in top_logprobs(entry, k)}
+        top.setdefault(token, chosen.logprob)
+        result.tokens.append(token)
+        result.token_logprobs.append(chosen.logprob)
+        result.top_logprobs.append(top)
+        result.text_offset.append(offset)
+        offset += len(token)
+    return result

@@ -1,0 +1,292 @@
+"""What chat and completions share: checks, sampling parameters, fan-out to the engine, disconnects.
+
+One API request becomes one engine request per choice (prompts × n). `ChoiceStreams` admits them
+all before the first response byte, so a refusal (bad value, full queue) is an HTTP status rather
+than an error inside a 200 stream, and merges their outputs into one stream; closing it aborts
+every engine request still running, which frees their KV blocks before the next engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from fastapi import Request
+from starlette.responses import Response
+
+from llmserve.engine.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestFailedError
+from llmserve.outputs import Logprob, RequestOutput
+from llmserve.sampling_params import SamplingParams
+from llmserve.server.errors import APIError, bad_value
+from llmserve.server.metrics import ServerMetrics
+from llmserve.server.protocol import PromptTokensDetails, UsageInfo, _SamplingRequest
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+SSE_DONE = "data: [DONE]\n\n"
+ADMITTED = ""  # the first item of an SSE generator: every engine request was accepted (see `primed`)
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy may buffer the stream
+RETRY_AFTER_S = "1"  # what a 429 tells the client to wait; the queue drains at engine speed
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Facts about the loaded model that every request is checked against."""
+
+    served_names: list[str]
+    max_model_len: int
+    kv_cache_tokens: int  # the whole KV cache, in tokens: no single sequence can be longer
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One engine request: a choice index in the response, its prompt's token ids and its parameters."""
+
+    index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class OpenAIServing:
+    """Base of the chat and completion handlers: request checks and the engine round trip."""
+
+    def __init__(self, llm: AsyncLLM, info: ModelInfo, metrics: ServerMetrics) -> None:
+        self.llm = llm
+        self.info = info
+        self.metrics = metrics
+
+    def check_model(self, model: str | None) -> str:
+        """The served name to answer with; 404 for a model this server does not serve."""
+        if model is None:
+            return self.info.served_names[0]
+        if model not in self.info.served_names:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                           f"{', '.join(repr(n) for n in self.info.served_names)}", param="model",
+                           code="model_not_found")
+        return model
+
+    def check_unsupported(self, request: _SamplingRequest) -> None:
+        if request.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+
+    def max_tokens(self, requested: int | None, prompt_len: int, prompt_param: str) -> int:
+        """The output budget of one prompt; 400 naming the limit when the prompt leaves no room for it."""
+        limit = min(self.info.max_model_len, self.info.kv_cache_tokens)
+        if prompt_len >= limit:
+            raise APIError(400, f"the prompt is {prompt_len} tokens, but this model's maximum context length "
+                           f"(max_model_len) is {limit} tokens, including at least one generated token",
+                           param=prompt_param, code="context_length_exceeded")
+        if requested is None:
+            return limit - prompt_len  # as vLLM: whatever room the context leaves
+        if requested >= 1 and prompt_len + requested > limit:
+            raise APIError(400, f"this model's maximum context length (max_model_len) is {limit} tokens, but "
+                           f"{prompt_len + requested} were requested ({prompt_len} in the prompt, {requested} "
+                           "for the completion); reduce the prompt or max_tokens",
+                           param="max_tokens", code="context_length_exceeded")
+        return requested
+
+    def sampling_params(self, request: _SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """Parameters for choice 0; `for_choice` derives the others. Engine range checks → 400."""
+        try:
+            return SamplingParams(
+                temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, min_p=request.min_p,
+                seed=request.seed, presence_penalty=request.presence_penalty,
+                frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
+                max_tokens=max_tokens, min_tokens=request.min_tokens, stop=request.stop,
+                stop_token_ids=request.stop_token_ids or [], ignore_eos=request.ignore_eos, logprobs=logprobs,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                skip_special_tokens=request.skip_special_tokens,
+            )
+        except ValueError as e:
+            raise bad_value(e) from None
+
+    def choices(self, prompts: list[list[int]], params: list[SamplingParams], n: int) -> list[Choice]:
+        """prompts × n engine requests; choice i of a seeded request samples with seed + i."""
+        out = []
+        for p, (ids, base) in enumerate(zip(prompts, params, strict=True)):
+            for i in range(n):
+                seed = None if base.seed is None else base.seed + i
+                params_i = base if i == 0 else SamplingParams(**{**vars(base), "seed": seed})
+                out.append(Choice(p * n + i, p, ids, params_i))
+        return out
+
+    def streams(self, request_id: str, choices: list[Choice]) -> ChoiceStreams:
+        return ChoiceStreams(self.llm, self.metrics, request_id, choices)
+
+
+def usage(choices: list[Choice], finals: dict[int, RequestOutput]) -> UsageInfo:
+    """Prompt tokens once per prompt (not per choice), completion tokens summed over choices."""
+    prompt_tokens = cached = 0
+    seen: set[int] = set()
+    for choice in choices:
+        if choice.prompt_index in seen:
+            continue
+        seen.add(choice.prompt_index)
+        prompt_tokens += len(choice.prompt_ids)
+        if choice.index in finals:
+            cached += finals[choice.index].num_cached_tokens
+    completion = sum(len(out.outputs[0].token_ids) for out in finals.values())
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion,
+                     total_tokens=prompt_tokens + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def token_logprobs(out: RequestOutput, start: int) -> list[dict[int, Logprob]]:
+    """Logprob entries of tokens [start, len(token_ids)) of this output.
+
+    The engine keeps appending to the list it handed out, so the snapshot is cut at this output's
+    token count: entries below it never change.
+    """
+    completion = out.outputs[0]
+    return (completion.logprobs or [])[start:len(completion.token_ids)]
+
+
+def top_logprobs(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The k most likely tokens of one position, best first (the chosen one included where it ranks)."""
+    ranked = [(tid, lp) for tid, lp in entry.items() if lp.rank is not None and lp.rank <= k]
+    return sorted(ranked, key=lambda item: item[1].rank)[:k]
+
+
+def engine_error(e: BaseException) -> APIError:
+    """The HTTP answer to an exception from `AsyncLLM.generate`."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ValueError):
+        return bad_value(e)
+    if isinstance(e, QueueFullError):
+        return APIError(429, f"the server is busy ({e}); retry later", code="queue_full",
+                        headers={"Retry-After": RETRY_AFTER_S})
+    if isinstance(e, EngineDeadError):
+        return APIError(503, f"the engine is not running: {e}", code="engine_dead")
+    if isinstance(e, RequestFailedError):
+        return APIError(500, f"the request failed in the engine: {e}", code="request_failed")
+    logger.error("request failed", exc_info=e)
+    return APIError(500, f"internal server error ({type(e).__name__})")
+
+
+class ChoiceStreams:
+    """The engine requests of one API request, admitted together and merged into one output stream.
+
+    Use as `async with streams: async for batch in streams.batches(): ...`. Leaving the block
+    (finished, failed, or cancelled by a disconnect) aborts whatever still runs.
+    """
+
+    def __init__(self, llm: AsyncLLM, metrics: ServerMetrics, request_id: str, choices: list[Choice]) -> None:
+        self._llm = llm
+        self._metrics = metrics
+        self._request_id = request_id
+        self._choices = choices
+        self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+        self._pending = {c.index for c in choices}
+        self._tasks: list[asyncio.Task] = []
+        self._refused: list[BaseException] = []
+
+    async def __aenter__(self) -> ChoiceStreams:
+        self._tasks = [asyncio.create_task(self._pump(c)) for c in self._choices]
+        # Each pump runs up to its first await: `generate` adds the request (synchronously) or
+        # raises. After one turn of the loop every choice is queued or refused.
+        await asyncio.sleep(0)
+        if self._refused:
+            await self.aclose()
+            raise engine_error(self._refused[0])
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def batches(self) -> AsyncIterator[dict[int, RequestOutput]]:
+        """Latest cumulative output per choice that advanced, as they arrive.
+
+        Outputs that queued up while the caller was busy are coalesced (outputs are cumulative, so
+        only the newest of a choice matters): a slow client gets fewer, larger chunks.
+        """
+        while self._pending:
+            item = await self._queue.get()
+            batch: dict[int, RequestOutput] = {}
+            while True:
+                index, out = item
+                if isinstance(out, BaseException):
+                    raise engine_error(out)
+                batch[index] = out
+                if out.finished:
+                    self._pending.discard(index)
+                if self._queue.empty():
+                    break
+                item = self._queue.get_nowait()
+            yield batch
+
+    async def collect(self) -> dict[int, RequestOutput]:
+        """The final output of every choice."""
+        finals: dict[int, RequestOutput] = {}
+        async for batch in self.batches():
+            finals.update(batch)
+        return finals
+
+    async def aclose(self) -> None:
+        for task in self._tasks:
+            task.cancel()  # closes that choice's `generate`, which aborts its engine request
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _pump(self, choice: Choice) -> None:
+        tracker = self._metrics.track()
+        first = True
+        try:
+            async for out in self._llm.generate(choice.prompt_ids, choice.params,
+                                                f"{self._request_id}-{choice.index}"):
+                first = False
+                tracker.observe(out)
+                self._queue.put_nowait((choice.index, out))
+        except Exception as e:  # handed to the consumer, which answers with the matching status
+            if first:
+                self._refused.append(e)
+            self._queue.put_nowait((choice.index, e))
+
+
+async def primed(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Runs an SSE generator up to its first item, `ADMITTED`, now: admission errors raise here, as an
+    HTTP status, not inside a stream whose 200 already went out; the 200 can go out at once, even
+    for a request that waits in the queue. Then streams the rest."""
+    first = await events.__anext__()
+    assert first == ADMITTED, "an SSE generator must yield ADMITTED once its requests are queued"
+
+    async def rest() -> AsyncIterator[str]:
+        async for event in events:
+            yield event
+
+    return rest()
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | Response:
+    """Await `work`, cancelling it if the client goes away first (its generation is then aborted).
+
+    For non-streaming responses: nothing is sent until the end, so a departed client would
+    otherwise be noticed only after its whole generation.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled() or not task.done():
+        logger.info("client disconnected from %s; request aborted", request.url.path)
+        return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
