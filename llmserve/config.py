@@ -7,10 +7,13 @@ derived from them is computed by a method, never written back, so a config can b
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Names only: importing torch here would make every `--help` pay for it.
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be 'auto' or one of {list(DTYPES)}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
@@ -88,8 +91,10 @@ def cpu_has_native_bf16() -> bool:
 
 def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     """The dtype 'auto' stands for: bfloat16 where the hardware has it natively, else float32."""
+    import torch
+
     if dtype != "auto":
-        return DTYPES[dtype]
+        return getattr(torch, dtype)
     if device.startswith("cuda"):
         return torch.bfloat16
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32

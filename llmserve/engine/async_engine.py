@@ -14,13 +14,12 @@ import contextlib
 import itertools
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 from llmserve.config import EngineConfig
 from llmserve.engine.llm_engine import LLMEngine
-from llmserve.engine.request import RequestStatus
+from llmserve.engine.stat_logger import StatLogger
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 
@@ -49,18 +48,22 @@ class EngineStats:
     num_preemptions: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # of which found there
+    num_cached_blocks: int  # blocks findable by hash (in use or free)
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, max_queued_requests: int | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, max_queued_requests: int | None = None, log_interval_s: float = 10.0
+    ) -> None:
         self.engine = LLMEngine(config)  # blocking: call from a worker thread at server start-up
+        self._stat_logger = StatLogger(self.engine, log_interval_s)
         self.max_queued_requests = max_queued_requests
         self._cond = threading.Condition()
         # Callers (add/abort/stats) waiting for the lock; the step loop lets them in between steps.
         self._num_callers = 0
         self._callers_lock = threading.Lock()
-        # request id -> when it was first scheduled, for the server's queue-time metric.
-        self._scheduled_at: dict[str, float] = {}
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
         self._stopping = False
@@ -100,12 +103,19 @@ class AsyncLLM:
                 num_preemptions=sched.num_preemptions,
                 prompt_tokens_total=self._prompt_tokens,
                 generation_tokens_total=self._generation_tokens,
+                prefix_cache_queries=kv.stats.queries,
+                prefix_cache_hits=kv.stats.hits,
+                num_cached_blocks=kv.pool.num_cached_blocks,
             )
 
     # --- requests -----------------------------------------------------------------------------
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields cumulative outputs as tokens arrive; the last has finished=True.
 
@@ -122,7 +132,7 @@ class AsyncLLM:
                 raise EngineDeadError("server is shutting down")
             if self.max_queued_requests is not None and len(self.engine.scheduler.waiting) >= self.max_queued_requests:
                 raise QueueFullError(f"{self.max_queued_requests} requests are already waiting")
-            req = self.engine.add_request(request_id, prompt, params)
+            req = self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
             self._prompt_tokens += req.num_prompt_tokens
             self._streams[request_id] = (asyncio.get_running_loop(), queue)
             self._cond.notify()
@@ -144,7 +154,6 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         with self._turn():
             self._streams.pop(request_id, None)
-            self._scheduled_at.pop(request_id, None)
             self.engine.abort_request(request_id)
 
     def shutdown(self, timeout: float | None = None) -> None:
@@ -205,10 +214,6 @@ class AsyncLLM:
                     self._deliver(request_id, EngineDeadError(f"engine stopped: {e}"))
 
     def _step(self) -> None:
-        # Requests still waiting for their first schedule; those that leave the queue in this step
-        # get its start time as `scheduled_time` (the engine itself stamps only arrival and first token).
-        waiting = [r for r in self.engine.scheduler.waiting if r.status is RequestStatus.WAITING]
-        step_start = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as e:  # a failed forward pass fails the requests it carried, not the server
@@ -216,19 +221,12 @@ class AsyncLLM:
             for request_id in list(self.engine.requests):
                 self.engine.abort_request(request_id)
                 self._deliver(request_id, RequestFailedError(f"engine step failed: {e}"))
-            self._scheduled_at.clear()
             return
-        for r in waiting:
-            if r.status is not RequestStatus.WAITING and r.request_id in self._streams:
-                self._scheduled_at[r.request_id] = step_start
         for out in outputs:
-            if out.request_id in self._scheduled_at:
-                out.metrics["scheduled_time"] = self._scheduled_at[out.request_id]
-                if out.finished:
-                    del self._scheduled_at[out.request_id]
             self._generation_tokens += out.error is None  # each step output carries one new token
             error = out.error
             self._deliver(out.request_id, RequestFailedError(error) if error else out)
+        self._stat_logger.maybe_log(self._prompt_tokens, self._generation_tokens)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         finished = isinstance(item, BaseException) or item.finished

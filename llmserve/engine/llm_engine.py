@@ -196,8 +196,9 @@ class LLMEngine:
             stop_reason=req.stop_reason,
         )
         metrics = {"arrival_time": req.arrival_time, "num_preemptions": req.num_preemptions}
-        if req.first_token_time is not None:
-            metrics["first_token_time"] = req.first_token_time
+        for name in ("scheduled_time", "first_token_time"):
+            if getattr(req, name) is not None:
+                metrics[name] = getattr(req, name)
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,

@@ -64,6 +64,7 @@ class Request:
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.arrival_time = time.monotonic()
+        self.scheduled_time: float | None = None  # first admitted to the running batch (queue time ends)
         self.first_token_time: float | None = None
 
     @property

@@ -10,6 +10,7 @@ recompute. Nothing is dropped.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -87,6 +88,7 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = num_hit
+                req.scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append((req, n))

@@ -38,6 +38,7 @@ class ServerConfig:
     max_request_body_bytes: int = 1 << 20
     shutdown_timeout: float = 30.0  # seconds the engine may take to finish running requests at exit
     url: str | None = None  # where clients reach us, for the start-up log line
+    log_stats_interval: float = 10.0  # seconds between the engine's periodic stats lines
 
 
 class ServerState:
@@ -169,7 +170,8 @@ async def _guarded(work: Awaitable[Response], what: str) -> Response:
 async def _load(state: ServerState, config: ServerConfig,
                 on_failure: Callable[[BaseException], None] | None) -> None:
     try:
-        llm = await asyncio.to_thread(AsyncLLM, config.engine, config.max_queued_requests)
+        llm = await asyncio.to_thread(AsyncLLM, config.engine, config.max_queued_requests,
+                                      config.log_stats_interval)
         state.serving(llm, config)
     except Exception as e:
         if isinstance(e, ValueError):  # a bad flag or path: the message says it all

@@ -17,6 +17,8 @@ from types import FrameType
 
 import uvicorn
 
+from llmserve.config import SchedulerConfig
+
 API_KEY_ENV = "LLMSERVE_API_KEY"
 
 
@@ -44,14 +46,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                      help="log level (default: %(default)s)")
     net.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
+    net.add_argument("--log-stats-interval", type=float, default=10.0,
+                     help="seconds between engine stats lines: throughput, queue, KV usage, prefix-cache hit "
+                     "rate, preemptions (default: %(default)s)")
     eng = parser.add_argument_group("engine")
     eng.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                      help="weight and activation dtype (default: auto: bfloat16 where the CPU has it natively)")
     eng.add_argument("--max-model-len", type=int, default=None,
                      help="longest prompt + output in tokens (default: the model's context length)")
     eng.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch (default: %(default)s)")
-    eng.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                     help="tokens per engine step (default: %(default)s)")
+    eng.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
+                     help="tokens per engine step: decodes first, then prompt chunks (default: %(default)s)")
+    eng.add_argument("--long-prefill-token-threshold", type=int,
+                     default=SchedulerConfig.long_prefill_token_threshold,
+                     help="largest prompt chunk one request runs per step; longer prompts are prefilled over "
+                     "several steps so running streams keep flowing (default: %(default)s)")
+    eng.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                     help="do not reuse the KV blocks of shared prompt prefixes (on by default)")
     eng.add_argument("--kv-cache-memory-gb", type=float, default=None,
                      help="KV cache size in GiB (default: --kv-cache-memory-fraction of free memory)")
     eng.add_argument("--kv-cache-memory-fraction", type=float, default=0.1,
@@ -63,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    from llmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from llmserve.config import CacheConfig, EngineConfig, ModelConfig
     from llmserve.server.app import ServerConfig, create_app
 
     if args.model is not None and args.model_flag is not None and args.model != args.model_flag:
@@ -74,9 +85,11 @@ def run(args: argparse.Namespace) -> int:
             model=ModelConfig(model=args.model or args.model_flag, dtype=args.dtype,
                               max_model_len=args.max_model_len, seed=args.seed),
             cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
-                              kv_cache_memory_fraction=args.kv_cache_memory_fraction),
+                              kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+                              enable_prefix_caching=args.enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                      max_num_batched_tokens=args.max_num_batched_tokens),
+                                      max_num_batched_tokens=args.max_num_batched_tokens,
+                                      long_prefill_token_threshold=args.long_prefill_token_threshold),
         )
         if args.max_queued_requests is not None and args.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {args.max_queued_requests}")
@@ -92,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_request_body_bytes=args.max_request_body_bytes,
         shutdown_timeout=args.shutdown_timeout,
+        log_stats_interval=args.log_stats_interval,
         url=f"http://{args.host}:{args.port}",
     )
     failed: list[BaseException] = []

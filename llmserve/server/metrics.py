@@ -116,6 +116,11 @@ class _EngineCollector(Collector):
             "kv_cache_usage_perc": ("Fraction of KV cache blocks in use (1 = full).", stats.kv_cache_usage),
             "num_kv_blocks_free": ("KV cache blocks free.", stats.num_free_kv_blocks),
             "num_kv_blocks_total": ("KV cache blocks in all.", stats.num_kv_blocks),
+            "prefix_cache_blocks": ("KV blocks findable in the prefix cache (in use or free).",
+                                    stats.num_cached_blocks),
+            "prefix_cache_hit_rate": ("Prefix-cache hits / queries, in tokens, since start.",
+                                      stats.prefix_cache_hits / stats.prefix_cache_queries
+                                      if stats.prefix_cache_queries else 0.0),
         }
         for key, (doc, value) in gauges.items():
             gauge = GaugeMetricFamily(PREFIX + key, doc, labels=["model_name"])
@@ -125,6 +130,8 @@ class _EngineCollector(Collector):
             "prompt_tokens": ("Prompt tokens admitted.", stats.prompt_tokens_total),
             "generation_tokens": ("Tokens generated.", stats.generation_tokens_total),
             "num_preemptions": ("Requests preempted (blocks taken back, recomputed later).", stats.num_preemptions),
+            "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries),
+            "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
         }
         for key, (doc, value) in counters.items():
             counter = CounterMetricFamily(PREFIX + key, doc, labels=["model_name"])  # exposed as <name>_total

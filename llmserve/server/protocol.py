@@ -45,6 +45,7 @@ class _SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
+    cache_salt: str | None = None  # as vLLM: requests with different salts never share prefix-cache blocks
     # Accepted so that clients sending their neutral values work; anything else is refused (400)
     # rather than silently ignored, since the answer would not be what the client asked for.
     logit_bias: dict[str, float] | None = None

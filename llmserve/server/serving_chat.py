@@ -51,7 +51,7 @@ class OpenAIServingChat(OpenAIServing):
         requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         max_tokens = self.max_tokens(requested, len(prompt_ids), "messages")
         params = self.sampling_params(request, max_tokens, num_logprobs)
-        choices = self.choices([prompt_ids], [params], request.n)
+        choices = self.choices([prompt_ids], [params], request.n, request.cache_salt)
         request_id = new_request_id("chatcmpl")
         streams = self.streams(request_id, choices)
         if request.stream:

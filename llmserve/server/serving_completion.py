@@ -47,7 +47,7 @@ class OpenAIServingCompletion(OpenAIServing):
             self.sampling_params(request, self.max_tokens(request.max_tokens, len(ids), "prompt"), request.logprobs)
             for ids in prompts
         ]
-        choices = self.choices(prompts, params, request.n)
+        choices = self.choices(prompts, params, request.n, request.cache_salt)
         # echo: the prompt's text goes in front of each choice's text
         echoes = [self._prompt_text(request.prompt, c.prompt_index, c.prompt_ids) if request.echo else ""
                   for c in choices]

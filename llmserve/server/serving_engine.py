@@ -51,6 +51,7 @@ class Choice:
     prompt_index: int
     prompt_ids: list[int]
     params: SamplingParams
+    cache_salt: str | None = None
 
 
 class OpenAIServing:
@@ -106,14 +107,16 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_value(e) from None
 
-    def choices(self, prompts: list[list[int]], params: list[SamplingParams], n: int) -> list[Choice]:
+    def choices(
+        self, prompts: list[list[int]], params: list[SamplingParams], n: int, cache_salt: str | None = None
+    ) -> list[Choice]:
         """prompts × n engine requests; choice i of a seeded request samples with seed + i."""
         out = []
         for p, (ids, base) in enumerate(zip(prompts, params, strict=True)):
             for i in range(n):
                 seed = None if base.seed is None else base.seed + i
                 params_i = base if i == 0 else SamplingParams(**{**vars(base), "seed": seed})
-                out.append(Choice(p * n + i, p, ids, params_i))
+                out.append(Choice(p * n + i, p, ids, params_i, cache_salt))
         return out
 
     def streams(self, request_id: str, choices: list[Choice]) -> ChoiceStreams:
@@ -242,7 +245,7 @@ class ChoiceStreams:
         first = True
         try:
             async for out in self._llm.generate(choice.prompt_ids, choice.params,
-                                                f"{self._request_id}-{choice.index}"):
+                                                f"{self._request_id}-{choice.index}", choice.cache_salt):
                 first = False
                 tracker.observe(out)
                 self._queue.put_nowait((choice.index, out))
