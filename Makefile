@@ -1,4 +1,5 @@
-# `make run` on a fresh machine: set up .venv, then serve... (see README). `make test`: the test suite.
+# `make run` on a fresh machine: set up .venv, serve the default model and answer one request.
+# `make test`: the test suite (what CI runs).
 .PHONY: setup run test lint bench
 
 setup: .venv/.setup-done
@@ -8,7 +9,7 @@ setup: .venv/.setup-done
 	touch $@
 
 run: setup
-	.venv/bin/llmserve generate --chat "What is the capital of France? Answer in one sentence."
+	bash scripts/serve_and_ask.sh
 
 test: setup
 	.venv/bin/ruff check llmserve tests benchmarks

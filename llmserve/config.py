@@ -62,9 +62,11 @@ class SchedulerConfig:
     """Continuous batching limits: how many sequences and tokens one step may carry."""
 
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    # A step's cost grows with its tokens; on a 2-core CPU 512 tokens is ~0.3 s, the most a running
+    # stream should wait for its next token while prompts are being prefilled.
+    max_num_batched_tokens: int = 512
     # A prompt longer than this is prefilled in several steps so running decodes keep flowing.
-    long_prefill_token_threshold: int = 512
+    long_prefill_token_threshold: int = 256
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold"):

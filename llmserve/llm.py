@@ -33,8 +33,8 @@ class LLM:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        long_prefill_token_threshold: int = 512,
+        max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
+        long_prefill_token_threshold: int = SchedulerConfig.long_prefill_token_threshold,
         seed: int = 0,
         device: str = "cpu",
     ) -> None:
