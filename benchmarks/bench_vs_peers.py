@@ -23,6 +23,10 @@ Usage:
   python benchmarks/bench_vs_peers.py --engines llmserve \
       --llmserve-cmd "{python} -m llmserve.cli serve --model {model} --port {port}"
   python benchmarks/bench_vs_peers.py --dry-run             # show what would run / be skipped
+  python benchmarks/bench_vs_peers.py --engines llmserve,naive-hf \
+      --engine-levels naive-hf=1:4,8:16,32:32 --recorded all  # one-at-a-time servers get fewer requests
+Recorded peerbench numbers come from peerbench's machine (its README: a CPU with AMX); the report prints
+this machine's CPU facts next to them, because numbers from different CPUs are not directly comparable.
 Writes benchmarks/results/<engine>.json, peers_comparison.md and peers_comparison.png (--out-dir).
 Exit status 1 only if an engine that is available could not be measured (absent ones are just skipped).
 """
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import shlex
 import signal
 import socket
@@ -51,7 +56,6 @@ if str(REPO) not in sys.path:
 from llmserve.bench.report import (  # noqa: E402 - after the sys.path fix-up for direct runs
     compare_table,
     load_result,
-    plot_results,
     render_table,
 )
 
@@ -159,9 +163,25 @@ def start_command(engine: Engine, args: argparse.Namespace, shared: Path | None)
     return shlex.quote(str(shared / engine.script))
 
 
+def parse_levels(text: str) -> list[tuple[int, int]]:
+    """'1:8,8:32' -> [(1, 8), (8, 32)] (concurrency, requests)."""
+    out = []
+    for part in text.split(","):
+        c, sep, n = part.strip().partition(":")
+        if not sep or not c.isdigit() or not n.isdigit() or int(c) < 1 or int(n) < 1:
+            raise ValueError(f"bad level {part!r}: use concurrency:requests like 8:32")
+        out.append((int(c), int(n)))
+    return out
+
+
+def levels_for(engine_name: str, args: argparse.Namespace) -> str:
+    return args.engine_levels.get(engine_name, args.levels)
+
+
 def bench_command(engine: Engine, args: argparse.Namespace, out: Path) -> list[str]:
-    conc = ",".join(lv.split(":")[0] for lv in args.levels.split(","))
-    nreq = ",".join(lv.split(":")[1] for lv in args.levels.split(","))
+    levels = parse_levels(levels_for(engine.name, args))
+    conc = ",".join(str(c) for c, _ in levels)
+    nreq = ",".join(str(n) for _, n in levels)
     cmd = [sys.executable, "-m", "llmserve.cli", "bench", "--base-url", f"http://127.0.0.1:{engine.port}",
            "--workload", "shared-prefix", "--prefix-len", "200", "--input-len", "256", "--output-len", "128",
            "--seed", "1234", "--temperature", "0", "--concurrency", conc, "--num-requests", nreq,
@@ -205,7 +225,7 @@ def measure(engine: Engine, args: argparse.Namespace, shared: Path | None) -> di
     pgid = os.getpgid(proc.pid)
     mem = TreeMemory(proc.pid)
     mem.start()
-    facts: dict[str, Any] = {"cmd": cmd, "log": str(log)}
+    facts: dict[str, Any] = {"cmd": cmd, "log": str(log), "levels": levels_for(engine.name, args)}
     try:
         ready_url = f"http://127.0.0.1:{engine.port}{engine.ready_path}"
         startup = None
@@ -241,11 +261,28 @@ def measure(engine: Engine, args: argparse.Namespace, shared: Path | None) -> di
     return {**facts, "ok": True, "out": str(out)}
 
 
+def machine_facts() -> dict[str, Any]:
+    """CPU model, core count and the ISA flags that decide bf16 speed (AMX, AVX512-BF16), from /proc/cpuinfo."""
+    model, flags = platform.processor() or "?", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, val = line.partition(":")
+            if key.strip() == "model name" and model in ("?", "", "x86_64"):
+                model = val.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(val.split())
+    except OSError:
+        pass
+    return {"cpu": model, "cpus": os.cpu_count(), "amx": any(f.startswith("amx") for f in flags),
+            "avx512_bf16": "avx512_bf16" in flags, "avx512f": "avx512f" in flags}
+
+
 def _f(v: Any, digits: int = 1) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
-def markdown_report(rows: list[tuple[str, str, dict[str, Any]]], skipped: dict[str, str], levels: str) -> str:
+def markdown_report(rows: list[tuple[str, str, dict[str, Any]]], skipped: dict[str, str], levels: str,
+                    engine_levels: dict[str, str] | None = None) -> str:
     """rows: (engine label, source, result doc)."""
     headers = ["engine", "source", "conc", "ok/n", "out tok/s", "req/s", "TTFT p50", "TTFT p99", "ITL p50",
                "ITL p99", "TPOT p50", "TPOT p99", "start s", "peak RSS MiB"]
@@ -260,14 +297,33 @@ def markdown_report(rows: list[tuple[str, str, dict[str, Any]]], skipped: dict[s
                           _f(s.get("tpot_p99_ms")),
                           _f(srv.get("startup_to_ready_s")) if i == 0 else "",
                           _f(srv.get("peak_tree_rss_mib"), 0) if i == 0 else ""])
+    m = machine_facts()
+    stamps = sorted(time.strftime("%Y-%m-%d %H:%M", time.localtime(doc["started_unix"]))
+                    for _, src, doc in rows if src == "measured" and doc.get("started_unix"))
+    measured_when = f" (runs started {stamps[0]} to {stamps[-1]})" if stamps else ""
+    overrides = "".join(f"; {k}: {v}" for k, v in (engine_levels or {}).items()
+                        if any(lab == k and src == "measured" for lab, src, _ in rows))
+    machine = (f"This machine: {m['cpu']}, {m['cpus']} CPUs, AMX {'yes' if m['amx'] else 'no'}, AVX512-BF16 "
+               f"{'yes' if m['avx512_bf16'] else 'no'}.")
     parts = [
         "# llmserve vs peers (SmolLM2-135M-Instruct, CPU)",
         f"Generated {time.strftime('%Y-%m-%d %H:%M:%S')} by `benchmarks/bench_vs_peers.py`. Workload: shared "
-        f"~205-token system prompt, 256 prompt tokens, 128 output tokens (ignore_eos), levels {levels} "
-        "(concurrency:requests), times in ms. 'measured' rows were run now with `llmserve bench`; 'recorded' "
-        "rows are peerbench's own runs (its loadgen.py: ITL per chunk, not per token).",
+        f"~205-token system prompt, 256 prompt tokens, 128 output tokens (ignore_eos), levels {levels}"
+        f"{overrides} (concurrency:requests), times in ms. 'measured' rows were measured on this machine with "
+        f"`llmserve bench`{measured_when}. " + machine,
         render_table(headers, table, markdown=True, left=2),
     ]
+    if any(src.startswith("recorded") for _, src, _ in rows):
+        parts.append(
+            "**'recorded' rows were NOT measured here**: they are peerbench's own runs "
+            "(shared/peers/results/*.json, its loadgen.py, whose ITL is per stream chunk, not per token), made "
+            "on peerbench's machine, which reported AVX-512, AVX512-BF16 and AMX-BF16/INT8 (shared/peers/README.md). "
+            + ("This machine has no AMX, so bf16 matrix products run at a different speed: recorded and "
+               "measured numbers are not directly comparable; compare within one source only."
+               if not m["amx"] else
+               "Even on a similar CPU, a different machine's numbers are only roughly comparable.")
+            + " An engine measured here and also shown as recorded gives the speed ratio of the two machines "
+            "for that engine.")
     if skipped:
         parts.append("Skipped:\n\n" + "\n".join(f"- **{k}**: {v}" for k, v in skipped.items()))
     measured = [(lab, doc) for lab, src, doc in rows if src == "measured"]
@@ -277,6 +333,51 @@ def markdown_report(rows: list[tuple[str, str, dict[str, Any]]], skipped: dict[s
     elif not measured:
         parts.append("Nothing was measured in this run (see Skipped).")
     return "\n\n".join(parts) + "\n"
+
+
+def plot_comparison(rows: list[tuple[str, str, dict[str, Any]]], path: Path) -> None:
+    """PNG: output tok/s, TTFT p50 (log) and TPOT p50 vs concurrency; one colour per engine, measured rows
+    solid and thick, recorded ones (another machine) thin, dashed and faded; one legend under the panels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    elsewhere = "recorded on another machine" if not machine_facts()["amx"] else "recorded"  # peerbench's had AMX
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5.4))
+    panels = (("output_tok_per_s", "output throughput (tok/s, higher is better)"),
+              ("ttft_p50_ms", "TTFT p50 (ms, log scale, lower is better)"),
+              ("tpot_p50_ms", "TPOT p50 (ms per output token, lower is better)"))
+    ticks: set[int] = set()
+    for i, (label, src, doc) in enumerate(rows):
+        measured = src == "measured"
+        summaries = [s for s in doc.get("summary", []) if s.get("concurrency")]
+        xs = [int(s["concurrency"]) for s in summaries]
+        ticks.update(xs)
+        for ax, (key, _title) in zip(axes, panels, strict=True):
+            pts = [(x, s.get(key)) for x, s in zip(xs, summaries, strict=True) if s.get(key) is not None]
+            ax.plot([x for x, _ in pts], [y for _, y in pts], "o-" if measured else "s--", color=f"C{i}",
+                    lw=2.6 if measured else 1.3, alpha=1.0 if measured else 0.55, ms=7 if measured else 5,
+                    label=f"{label} ({'measured here' if measured else elsewhere})")
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("concurrency (closed loop)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(ticks), [str(t) for t in sorted(ticks)])
+        ax.minorticks_off()
+        ax.grid(True, alpha=0.3)
+        if key == "ttft_p50_ms":
+            ax.set_yscale("log")
+        else:
+            ax.set_ylim(bottom=0)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=9, frameon=False)
+    fig.suptitle("SmolLM2-135M-Instruct on 2 CPU cores: 256 prompt + 128 output tokens per request; "
+                 "dashed = not measured here", fontsize=11)
+    fig.tight_layout(rect=(0, 0.13, 1, 0.95))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -291,23 +392,45 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llmserve-port", type=int, default=8010)
     ap.add_argument("--tokenizer", default=None, help=f"default $PEERS/{MODEL_DIR}")
     ap.add_argument("--levels", default=LEVELS, help="concurrency:requests,... (default %(default)s)")
+    ap.add_argument("--engine-levels", action="append", default=[], metavar="ENGINE=LEVELS",
+                    help="levels for one engine instead of --levels, e.g. naive-hf=1:4,8:16,32:32 for a server "
+                         "that runs one request at a time (repeatable)")
     ap.add_argument("--quick", action="store_true", help=f"levels {QUICK_LEVELS}, 1 warm-up (smoke test)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--request-timeout", type=float, default=3600.0)
     ap.add_argument("--ready-timeout", type=float, default=900.0)
-    ap.add_argument("--no-recorded", dest="recorded", action="store_false",
-                    help="do not show peerbench's recorded results for peers that were not measured")
+    ap.add_argument("--recorded", choices=("absent", "all", "none"), default="absent",
+                    help="peerbench's recorded results to show: for engines not measured here (absent, the "
+                         "default), for every engine asked for (all: measured ones too, as a cross-machine "
+                         "reference), or none")
+    ap.add_argument("--no-recorded", dest="recorded", action="store_const", const="none",
+                    help="the same as --recorded none")
     ap.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
     ap.add_argument("--dry-run", action="store_true", help="only say what would run and what is skipped")
+    ap.add_argument("--report-only", action="store_true",
+                    help="start nothing: rebuild the markdown and the plot from the <out-dir>/<engine>.json files "
+                         "of an earlier run")
     args = ap.parse_args(argv)
     if args.quick:
         args.levels, args.warmup = QUICK_LEVELS, min(args.warmup, 1)
+    overrides: dict[str, str] = {}
+    for item in args.engine_levels:
+        name, sep, lv = item.partition("=")
+        if not sep:
+            ap.error(f"--engine-levels {item!r}: use ENGINE=LEVELS")
+        overrides[name.strip()] = lv.strip()
+    try:
+        for lv in (args.levels, *overrides.values()):
+            parse_levels(lv)
+    except ValueError as exc:
+        ap.error(str(exc))
+    args.engine_levels = overrides
 
     shared = args.shared_peers or find_shared_peers()
     engines = {e.name: e for e in PEER_ENGINES}
     engines["llmserve"] = Engine("llmserve", args.llmserve_port, model=None)
     wanted = [n.strip() for n in args.engines.split(",") if n.strip()]
-    unknown = [n for n in wanted if n not in engines]
+    unknown = [n for n in [*wanted, *overrides] if n not in engines]
     if unknown:
         ap.error(f"unknown engines {unknown}; known: {', '.join(engines)}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -319,9 +442,17 @@ def main(argv: list[str] | None = None) -> int:
         engine = engines[name]
         reason = why_unavailable(engine, args, shared)
         if reason is None and args.dry_run:
-            print(f"[peers] {name}: would run: {start_command(engine, args, shared)}")
+            print(f"[peers] {name}: would run: {start_command(engine, args, shared)} "
+                  f"(levels {levels_for(name, args)})")
             continue
-        if reason is None:
+        if reason is None and args.report_only:
+            earlier = args.out_dir / f"{name}.json"
+            if earlier.is_file():
+                print(f"[peers] {name}: using the earlier result {earlier} (--report-only)", flush=True)
+                rows.append((name, "measured", load_result(earlier)))
+            else:
+                reason = f"--report-only and no earlier result {earlier}"
+        elif reason is None:
             res = measure(engine, args, shared)
             reason = None if res["ok"] else res["reason"]
             if res["ok"]:
@@ -331,21 +462,22 @@ def main(argv: list[str] | None = None) -> int:
         if reason is not None:
             skipped[name] = reason
             print(f"[peers] {name}: skipped: {reason}", flush=True)
-            recorded = shared / "results" / f"{name}.json" if shared else None
-            if args.recorded and recorded is not None and recorded.is_file():
-                doc = load_result(recorded)
-                when = time.strftime("%Y-%m-%d", time.localtime(doc.get("started_unix", 0)))
-                rows.append((name, f"recorded {when}", doc))
+        recorded = shared / "results" / f"{name}.json" if shared else None
+        show = args.recorded == "all" or (args.recorded == "absent" and reason is not None)
+        if show and recorded is not None and recorded.is_file():
+            doc = load_result(recorded)
+            when = time.strftime("%Y-%m-%d", time.localtime(doc.get("started_unix", 0)))
+            rows.append((name, f"recorded {when}", doc))
     if args.dry_run:
         return 0
-    md = markdown_report(rows, skipped, args.levels)
+    md = markdown_report(rows, skipped, args.levels, args.engine_levels)
     md_path = args.out_dir / "peers_comparison.md"
     md_path.write_text(md)
     print(md)
     print(f"[peers] wrote {md_path}")
     if rows:
         png = args.out_dir / "peers_comparison.png"
-        plot_results([doc for _, _, doc in rows], png, [f"{lab} ({src.split()[0]})" for lab, src, _ in rows])
+        plot_comparison(rows, png)
         print(f"[peers] wrote {png}")
     if failed:
         print(f"[peers] failed to measure: {', '.join(failed)}", file=sys.stderr)
