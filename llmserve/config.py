@@ -62,14 +62,20 @@ class SchedulerConfig:
     """Continuous batching limits: how many sequences and tokens one step may carry."""
 
     max_num_seqs: int = 64
-    # A step's cost grows with its tokens; on a 2-core CPU 512 tokens is ~0.3 s, the most a running
-    # stream should wait for its next token while prompts are being prefilled.
+    # A step's cost grows with its tokens; on a 2-core CPU 512 tokens take ~0.4-1 s (more when a chunk
+    # attends to a long context), the most a running stream should wait for its next token while prompts
+    # are prefilled. 256 lowered ITL p99 but doubled TTFT p50 (benchmarks/README.md).
     max_num_batched_tokens: int = 512
     # A prompt longer than this is prefilled in several steps so running decodes keep flowing.
     long_prefill_token_threshold: int = 256
+    # How many such long prompts may be part-way through their prefill at once. Two chunks deep into
+    # long prompts in one step double its attention cost (the step every running stream waits for);
+    # with one, shorter prompts pass a waiting long one instead of queueing behind it (vLLM's name).
+    max_long_partial_prefills: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
+                     "max_long_partial_prefills"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 

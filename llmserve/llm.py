@@ -35,6 +35,7 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
         long_prefill_token_threshold: int = SchedulerConfig.long_prefill_token_threshold,
+        max_long_partial_prefills: int = SchedulerConfig.max_long_partial_prefills,
         seed: int = 0,
         device: str = "cpu",
     ) -> None:
@@ -50,6 +51,7 @@ class LLM:
                 max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 long_prefill_token_threshold=long_prefill_token_threshold,
+                max_long_partial_prefills=max_long_partial_prefills,
             ),
         )
         self.engine = LLMEngine(self.engine_config)

@@ -3,9 +3,10 @@
 There is no prefill or decode phase. Each step, every scheduled request closes part of the gap
 between `num_computed_tokens` and its token count: running requests first (a decode is one token,
 an unfinished prompt a chunk), then waiting requests in arrival order while the budget, the
-sequence limit and the KV cache allow. When a running request cannot get a block, the newest
-running request is preempted: its blocks are freed and it goes back to the front of the queue to
-recompute. Nothing is dropped.
+sequence limit and the KV cache allow. Only `max_long_partial_prefills` prompts longer than one
+chunk are prefilled at a time; shorter prompts may pass a long one that waits for its turn. When a
+running request cannot get a block, the newest running request is preempted: its blocks are freed
+and it goes back to the front of the queue to recompute. Nothing is dropped.
 """
 
 from __future__ import annotations
@@ -57,11 +58,14 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
 
+        long_prefills = 0  # scheduled requests with more than one chunk of prompt left
+
         # 1. Running requests, oldest first; preempt from the newest end when blocks run out.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = self._num_new_tokens(req.num_computed_tokens, req.num_tokens, budget)
+            long_prefills += self._is_long(req.num_tokens - req.num_computed_tokens)
             while not self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim, out)
@@ -75,11 +79,17 @@ class Scheduler:
             break  # req itself was preempted; everything after it already was too
 
         # 2. Waiting requests in order, while nothing was preempted this step (no room then).
+        passed: list[Request] = []  # long prompts that wait for a long prefill to finish
         while self.waiting and budget > 0 and not out.preempted:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             req = self.waiting[0]
             hits, num_hit = self.kv_cache.get_computed_blocks(req.all_token_ids, req.block_hashes, req.cache_salt)
+            if self._is_long(req.num_tokens - num_hit):
+                if long_prefills >= self.config.max_long_partial_prefills:
+                    passed.append(self.waiting.popleft())
+                    continue
+                long_prefills += 1
             n = self._num_new_tokens(num_hit, req.num_tokens, budget)
             if not self.kv_cache.allocate_slots(req.request_id, num_hit + n, hits):
                 break
@@ -93,7 +103,11 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append((req, n))
             budget -= n
+        self.waiting.extendleft(reversed(passed))  # back in front, in their order
         return out
+
+    def _is_long(self, num_uncomputed: int) -> bool:
+        return num_uncomputed > self.config.long_prefill_token_threshold
 
     def _num_new_tokens(self, num_computed: int, num_tokens: int, budget: int) -> int:
         """Tokens to run now: all that remain, or a chunk within the budget and the long-prefill cap.

@@ -12,9 +12,12 @@ gathering a request's context for one KV head is a gather of whole rows of
 `[kv_heads, context, head_dim]`, ready for a batched matmul, with no transpose copy.
 
 Index tensors are built once per step by the model runner (`AttentionMetadata`) and shared by all
-layers. The flat token batch is ordered decodes first (one query token each), then prefill chunks.
-Decodes run as one padded batch with two batched matmuls, several times faster on CPU than SDPA for a
-one-token query; each prefill chunk runs on its own through SDPA (a step carries few of them).
+layers. The flat token batch is ordered decodes first (one query token each, shortest context first), then
+prefill chunks. Decodes run as padded batches with two batched matmuls each, several times faster on CPU
+than SDPA for a one-token query. They are split into a few groups of similar context length, so one long
+request does not pad every short one to its length (16 decodes at 200 tokens beside one at 2,000 would
+otherwise gather 5x the KV they need). Each prefill chunk runs on its own through SDPA (a step carries
+few of them).
 """
 
 from __future__ import annotations
@@ -40,12 +43,20 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Decodes `[start, end)` of the flat batch, attended as one padded batch."""
+
+    start: int
+    end: int
+    rows: torch.Tensor  # [B * kv_heads * max_blocks] rows to gather (padding: any valid block)
+    bias: torch.Tensor  # [B, num_heads, max_blocks * block_size], 0 or -inf (padding)
+
+
+@dataclass
 class AttentionMetadata:
     write_blocks: torch.Tensor  # [T] block of each new token
     write_offsets: torch.Tensor  # [T] its offset in the block
-    num_decodes: int  # the first num_decodes tokens are single-token decodes
-    decode_rows: torch.Tensor | None  # [B * kv_heads * max_blocks] rows to gather (padding: any valid block)
-    decode_bias: torch.Tensor | None  # [B, num_heads, max_blocks * block_size], 0 or -inf (padding)
+    decodes: list[DecodeGroup]  # single-token decodes, at the front of the batch
     prefills: list[PrefillSpan]
 
 
@@ -62,9 +73,8 @@ def paged_attention(
     k_cache[meta.write_blocks, :, meta.write_offsets] = k
     v_cache[meta.write_blocks, :, meta.write_offsets] = v
     out = torch.empty_like(q)
-    b = meta.num_decodes
-    if b:
-        out[:b] = _decode_attention(q[:b], k_cache, v_cache, meta, scale)
+    for group in meta.decodes:
+        out[group.start : group.end] = _decode_attention(q[group.start : group.end], k_cache, v_cache, group, scale)
     for span in meta.prefills:
         out[span.start : span.end] = _prefill_attention(q, k, v, k_cache, v_cache, span, scale)
     return out
@@ -77,16 +87,16 @@ def _rows(cache: torch.Tensor) -> torch.Tensor:
 
 
 def _decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: DecodeGroup, scale: float
 ) -> torch.Tensor:
     # GQA without copying K/V per query head: the G query heads that share a KV head become G query
     # rows against that head's keys: [B*kv_heads, G, D] x [B*kv_heads, D, ctx].
     b, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
-    keys = _rows(k_cache).index_select(0, meta.decode_rows).view(b * num_kv_heads, -1, head_dim)
-    values = _rows(v_cache).index_select(0, meta.decode_rows).view(b * num_kv_heads, -1, head_dim)
+    keys = _rows(k_cache).index_select(0, group.rows).view(b * num_kv_heads, -1, head_dim)
+    values = _rows(v_cache).index_select(0, group.rows).view(b * num_kv_heads, -1, head_dim)
     qg = q.reshape(b * num_kv_heads, num_heads // num_kv_heads, head_dim)
-    bias = meta.decode_bias.view(qg.shape[0], qg.shape[1], -1)
+    bias = group.bias.view(qg.shape[0], qg.shape[1], -1)
     scores = torch.baddbmm(bias, qg, keys.transpose(1, 2), alpha=scale)
     probs = scores.float().softmax(dim=-1).to(q.dtype)
     return torch.bmm(probs, values).view(b, num_heads, head_dim)

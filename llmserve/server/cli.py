@@ -61,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      default=SchedulerConfig.long_prefill_token_threshold,
                      help="largest prompt chunk one request runs per step; longer prompts are prefilled over "
                      "several steps so running streams keep flowing (default: %(default)s)")
+    eng.add_argument("--max-long-partial-prefills", type=int, default=SchedulerConfig.max_long_partial_prefills,
+                     help="prompts longer than the threshold prefilled at once; shorter prompts pass the others "
+                     "(default: %(default)s)")
     eng.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                      help="do not reuse the KV blocks of shared prompt prefixes (on by default)")
     eng.add_argument("--kv-cache-memory-gb", type=float, default=None,
@@ -89,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
                               enable_prefix_caching=args.enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                       max_num_batched_tokens=args.max_num_batched_tokens,
-                                      long_prefill_token_threshold=args.long_prefill_token_threshold),
+                                      long_prefill_token_threshold=args.long_prefill_token_threshold,
+                                      max_long_partial_prefills=args.max_long_partial_prefills),
         )
         if args.max_queued_requests is not None and args.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {args.max_queued_requests}")

@@ -41,7 +41,7 @@ def run_step(sched: Scheduler) -> dict[str, int]:
 def test_decodes_first_then_prompt_chunks_within_the_token_budget():
     kv = KVCacheManager(100, 4)
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10,
-                                      long_prefill_token_threshold=6), kv)
+                                      long_prefill_token_threshold=6, max_long_partial_prefills=2), kv)
     sched.add_request(make_request("a", 3))
     assert run_step(sched) == {"a": 3}
     sched.add_request(make_request("b", 20))
@@ -51,6 +51,27 @@ def test_decodes_first_then_prompt_chunks_within_the_token_budget():
     sched.add_request(make_request("c", 9))
     assert run_step(sched) == {"a": 1, "b": 4, "c": 4}  # c gets what is left (5), block-aligned
     assert run_step(sched) == {"a": 1, "b": 4, "c": 5}  # c's last chunk needs no alignment
+
+
+def test_one_long_prefill_at_a_time_and_short_prompts_pass_it():
+    kv = KVCacheManager(100, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=20, long_prefill_token_threshold=4), kv)
+    for rid, n in (("a", 12), ("b", 12), ("c", 3)):
+        sched.add_request(make_request(rid, n))
+    assert run_step(sched) == {"a": 4, "c": 3}  # b is long too: it waits for a's prefill, c passes it
+    assert [r.request_id for r in sched.waiting] == ["b"]
+    assert run_step(sched) == {"a": 4, "c": 1}
+    assert run_step(sched) == {"a": 4, "c": 1, "b": 4}  # a's last chunk is not long: b starts
+    assert run_step(sched) == {"a": 1, "c": 1, "b": 4}
+
+
+def test_long_prefills_limit_of_two_runs_both():
+    kv = KVCacheManager(100, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=20, long_prefill_token_threshold=4,
+                                      max_long_partial_prefills=2), kv)
+    for rid, n in (("a", 12), ("b", 12), ("c", 3)):
+        sched.add_request(make_request(rid, n))
+    assert run_step(sched) == {"a": 4, "b": 4, "c": 3}
 
 
 def test_max_num_seqs_limits_running_requests():
