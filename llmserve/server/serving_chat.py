@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -25,21 +24,18 @@ from llmserve.server.protocol import (
     TopLogprob,
 )
 from llmserve.server.serving_engine import (
-    ADMITTED,
-    SSE_DONE,
     SSE_HEADERS,
     Choice,
     ChoiceStreams,
     OpenAIServing,
     new_request_id,
     primed,
+    sse_events,
     token_logprobs,
     top_logprobs,
     unless_disconnected,
     usage,
 )
-
-logger = logging.getLogger(__name__)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -124,37 +120,22 @@ class OpenAIServingChat(OpenAIServing):
 
         sent_text = {c.index: 0 for c in choices}  # characters of each choice already sent
         sent_tokens = dict.fromkeys(sent_text, 0)
-        finals: dict[int, RequestOutput] = {}
-        await streams.__aenter__()  # admission: a refusal raises here, before the 200 goes out
-        try:
-            try:
-                yield ADMITTED
-                for c in choices:
-                    yield chunk(ChatStreamChoice(index=c.index, delta={"role": "assistant", "content": ""}))
-                async for batch in streams.batches():
-                    for index in sorted(batch):
-                        out = batch[index]
-                        completion = out.outputs[0]
-                        delta = completion.text[sent_text[index]:]
-                        lps = _logprobs(out, sent_tokens[index], num_logprobs)
-                        sent_text[index] = len(completion.text)
-                        sent_tokens[index] = len(completion.token_ids)
-                        if delta or (lps and lps.content):
-                            yield chunk(ChatStreamChoice(index=index, delta={"content": delta}, logprobs=lps))
-                        if out.finished:
-                            finals[index] = out
-                            yield chunk(ChatStreamChoice(index=index, delta={},
-                                                         finish_reason=completion.finish_reason))
-            finally:
-                await streams.aclose()  # a no-op when all finished; aborts the rest on disconnect
-            if include_usage:
-                yield chunk(None, usage(choices, finals))
-        except APIError as e:
-            yield e.sse_event()
-        except Exception as e:  # this stream fails alone; the headers are out, so the error goes in-band
-            logger.exception("chat stream %s failed", request_id)
-            yield APIError(500, f"internal server error ({type(e).__name__})").sse_event()
-        yield SSE_DONE
+
+        def render(index: int, out: RequestOutput) -> Iterator[str]:
+            completion = out.outputs[0]
+            delta = completion.text[sent_text[index]:]
+            lps = _logprobs(out, sent_tokens[index], num_logprobs)
+            sent_text[index] = len(completion.text)
+            sent_tokens[index] = len(completion.token_ids)
+            if delta or (lps and lps.content):
+                yield chunk(ChatStreamChoice(index=index, delta={"content": delta}, logprobs=lps))
+            if out.finished:
+                yield chunk(ChatStreamChoice(index=index, delta={}, finish_reason=completion.finish_reason))
+
+        intro = (chunk(ChatStreamChoice(index=c.index, delta={"role": "assistant", "content": ""})) for c in choices)
+        usage_event = (lambda finals: chunk(None, usage(choices, finals))) if include_usage else None
+        async for event in sse_events(streams, request_id, intro, render, usage_event):
+            yield event
 
 
 def _logprobs(out: RequestOutput, start: int, k: int | None) -> ChatChoiceLogprobs | None:

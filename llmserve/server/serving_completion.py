@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -14,21 +13,18 @@ from llmserve.outputs import RequestOutput
 from llmserve.server.errors import APIError
 from llmserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from llmserve.server.serving_engine import (
-    ADMITTED,
-    SSE_DONE,
     SSE_HEADERS,
     Choice,
     ChoiceStreams,
     OpenAIServing,
     new_request_id,
     primed,
+    sse_events,
     token_logprobs,
     top_logprobs,
     unless_disconnected,
     usage,
 )
-
-logger = logging.getLogger(__name__)
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -118,39 +114,23 @@ class OpenAIServingCompletion(OpenAIServing):
         sent_text = {c.index: 0 for c in choices}
         sent_tokens = dict.fromkeys(sent_text, 0)
         offsets = {c.index: len(echoes[c.index]) for c in choices}  # text_offset of the next token
-        finals: dict[int, RequestOutput] = {}
-        await streams.__aenter__()  # admission: a refusal raises here, before the 200 goes out
-        try:
-            try:
-                yield ADMITTED
-                for c in choices:
-                    if echoes[c.index]:
-                        yield chunk(CompletionChoice(index=c.index, text=echoes[c.index]))
-                async for batch in streams.batches():
-                    for index in sorted(batch):
-                        out = batch[index]
-                        completion = out.outputs[0]
-                        delta = completion.text[sent_text[index]:]
-                        lps = _logprobs(out, sent_tokens[index], request.logprobs, offsets[index])
-                        if lps is not None:
-                            offsets[index] += sum(len(t) for t in lps.tokens)
-                        sent_text[index] = len(completion.text)
-                        sent_tokens[index] = len(completion.token_ids)
-                        if out.finished:
-                            finals[index] = out
-                        if delta or (lps and lps.tokens) or out.finished:
-                            yield chunk(CompletionChoice(index=index, text=delta, logprobs=lps,
-                                                         finish_reason=completion.finish_reason))
-            finally:
-                await streams.aclose()  # a no-op when all finished; aborts the rest on disconnect
-            if include_usage:
-                yield chunk(None, usage(choices, finals))
-        except APIError as e:
-            yield e.sse_event()
-        except Exception as e:  # this stream fails alone; the headers are out, so the error goes in-band
-            logger.exception("completion stream %s failed", request_id)
-            yield APIError(500, f"internal server error ({type(e).__name__})").sse_event()
-        yield SSE_DONE
+
+        def render(index: int, out: RequestOutput) -> Iterator[str]:
+            completion = out.outputs[0]
+            delta = completion.text[sent_text[index]:]
+            lps = _logprobs(out, sent_tokens[index], request.logprobs, offsets[index])
+            if lps is not None:
+                offsets[index] += sum(len(t) for t in lps.tokens)
+            sent_text[index] = len(completion.text)
+            sent_tokens[index] = len(completion.token_ids)
+            if delta or (lps and lps.tokens) or out.finished:
+                yield chunk(CompletionChoice(index=index, text=delta, logprobs=lps,
+                                             finish_reason=completion.finish_reason))
+
+        intro = (chunk(CompletionChoice(index=c.index, text=echoes[c.index])) for c in choices if echoes[c.index])
+        usage_event = (lambda finals: chunk(None, usage(choices, finals))) if include_usage else None
+        async for event in sse_events(streams, request_id, intro, render, usage_event):
+            yield event
 
 
 def _logprobs(out: RequestOutput, start: int, k: int | None, offset: int) -> CompletionLogprobs | None:

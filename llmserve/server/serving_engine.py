@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -253,6 +253,43 @@ class ChoiceStreams:
             if first:
                 self._refused.append(e)
             self._queue.put_nowait((choice.index, e))
+
+
+async def sse_events(
+    streams: ChoiceStreams,
+    request_id: str,
+    intro: Iterable[str],
+    render: Callable[[int, RequestOutput], Iterable[str]],
+    usage_event: Callable[[dict[int, RequestOutput]], str] | None,
+) -> AsyncIterator[str]:
+    """The SSE life of one API request, whatever the endpoint: admission (a refusal raises before the 200
+    goes out), ADMITTED, the endpoint's intro events, `render(choice index, output)` for every engine
+    output in order, the usage event if asked for, [DONE]. A failure after the headers goes in-band and
+    ends this stream alone; a disconnect aborts the choices still running."""
+    finals: dict[int, RequestOutput] = {}
+    await streams.__aenter__()
+    try:
+        try:
+            yield ADMITTED
+            for event in intro:
+                yield event
+            async for batch in streams.batches():
+                for index in sorted(batch):
+                    out = batch[index]
+                    if out.finished:
+                        finals[index] = out
+                    for event in render(index, out):
+                        yield event
+        finally:
+            await streams.aclose()  # a no-op when all finished; aborts the rest on disconnect
+        if usage_event is not None:
+            yield usage_event(finals)
+    except APIError as e:
+        yield e.sse_event()
+    except Exception as e:
+        logger.exception("stream %s failed", request_id)
+        yield APIError(500, f"internal server error ({type(e).__name__})").sse_event()
+    yield SSE_DONE
 
 
 async def primed(events: AsyncIterator[str]) -> AsyncIterator[str]:
