@@ -89,6 +89,9 @@ class ModelRunner:
         dev, bs = self.device, self.block_size
         num_kv_heads, num_heads = self.config.num_kv_heads, self.config.num_heads
         write_blocks = block_table[row_of_token, positions // bs]
+        write_slots = ((write_blocks * num_kv_heads).unsqueeze(1) + torch.arange(num_kv_heads)) * bs + (
+            positions % bs
+        ).unsqueeze(1)  # [T, kv_heads]
         # rows of the (block, kv head) view of the cache, per request: [rows, kv_heads, max_blocks]
         head_rows = block_table.unsqueeze(1) * num_kv_heads + torch.arange(num_kv_heads).view(1, -1, 1)
         num_decodes = sum(1 for n in counts if n == 1)
@@ -112,9 +115,7 @@ class ModelRunner:
             # bottom-right causal: query i (position start + i) sees keys 0 .. start + i
             mask = torch.arange(ctx).unsqueeze(0) <= (torch.arange(n) + start).unsqueeze(1)
             prefills.append(PrefillSpan(first, first + n, rows, ctx, mask.to(dev)))
-        return AttentionMetadata(
-            write_blocks.to(dev), (positions % bs).to(dev), decodes, prefills
-        )
+        return AttentionMetadata(write_slots.flatten().to(dev), decodes, prefills)
 
     def _sampling_metadata(self, reqs: list[Request], vocab_size: int) -> SamplingMetadata:
         params = [r.params for r in reqs]

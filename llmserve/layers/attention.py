@@ -54,8 +54,9 @@ class DecodeGroup:
 
 @dataclass
 class AttentionMetadata:
-    write_blocks: torch.Tensor  # [T] block of each new token
-    write_offsets: torch.Tensor  # [T] its offset in the block
+    # [T * kv_heads]: where each new token's K/V row goes in the cache seen as [slots, head_dim]
+    # (slot = (block * kv_heads + head) * block_size + offset): one index_copy_ writes a whole step.
+    write_slots: torch.Tensor
     decodes: list[DecodeGroup]  # single-token decodes, at the front of the batch
     prefills: list[PrefillSpan]
 
@@ -70,8 +71,11 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend. Returns [T, num_heads, head_dim]."""
-    k_cache[meta.write_blocks, :, meta.write_offsets] = k
-    v_cache[meta.write_blocks, :, meta.write_offsets] = v
+    head_dim = k.shape[-1]
+    k_cache.view(-1, head_dim).index_copy_(0, meta.write_slots, k.reshape(-1, head_dim))
+    v_cache.view(-1, head_dim).index_copy_(0, meta.write_slots, v.reshape(-1, head_dim))
+    if len(meta.decodes) == 1 and not meta.prefills:  # the common decode-only step: no output copy
+        return _decode_attention(q, k_cache, v_cache, meta.decodes[0], scale)
     out = torch.empty_like(q)
     for group in meta.decodes:
         out[group.start : group.end] = _decode_attention(q[group.start : group.end], k_cache, v_cache, group, scale)
@@ -98,7 +102,7 @@ def _decode_attention(
     qg = q.reshape(b * num_kv_heads, num_heads // num_kv_heads, head_dim)
     bias = group.bias.view(qg.shape[0], qg.shape[1], -1)
     scores = torch.baddbmm(bias, qg, keys.transpose(1, 2), alpha=scale)
-    probs = scores.float().softmax(dim=-1).to(q.dtype)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.bmm(probs, values).view(b, num_heads, head_dim)
 
 

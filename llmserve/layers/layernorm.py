@@ -13,8 +13,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        x = x.float()
-        variance = x.pow(2).mean(-1, keepdim=True)
-        x = x * torch.rsqrt(variance + self.eps)
-        return self.weight * x.to(input_dtype)
+        # x * rsqrt(mean(x^2) + eps) in float32 (one fused kernel), rounded back, then the weight
+        normed = nn.functional.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return self.weight * normed.to(x.dtype)

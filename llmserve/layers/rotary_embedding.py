@@ -43,18 +43,20 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, head_dim]
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        # rotate-half negates the first half of the rotated vector; folding that sign into sin turns
+        # the rotation into a roll: rotate_half(x) * sin == x.roll(half) * signed_sin
+        signed_sin = emb.sin()
+        signed_sin[:, : head_dim // 2] *= -1
+        self.register_buffer("signed_sin_cache", signed_sin, persistent=False)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for these positions: [T, 1, head_dim], ready to broadcast over heads."""
+        """cos, signed sin for these positions: [T, 1, head_dim], ready to broadcast over heads."""
         return (
             self.cos_cache[positions].to(dtype).unsqueeze(1),
-            self.sin_cache[positions].to(dtype).unsqueeze(1),
+            self.signed_sin_cache[positions].to(dtype).unsqueeze(1),
         )
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim] (any strides); returns a new contiguous tensor."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

@@ -58,10 +58,11 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), *cos_sin)
-        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), *cos_sin)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        # q and k heads are adjacent columns of the fused projection: one rotary pass covers both
+        qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), *cos_sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(t, self.q_size))
 
