@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
 # Names only: importing torch here would make every `--help` pay for it.
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, see quantization/weight_only.py
 
 
 @dataclass(frozen=True)
@@ -29,10 +30,18 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
     device: str = "cpu"
+    # weight-only quantization of the linear layers: None, "int8" or "int4" (see quantization/)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in (None, *QUANTIZATION_METHODS):
+            raise ValueError(
+                f"quantization must be one of {list(QUANTIZATION_METHODS)} or None, got {self.quantization!r}"
+            )
+        if self.quantization is not None and not self.device.startswith("cpu"):
+            raise ValueError(f"quantization {self.quantization!r} has CPU kernels only, not {self.device!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

@@ -38,9 +38,11 @@ class LLM:
         max_long_partial_prefills: int = SchedulerConfig.max_long_partial_prefills,
         seed: int = 0,
         device: str = "cpu",
+        quantization: str | None = None,
     ) -> None:
         self.engine_config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, device=device),
+            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, device=device,
+                              quantization=quantization),
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory_gb=kv_cache_memory_gb,

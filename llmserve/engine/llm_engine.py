@@ -20,6 +20,7 @@ from llmserve.engine.scheduler import Scheduler
 from llmserve.kv_cache.kv_cache_manager import KVCacheManager
 from llmserve.loader import build_model, load_checkpoint
 from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
+from llmserve.quantization.weight_only import quantize_model
 from llmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,9 @@ class LLMEngine:
         logger.info("dtype %s (%s)", self.dtype, "chosen automatically" if mc.dtype == "auto" else "as asked")
         model = build_model(ckpt, self.dtype, mc.device)
         del ckpt
+        if mc.quantization:
+            quantize_model(model, mc.quantization)
+            logger.info("weights quantized: %s (linear layers), int8 output head", mc.quantization)
         self.max_model_len = min(mc.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         block_size = config.cache.block_size

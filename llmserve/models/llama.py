@@ -120,8 +120,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the rows that will be sampled."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(hidden, weight).float()
+        if self.lm_head is None:  # tied: the embedding matrix is the output head
+            return nn.functional.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up. Raises on missing or extra."""

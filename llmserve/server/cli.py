@@ -17,7 +17,7 @@ from types import FrameType
 
 import uvicorn
 
-from llmserve.config import SchedulerConfig
+from llmserve.config import QUANTIZATION_METHODS, SchedulerConfig
 
 API_KEY_ENV = "LLMSERVE_API_KEY"
 
@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng = parser.add_argument_group("engine")
     eng.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                      help="weight and activation dtype (default: auto: bfloat16 where the CPU has it natively)")
+    eng.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
+                     help="weight-only quantization of the linear layers, used for steps of few tokens "
+                          "(CPU; default: none, the weights as loaded)")
     eng.add_argument("--max-model-len", type=int, default=None,
                      help="longest prompt + output in tokens (default: the model's context length)")
     eng.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch (default: %(default)s)")
@@ -85,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         engine = EngineConfig(
-            model=ModelConfig(model=args.model or args.model_flag, dtype=args.dtype,
+            model=ModelConfig(model=args.model or args.model_flag, dtype=args.dtype, quantization=args.quantization,
                               max_model_len=args.max_model_len, seed=args.seed),
             cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
                               kv_cache_memory_fraction=args.kv_cache_memory_fraction,

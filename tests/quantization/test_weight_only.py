@@ -1,0 +1,80 @@
+"""Weight-only quantization: kernels agree with the dequantized weights, the Q4_1 model re-quantizes
+to its shipped values, and the int4 engine's greedy tokens equal transformers run on the same
+quantized weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from llmserve import LLM, SamplingParams
+from llmserve.config import ModelConfig
+from llmserve.evaluate.reference import reference_greedy
+from llmserve.quantization.weight_only import QUANTIZED_MAX_TOKENS, WeightOnlyLinear
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_equals_dequantized_weight(method, dtype):
+    torch.manual_seed(0)
+    weight = (torch.randn(96, 128) * 0.05).to(dtype)
+    layer = WeightOnlyLinear(weight, method)
+    x = torch.randn(QUANTIZED_MAX_TOKENS[method], 128).to(dtype)
+    kernel = layer(x)  # few tokens: the quantized kernel
+    dense = nn.functional.linear(x, layer.weight)  # what a large step computes
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(kernel.float(), dense.float(), rtol=tol, atol=tol)
+    # and the quantization error itself is what the format allows
+    err = (layer.weight.float() - weight.float()).abs().max()
+    assert 0 < err < (0.05 * 4 / 15 if method == "int4" else 0.05 * 4 / 127) + 1e-2
+
+
+def test_large_steps_use_the_dequantized_weight():
+    layer = WeightOnlyLinear(torch.randn(64, 64), "int4")
+    x = torch.randn(QUANTIZED_MAX_TOKENS["int4"] + 1, 64)
+    torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight))
+
+
+def test_q4_1_weights_requantize_to_their_shipped_values(llm_fp32: LLM):
+    # The embedded model is Q4_1: per group of 32, every weight is min + q * scale. Re-quantizing
+    # the loader's dequantized weights must find the same grid (fp32 rounding aside).
+    weight = llm_fp32.engine.runner.model.layers[0].mlp.down_proj.weight
+    layer = WeightOnlyLinear(weight, "int4")
+    scale = (weight.view(weight.shape[0], -1, 32).amax(-1) - weight.view(weight.shape[0], -1, 32).amin(-1)) / 15
+    assert (layer.weight - weight).abs().max() < 1e-3 * scale.max()
+
+
+def test_bad_quantization_is_refused():
+    with pytest.raises(ValueError, match="quantization"):
+        ModelConfig(quantization="int3")
+    with pytest.raises(ValueError, match="CPU"):
+        ModelConfig(quantization="int4", device="cuda")
+
+
+def _quantized_reference(hf_model, method: str):
+    """transformers' model with every linear weight replaced by our quantized values (head: int8)."""
+    import copy
+
+    ref = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        for module in ref.model.layers.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.copy_(WeightOnlyLinear(module.weight, method).weight)
+        head = WeightOnlyLinear(ref.model.embed_tokens.weight, "int8").weight
+        ref.lm_head.weight = nn.Parameter(head.clone())  # unties it from the embedding
+    return ref
+
+
+def test_int4_engine_matches_transformers_on_the_quantized_weights(hf_model, prompt_token_ids):
+    ref = _quantized_reference(hf_model, "int4")
+    expected = [reference_greedy(ref, ids, 32) for ids in prompt_token_ids]
+    llm = LLM(dtype="float32", quantization="int4", kv_cache_memory_gb=0.25, max_model_len=2048)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    # batched: prompts prefill through the dequantized weights, 8 decodes a step through the int4 kernel
+    outs = llm.generate(prompt_token_ids, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    # one at a time: every decode step is a single token
+    [single] = llm.generate([prompt_token_ids[5]], params, use_tqdm=False)
+    assert single.outputs[0].token_ids == expected[5]
+    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
