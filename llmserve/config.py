@@ -32,6 +32,9 @@ class ModelConfig:
     device: str = "cpu"
     # weight-only quantization of the linear layers: None, "int8" or "int4" (see quantization/)
     quantization: str | None = None
+    # torch.compile each decoder layer (attention stays eager): fewer, fused kernels per step, paid for
+    # with ~20-40 s of compilation at start-up (the engine warms up before it serves)
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:

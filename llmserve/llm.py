@@ -39,10 +39,11 @@ class LLM:
         seed: int = 0,
         device: str = "cpu",
         quantization: str | None = None,
+        compile: bool = False,
     ) -> None:
         self.engine_config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, device=device,
-                              quantization=quantization),
+                              quantization=quantization, compile=compile),
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory_gb=kv_cache_memory_gb,

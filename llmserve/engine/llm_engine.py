@@ -8,6 +8,7 @@ free finished requests' blocks) ▶ outputs. Everything a request can be refused
 from __future__ import annotations
 
 import logging
+import time
 
 import psutil
 import torch
@@ -17,8 +18,9 @@ from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.model_runner import ModelRunner
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.engine.scheduler import Scheduler
-from llmserve.kv_cache.kv_cache_manager import KVCacheManager
+from llmserve.kv_cache.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from llmserve.loader import build_model, load_checkpoint
+from llmserve.models.llama import compile_layers
 from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
 from llmserve.quantization.weight_only import quantize_model
 from llmserve.sampling_params import SamplingParams
@@ -49,6 +51,8 @@ class LLMEngine:
         block_size = config.cache.block_size
         num_blocks = self._num_kv_blocks()
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        if mc.compile:
+            compile_layers(model)
         self.runner = ModelRunner(model, self.model_config, num_blocks, block_size, self.dtype, mc.device)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.requests: dict[str, Request] = {}
@@ -57,6 +61,8 @@ class LLMEngine:
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); max_model_len %d",
             num_blocks, block_size, num_blocks * block_size, self.kv_cache_bytes / 2**30, self.max_model_len,
         )
+        if mc.compile:
+            self._warm_up()
 
     # --- public API -------------------------------------------------------------------------
 
@@ -167,6 +173,19 @@ class LLMEngine:
             self.config.cache.block_size * self.model_config.kv_bytes_per_token
             * torch.tensor([], dtype=self.dtype).element_size()
         )
+
+    def _warm_up(self) -> None:
+        """Compile before serving: one step of each shape class the compiled layers specialise on (one
+        token, a few tokens, more tokens than a quantized kernel takes), so no request pays for it."""
+        start = time.perf_counter()
+        greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        for batch in ([list(range(100, 140))], [list(range(200, 240)), list(range(300, 303))]):
+            for i, prompt in enumerate(batch):
+                self.add_request(f"warm-up-{len(batch)}-{i}", prompt, greedy)
+            while self.has_unfinished_requests():
+                self.step()
+        self.kv_cache.stats = PrefixCacheStats()  # the warm-up is nobody's traffic
+        logger.info("compiled and warmed up in %.1fs", time.perf_counter() - start)
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache

@@ -61,6 +61,9 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
 
 
+# Data-dependent Python (a loop over this step's decode groups and prefill spans): torch.compile
+# would re-trace it for every batch shape, so a compiled layer calls it as an opaque eager function.
+@torch.compiler.disable
 def paged_attention(
     q: torch.Tensor,  # [T, num_heads, head_dim]
     k: torch.Tensor,  # [T, num_kv_heads, head_dim]

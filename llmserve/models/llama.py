@@ -92,6 +92,16 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def compile_layers(model: nn.Module) -> None:
+    """torch.compile every decoder layer's forward, shapes dynamic in the token count.
+
+    Layers share one compiled graph (parameters are graph inputs), so compiling costs one layer's worth.
+    What it buys on CPU: the norms, rotary, SiLU-gating and residual adds become a few fused loops
+    instead of ~30 small kernels per layer, each with its own dispatch overhead."""
+    for layer in model.layers:
+        layer.forward = torch.compile(layer.forward, dynamic=True)
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
