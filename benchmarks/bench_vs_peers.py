@@ -79,6 +79,7 @@ class Engine:
     ready_path: str = "/v1/models"
     model: str | None = "smollm2"  # None: let `llmserve bench` ask GET /v1/models
     bench_args: tuple[str, ...] = ()
+    serve_flags: str = ""  # llmserve variants: flags appended to --llmserve-cmd
 
 
 PEER_ENGINES = (
@@ -138,7 +139,7 @@ class TreeMemory(threading.Thread):
 
 
 def why_unavailable(engine: Engine, args: argparse.Namespace, shared: Path | None) -> str | None:
-    if engine.name == "llmserve":
+    if engine.script is None:  # llmserve or a variant of it
         if args.llmserve_cmd == DEFAULT_LLMSERVE_CMD:
             import importlib.util
 
@@ -156,9 +157,10 @@ def why_unavailable(engine: Engine, args: argparse.Namespace, shared: Path | Non
 
 
 def start_command(engine: Engine, args: argparse.Namespace, shared: Path | None) -> str:
-    if engine.name == "llmserve":
-        return args.llmserve_cmd.format(python=shlex.quote(sys.executable), port=engine.port,
-                                        model=shlex.quote(str(args.peers / MODEL_DIR)))
+    if engine.script is None:  # llmserve or a variant of it
+        cmd = args.llmserve_cmd.format(python=shlex.quote(sys.executable), port=engine.port,
+                                       model=shlex.quote(str(args.peers / MODEL_DIR)))
+        return f"{cmd} {engine.serve_flags}".strip()
     assert shared is not None and engine.script is not None
     return shlex.quote(str(shared / engine.script))
 
@@ -390,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="start line for llmserve; {python}, {port}, {model} are filled in "
                          "(default %(default)r)")
     ap.add_argument("--llmserve-port", type=int, default=8010)
+    ap.add_argument("--llmserve-variant", action="append", default=[], metavar="NAME=FLAGS",
+                    help="one more llmserve engine, started with these extra serve flags, e.g. "
+                         "'llmserve-int4=--quantization int4 --compile'; name it in --engines (repeatable)")
     ap.add_argument("--tokenizer", default=None, help=f"default $PEERS/{MODEL_DIR}")
     ap.add_argument("--levels", default=LEVELS, help="concurrency:requests,... (default %(default)s)")
     ap.add_argument("--engine-levels", action="append", default=[], metavar="ENGINE=LEVELS",
@@ -429,6 +434,11 @@ def main(argv: list[str] | None = None) -> int:
     shared = args.shared_peers or find_shared_peers()
     engines = {e.name: e for e in PEER_ENGINES}
     engines["llmserve"] = Engine("llmserve", args.llmserve_port, model=None)
+    for item in args.llmserve_variant:
+        name, sep, flags = item.partition("=")
+        if not sep or not name.strip():
+            ap.error(f"--llmserve-variant {item!r}: use NAME=FLAGS")
+        engines[name.strip()] = Engine(name.strip(), args.llmserve_port, model=None, serve_flags=flags.strip())
     wanted = [n.strip() for n in args.engines.split(",") if n.strip()]
     unknown = [n for n in [*wanted, *overrides] if n not in engines]
     if unknown:
