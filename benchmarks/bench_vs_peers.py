@@ -434,11 +434,12 @@ def main(argv: list[str] | None = None) -> int:
     shared = args.shared_peers or find_shared_peers()
     engines = {e.name: e for e in PEER_ENGINES}
     engines["llmserve"] = Engine("llmserve", args.llmserve_port, model=None)
-    for item in args.llmserve_variant:
+    for i, item in enumerate(args.llmserve_variant, start=1):
         name, sep, flags = item.partition("=")
         if not sep or not name.strip():
             ap.error(f"--llmserve-variant {item!r}: use NAME=FLAGS")
-        engines[name.strip()] = Engine(name.strip(), args.llmserve_port, model=None, serve_flags=flags.strip())
+        # a port of its own: the previous server may still be releasing its port when this one starts
+        engines[name.strip()] = Engine(name.strip(), args.llmserve_port + i, model=None, serve_flags=flags.strip())
     wanted = [n.strip() for n in args.engines.split(",") if n.strip()]
     unknown = [n for n in [*wanted, *overrides] if n not in engines]
     if unknown:

@@ -88,7 +88,7 @@ def quantize_model(model: nn.Module, method: str) -> nn.Module:
     tied-embedding model an int8 output head (the embedding itself stays: a lookup reads one row)."""
     if method not in METHODS:
         raise ValueError(f"quantization must be one of {list(METHODS)}, got {method!r}")
-    for module in list(model.modules()):
+    for module in list(model.layers.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child.bias is None and child_name != "lm_head":
                 setattr(module, child_name, WeightOnlyLinear(child.weight, method))

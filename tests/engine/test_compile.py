@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from llmserve import LLM, SamplingParams
+from llmserve import LLM
+from tests.greedy import assert_greedy_equals
 
 
 def test_compiled_layers_match_transformers(prompt_token_ids, hf_reference):
@@ -10,9 +11,4 @@ def test_compiled_layers_match_transformers(prompt_token_ids, hf_reference):
     # the warm-up ran before serving and left nothing behind
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
     assert llm.engine.kv_cache.stats.queries == 0
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    outs = llm.generate(prompt_token_ids, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == hf_reference
-    [single] = llm.generate([prompt_token_ids[2]], params, use_tqdm=False)
-    assert single.outputs[0].token_ids == hf_reference[2]
-    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
+    assert_greedy_equals(llm, prompt_token_ids, hf_reference, single=2)

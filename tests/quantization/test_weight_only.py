@@ -8,10 +8,11 @@ import pytest
 import torch
 from torch import nn
 
-from llmserve import LLM, SamplingParams
+from llmserve import LLM
 from llmserve.config import ModelConfig
 from llmserve.evaluate.reference import reference_greedy
 from llmserve.quantization.weight_only import QUANTIZED_MAX_TOKENS, WeightOnlyLinear
+from tests.greedy import assert_greedy_equals
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
@@ -70,11 +71,5 @@ def test_int4_engine_matches_transformers_on_the_quantized_weights(hf_model, pro
     ref = _quantized_reference(hf_model, "int4")
     expected = [reference_greedy(ref, ids, 32) for ids in prompt_token_ids]
     llm = LLM(dtype="float32", quantization="int4", kv_cache_memory_gb=0.25, max_model_len=2048)
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    # batched: prompts prefill through the dequantized weights, 8 decodes a step through the int4 kernel
-    outs = llm.generate(prompt_token_ids, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == expected
-    # one at a time: every decode step is a single token
-    [single] = llm.generate([prompt_token_ids[5]], params, use_tqdm=False)
-    assert single.outputs[0].token_ids == expected[5]
-    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
+    # prompts prefill through the dequantized weights; 8 decodes a step, or one, through the int4 kernel
+    assert_greedy_equals(llm, prompt_token_ids, expected, single=5)
