@@ -98,6 +98,7 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=None, help="tokenizer for exact prompt lengths")
     ap.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
     ap.add_argument("--only", default="prefix,chunked,nohit,stall", help="comma-separated parts to run")
+    ap.add_argument("--chunked-flags", default="", help="serve flags of the chunked side (default: the defaults)")
     args = ap.parse_args()
     parts = set(args.only.split(","))
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -109,7 +110,7 @@ def main() -> None:
     if "prefix" in parts:
         lines += prefix_ttft(n, tok)
     if "chunked" in parts:
-        lines += chunked_itl(n, tok)
+        lines += chunked_itl(n, tok, args.chunked_flags.split())
     if "nohit" in parts:
         lines += no_hit_overhead(n, tok)
     if "stall" in parts:
@@ -133,10 +134,10 @@ def prefix_ttft(n: int, tok: list[str]) -> list[str]:
     return lines
 
 
-def chunked_itl(n: int, tok: list[str]) -> list[str]:
+def chunked_itl(n: int, tok: list[str], chunked_flags: list[str]) -> list[str]:
     lines = []
-    chunked, whole = run_pair([], ["--max-num-batched-tokens", "4096", "--long-prefill-token-threshold", "4096"],
-                              ("chunked", "unchunked"), [
+    one_step = ["--max-num-batched-tokens", "4096", "--long-prefill-token-threshold", "4096"]
+    chunked, whole = run_pair(chunked_flags, one_step, ("chunked", "unchunked"), [
         "--workload", "long-prompt-mix", "--concurrency", "16", "--num-requests", str(3 * n), "--warmup", "2", *tok])
     lc, lw = levels(chunked)[0], levels(whole)[0]
     lines.append(f"| chunked (A) vs one-step prefill (B), c=16 | ITL p99 ms | {lc['itl_p99_ms']:.0f} | "

@@ -41,6 +41,8 @@ class LlamaConfig:
 
 
 class LlamaAttention(nn.Module):
+    """The attention block's weights and its projections; the decoder layer runs the attention itself."""
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -50,21 +52,17 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, hidden]
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    def project(
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]  # x: [T, hidden]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, heads, head_dim] and k, v [T, kv_heads, head_dim], rotary applied to q and k."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         # q and k heads are adjacent columns of the fused projection: one rotary pass covers both
         qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), *cos_sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return q, k, v
 
 
 class LlamaMLP(nn.Module):
@@ -88,7 +86,12 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg)
 
     def forward(self, x, cos_sin, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
+        # self_attn's steps, spelled out here: paged attention is a compiled layer's one graph break,
+        # and a break inside a nested call would split the layer into four compiled regions, not two
+        attn = self.self_attn
+        q, k, v = attn.project(self.input_layernorm(x), cos_sin)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, attn.scale)
+        x = x + attn.o_proj(o.flatten(1))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
