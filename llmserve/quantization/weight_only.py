@@ -45,10 +45,6 @@ class WeightOnlyLinear(nn.Module):
         # the large-step path: the quantized values themselves, in the model dtype
         self.register_buffer("weight", dequantized.to(dtype))
 
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_quantized_tokens:
             return nn.functional.linear(x, self.weight)
