@@ -12,7 +12,6 @@ tokens equal to the unquantized model's, over the test prompts.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import sys
@@ -28,21 +27,8 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from conftest import PROMPT_TEXTS  # noqa: E402
 
-from llmserve.evaluate.reference import reference_greedy, reference_model  # noqa: E402
+from llmserve.evaluate.reference import quantized_reference, reference_greedy, reference_model  # noqa: E402
 from llmserve.loader import load_checkpoint  # noqa: E402
-from llmserve.quantization.weight_only import WeightOnlyLinear  # noqa: E402
-
-
-def quantized(model, method: str | None):
-    if method is None:
-        return model
-    ref = copy.deepcopy(model)
-    with torch.no_grad():
-        for module in ref.model.layers.modules():
-            if isinstance(module, nn.Linear):
-                module.weight.copy_(WeightOnlyLinear(module.weight, method).weight)
-        ref.lm_head.weight = nn.Parameter(WeightOnlyLinear(ref.model.embed_tokens.weight, "int8").weight.clone())
-    return ref
 
 
 @torch.inference_mode()
@@ -70,7 +56,7 @@ def main() -> None:
     rows = []
     for method in (None, "int8", "int4"):
         start = time.perf_counter()
-        model = quantized(base, method)
+        model = base if method is None else quantized_reference(base, method)
         ppl = perplexity(model, ids, args.window)
         tokens = [reference_greedy(model, p, 32) for p in prompts]
         baseline_tokens = baseline_tokens or tokens

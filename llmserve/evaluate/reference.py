@@ -28,6 +28,25 @@ def reference_model(model: str | None = None, dtype: torch.dtype = torch.float32
     ).eval()
 
 
+def quantized_reference(model, method: str):
+    """A copy of a transformers Llama model whose linear weights are exactly the values llmserve's
+    `--quantization method` computes with (the output head int8, untied from the embedding)."""
+    import copy
+
+    from torch import nn
+
+    from llmserve.quantization.weight_only import WeightOnlyLinear
+
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for module in ref.model.layers.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.copy_(WeightOnlyLinear(module.weight, method).weight)
+        head = WeightOnlyLinear(ref.model.embed_tokens.weight, "int8").weight
+        ref.lm_head.weight = nn.Parameter(head.clone())
+    return ref
+
+
 def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Greedy decoding with transformers' KV cache and no logits processors (EOS is not special)."""
     out_ids: list[int] = []

@@ -98,7 +98,8 @@ class LlamaDecoderLayer(nn.Module):
 def compile_layers(model: nn.Module) -> None:
     """torch.compile every decoder layer's forward, shapes dynamic in the token count.
 
-    Layers share one compiled graph (parameters are graph inputs), so compiling costs one layer's worth.
+    Layers share their compiled graphs (parameters are graph inputs; two per layer, split by the eager
+    attention), so compiling costs one layer's worth.
     What it buys on CPU: the norms, rotary, SiLU-gating and residual adds become a few fused loops
     instead of ~30 small kernels per layer, each with its own dispatch overhead."""
     for layer in model.layers:

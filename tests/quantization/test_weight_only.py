@@ -10,7 +10,7 @@ from torch import nn
 
 from llmserve import LLM
 from llmserve.config import ModelConfig
-from llmserve.evaluate.reference import reference_greedy
+from llmserve.evaluate.reference import quantized_reference, reference_greedy
 from llmserve.quantization.weight_only import QUANTIZED_MAX_TOKENS, WeightOnlyLinear
 from tests.greedy import assert_greedy_equals
 
@@ -53,22 +53,8 @@ def test_bad_quantization_is_refused():
         ModelConfig(quantization="int4", device="cuda")
 
 
-def _quantized_reference(hf_model, method: str):
-    """transformers' model with every linear weight replaced by our quantized values (head: int8)."""
-    import copy
-
-    ref = copy.deepcopy(hf_model)
-    with torch.no_grad():
-        for module in ref.model.layers.modules():
-            if isinstance(module, nn.Linear):
-                module.weight.copy_(WeightOnlyLinear(module.weight, method).weight)
-        head = WeightOnlyLinear(ref.model.embed_tokens.weight, "int8").weight
-        ref.lm_head.weight = nn.Parameter(head.clone())  # unties it from the embedding
-    return ref
-
-
 def test_int4_engine_matches_transformers_on_the_quantized_weights(hf_model, prompt_token_ids):
-    ref = _quantized_reference(hf_model, "int4")
+    ref = quantized_reference(hf_model, "int4")
     expected = [reference_greedy(ref, ids, 32) for ids in prompt_token_ids]
     llm = LLM(dtype="float32", quantization="int4", kv_cache_memory_gb=0.25, max_model_len=2048)
     # prompts prefill through the dequantized weights; 8 decodes a step, or one, through the int4 kernel
