@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 # Names only: importing torch here would make every `--help` pay for it.
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, see quantization/weight_only.py
+ATTENTION_BACKENDS = ("auto", "native", "torch")  # see layers/attention.py
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,17 @@ class ModelConfig:
     # torch.compile each decoder layer (attention stays eager): fewer, fused kernels per step, paid for
     # with ~20-40 s of compilation at start-up (the engine warms up before it serves)
     compile: bool = False
+    # decode attention: "native" = the C++ kernel of llmserve/kernels (CPU), "torch" = batched PyTorch ops,
+    # "auto" = native where it builds and runs (CPU), else torch
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
+            )
+        if self.attention_backend == "native" and not self.device.startswith("cpu"):
+            raise ValueError(f"the native attention kernel is CPU-only, not {self.device!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {list(DTYPES)}, got {self.dtype!r}")
         if self.quantization not in (None, *QUANTIZATION_METHODS):

@@ -40,10 +40,11 @@ class LLM:
         device: str = "cpu",
         quantization: str | None = None,
         compile: bool = False,
+        attention_backend: str = "auto",
     ) -> None:
         self.engine_config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, device=device,
-                              quantization=quantization, compile=compile),
+                              quantization=quantization, compile=compile, attention_backend=attention_backend),
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory_gb=kv_cache_memory_gb,

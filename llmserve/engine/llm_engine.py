@@ -18,6 +18,7 @@ from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.model_runner import ModelRunner
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.engine.scheduler import Scheduler
+from llmserve.kernels import load_cpu_kernels
 from llmserve.kv_cache.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from llmserve.loader import build_model, load_checkpoint
 from llmserve.models.llama import compile_layers
@@ -51,9 +52,13 @@ class LLMEngine:
         block_size = config.cache.block_size
         num_blocks = self._num_kv_blocks()
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
-        if mc.compile:
-            compile_layers(model)
-        self.runner = ModelRunner(model, self.model_config, num_blocks, block_size, self.dtype, mc.device)
+        native = self._native_attention()
+        if mc.compile and not native:
+            compile_layers(model)  # the PyTorch attention path: per layer, attention left eager
+        self.runner = ModelRunner(
+            model, self.model_config, num_blocks, block_size, self.dtype, mc.device, native,
+            compile_decode=mc.compile and native,
+        )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.requests: dict[str, Request] = {}
         self._backend_tokenizer = getattr(self.tokenizer, "backend_tokenizer", None) or self.tokenizer._tokenizer
@@ -63,6 +68,18 @@ class LLMEngine:
         )
         if mc.compile:
             self._warm_up()
+
+    def _native_attention(self) -> bool:
+        """Whether decodes use the native kernel: asked for, or "auto" on CPU where it builds."""
+        backend = self.config.model.attention_backend
+        if backend == "torch" or not self.config.model.device.startswith("cpu"):
+            return False
+        if load_cpu_kernels():
+            logger.info("attention: native CPU kernel for decodes")
+            return True
+        if backend == "native":
+            raise RuntimeError("attention_backend='native' but the native kernels could not be built (see the log)")
+        return False
 
     # --- public API -------------------------------------------------------------------------
 
@@ -175,16 +192,22 @@ class LLMEngine:
         )
 
     def _warm_up(self) -> None:
-        """Compile before serving: one step of each shape class the compiled layers specialise on (one
-        token, a few tokens, more tokens than a quantized kernel takes), so no request pays for it."""
+        """Compile before serving: one step of each shape class the compiled code specialises on (one
+        token, a few tokens, more tokens than a quantized kernel takes, alone and in decode batches of
+        those sizes), so no request pays for it."""
         start = time.perf_counter()
-        greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-        for batch in ([list(range(100, 140))], [list(range(200, 240)), list(range(300, 303))]):
+        greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        wide = min(17, self.config.scheduler.max_num_seqs)  # past the quantized kernels' 8 and 16 tokens
+        batches = ([list(range(100, 140))], [list(range(200, 240)), list(range(300, 303))],
+                   [list(range(400 + i, 420 + i)) for i in range(wide)])
+        for batch in batches:
             for i, prompt in enumerate(batch):
                 self.add_request(f"warm-up-{len(batch)}-{i}", prompt, greedy)
             while self.has_unfinished_requests():
                 self.step()
         self.kv_cache.stats = PrefixCacheStats()  # the warm-up is nobody's traffic
+        if self.runner.decode_graph:
+            self.runner.decode_graph.freeze()
         logger.info("compiled and warmed up in %.1fs", time.perf_counter() - start)
 
     def _num_kv_blocks(self) -> int:

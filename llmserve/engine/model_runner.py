@@ -9,11 +9,13 @@ only for the rows that sample (the last token of a request whose tokens are all 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from llmserve.engine.decode_graph import DecodeGraph
 from llmserve.engine.request import Request
 from llmserve.kv_cache.kv_cache_manager import KVCacheManager
-from llmserve.layers.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from llmserve.layers.attention import AttentionMetadata, DecodeBatch, DecodeGroup, PrefillSpan
 from llmserve.layers.sampler import SampledToken, SamplingMetadata, sample
 from llmserve.models.llama import LlamaConfig
 
@@ -27,8 +29,11 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: str,
+        native_attention: bool = False,
+        compile_decode: bool = False,
     ) -> None:
         self.model = model
+        self.native_attention = native_attention  # decodes through llmserve/kernels (needs them loaded)
         self.config = config
         self.block_size = block_size
         self.device = torch.device(device)
@@ -38,6 +43,8 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(config.num_layers)
         ]
+        # decode-only steps as one compiled graph (needs the native kernels; see decode_graph.py)
+        self.decode_graph = DecodeGraph(model, self.kv_caches) if compile_decode else None
 
     @torch.inference_mode()
     def execute(
@@ -64,9 +71,9 @@ class ModelRunner:
         positions = torch.arange(len(token_ids)) - first_token[row_of_token] + starts_t[row_of_token]
         meta = self._attention_metadata(block_table, row_of_token, positions, counts, starts, first_token.tolist())
         sample_rows = [i for i, r in enumerate(reqs) if starts[i] + counts[i] == r.num_tokens]
-        hidden = self.model(
-            torch.tensor(token_ids, device=dev), positions.to(dev), self.kv_caches, meta
-        )
+        decode_only = isinstance(meta.decodes, DecodeBatch) and not meta.prefills
+        forward = self.decode_graph if self.decode_graph and decode_only else self.model
+        hidden = forward(torch.tensor(token_ids, device=dev), positions.to(dev), self.kv_caches, meta)
         results: list[SampledToken | None] = [None] * len(scheduled)
         if not sample_rows:
             return results
@@ -86,8 +93,8 @@ class ModelRunner:
         starts: list[int],
         first_token: list[int],
     ) -> AttentionMetadata:
-        dev, bs = self.device, self.block_size
-        num_kv_heads, num_heads = self.config.num_kv_heads, self.config.num_heads
+        dev, bs, width = self.device, self.block_size, block_table.shape[1]
+        num_kv_heads = self.config.num_kv_heads
         write_blocks = block_table[row_of_token, positions // bs]
         write_slots = ((write_blocks * num_kv_heads).unsqueeze(1) + torch.arange(num_kv_heads)) * bs + (
             positions % bs
@@ -95,15 +102,17 @@ class ModelRunner:
         # rows of the (block, kv head) view of the cache, per request: [rows, kv_heads, max_blocks]
         head_rows = block_table.unsqueeze(1) * num_kv_heads + torch.arange(num_kv_heads).view(1, -1, 1)
         num_decodes = sum(1 for n in counts if n == 1)
-        decodes = []
-        for start, end in _decode_groups([-(-(c + 1) // bs) for c in starts[:num_decodes]]):
-            ctx = torch.tensor(starts[start:end]) + 1
-            max_blocks = -(-int(ctx[-1]) // bs)  # sorted: the last is the longest
-            rows = head_rows[start:end, :, :max_blocks].flatten().to(dev)
-            padding = torch.arange(max_blocks * bs) >= ctx.unsqueeze(1)  # [B, max_blocks * bs]
-            bias = torch.zeros(padding.shape, dtype=self.kv_caches[0][0].dtype).masked_fill_(padding, float("-inf"))
-            bias = bias.unsqueeze(1).expand(-1, num_heads, -1).contiguous().to(dev)
-            decodes.append(DecodeGroup(start, end, rows, bias))
+        if self.native_attention:
+            # at least 2 columns: a compiled graph specialises on a size of 1, and short contexts would
+            # otherwise need a variant of their own
+            table = block_table[:num_decodes] if width > 1 else F.pad(block_table[:num_decodes], (0, 1))
+            decodes: DecodeBatch | list[DecodeGroup] = DecodeBatch(
+                num_decodes,
+                table.to(device=dev, dtype=torch.int32),
+                torch.tensor(starts[:num_decodes], dtype=torch.int32, device=dev) + 1,
+            )
+        else:
+            decodes = self._decode_groups(head_rows, starts[:num_decodes])
         prefills = []
         for row in range(num_decodes, len(counts)):
             start, n, first = starts[row], counts[row], first_token[row]
@@ -116,6 +125,20 @@ class ModelRunner:
             mask = torch.arange(ctx).unsqueeze(0) <= (torch.arange(n) + start).unsqueeze(1)
             prefills.append(PrefillSpan(first, first + n, rows, ctx, mask.to(dev)))
         return AttentionMetadata(write_slots.flatten().to(dev), decodes, prefills)
+
+    def _decode_groups(self, head_rows: torch.Tensor, starts: list[int]) -> list[DecodeGroup]:
+        """The PyTorch path's decodes: padded groups of similar context length (see `_decode_groups`)."""
+        dev, bs, num_heads = self.device, self.block_size, self.config.num_heads
+        groups = []
+        for start, end in _decode_groups([-(-(c + 1) // bs) for c in starts]):
+            ctx = torch.tensor(starts[start:end]) + 1
+            max_blocks = -(-int(ctx[-1]) // bs)  # sorted: the last is the longest
+            rows = head_rows[start:end, :, :max_blocks].flatten().to(dev)
+            padding = torch.arange(max_blocks * bs) >= ctx.unsqueeze(1)  # [B, max_blocks * bs]
+            bias = torch.zeros(padding.shape, dtype=self.kv_caches[0][0].dtype).masked_fill_(padding, float("-inf"))
+            bias = bias.unsqueeze(1).expand(-1, num_heads, -1).contiguous().to(dev)
+            groups.append(DecodeGroup(start, end, rows, bias))
+        return groups
 
     def _sampling_metadata(self, reqs: list[Request], vocab_size: int) -> SamplingMetadata:
         params = [r.params for r in reqs]

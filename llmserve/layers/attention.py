@@ -13,11 +13,13 @@ gathering a request's context for one KV head is a gather of whole rows of
 
 Index tensors are built once per step by the model runner (`AttentionMetadata`) and shared by all
 layers. The flat token batch is ordered decodes first (one query token each, shortest context first), then
-prefill chunks. Decodes run as padded batches with two batched matmuls each, several times faster on CPU
-than SDPA for a one-token query. They are split into a few groups of similar context length, so one long
-request does not pad every short one to its length (16 decodes at 200 tokens beside one at 2,000 would
-otherwise gather 5x the KV they need). Each prefill chunk runs on its own through SDPA (a step carries
-few of them).
+prefill chunks. On CPU, decodes go to the native kernel (`llmserve/kernels/paged_attention.cpp`), which
+reads each request's blocks in place through its block table: no gathered copy, no padding, one call per
+layer. The PyTorch path (other devices, or no compiler) runs decodes as padded batches with two batched
+matmuls each, several times faster on CPU than SDPA for a one-token query. They are split into a few
+groups of similar context length, so one long request does not pad every short one to its length (16
+decodes at 200 tokens beside one at 2,000 would otherwise gather 5x the KV they need).
+Each prefill chunk runs on its own through SDPA (a step carries few of them).
 """
 
 from __future__ import annotations
@@ -53,17 +55,24 @@ class DecodeGroup:
 
 
 @dataclass
+class DecodeBatch:
+    """All decodes `[0, size)` of the flat batch, for the native kernel."""
+
+    size: int
+    block_table: torch.Tensor  # [B, max_blocks] int32, padded with block 0
+    context_lens: torch.Tensor  # [B] int32, the new token included
+
+
+@dataclass
 class AttentionMetadata:
     # [T * kv_heads]: where each new token's K/V row goes in the cache seen as [slots, head_dim]
     # (slot = (block * kv_heads + head) * block_size + offset): one index_copy_ writes a whole step.
     write_slots: torch.Tensor
-    decodes: list[DecodeGroup]  # single-token decodes, at the front of the batch
+    # single-token decodes, at the front of the batch: a DecodeBatch for the native kernel, else groups
+    decodes: DecodeBatch | list[DecodeGroup]
     prefills: list[PrefillSpan]
 
 
-# Data-dependent Python (a loop over this step's decode groups and prefill spans): torch.compile
-# would re-trace it for every batch shape, so a compiled layer calls it as an opaque eager function.
-@torch.compiler.disable
 def paged_attention(
     q: torch.Tensor,  # [T, num_heads, head_dim]
     k: torch.Tensor,  # [T, num_kv_heads, head_dim]
@@ -73,18 +82,51 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend. Returns [T, num_heads, head_dim]."""
+    """Write this step's K/V into the cache, then attend. Returns [T, num_heads, head_dim].
+
+    A decode-only step on the native kernels is two custom ops, which torch.compile keeps inside a
+    compiled layer's graph; every other step runs eagerly (a graph break)."""
+    if isinstance(meta.decodes, DecodeBatch) and not meta.prefills:
+        torch.ops.llmserve.write_kv(k, v, k_cache, v_cache, meta.write_slots)
+        return _native_decode(q, k_cache, v_cache, meta.decodes, scale)
+    return _paged_attention_eager(q, k, v, k_cache, v_cache, meta, scale)
+
+
+# Data-dependent Python (a loop over this step's decode groups and prefill spans): torch.compile
+# would re-trace it for every batch shape, so a compiled layer calls it as an opaque eager function.
+@torch.compiler.disable
+def _paged_attention_eager(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
     head_dim = k.shape[-1]
     k_cache.view(-1, head_dim).index_copy_(0, meta.write_slots, k.reshape(-1, head_dim))
     v_cache.view(-1, head_dim).index_copy_(0, meta.write_slots, v.reshape(-1, head_dim))
-    if len(meta.decodes) == 1 and not meta.prefills:  # the common decode-only step: no output copy
-        return _decode_attention(q, k_cache, v_cache, meta.decodes[0], scale)
-    out = torch.empty_like(q)
-    for group in meta.decodes:
-        out[group.start : group.end] = _decode_attention(q[group.start : group.end], k_cache, v_cache, group, scale)
+    decodes = meta.decodes
+    if isinstance(decodes, DecodeBatch):
+        out = torch.empty_like(q)
+        if decodes.size:
+            out[: decodes.size] = _native_decode(q[: decodes.size], k_cache, v_cache, decodes, scale)
+    elif len(decodes) == 1 and not meta.prefills:  # the common decode-only step: no output copy
+        return _decode_attention(q, k_cache, v_cache, decodes[0], scale)
+    else:
+        out = torch.empty_like(q)
+        for group in decodes:
+            out[group.start : group.end] = _decode_attention(q[group.start : group.end], k_cache, v_cache, group, scale)
     for span in meta.prefills:
         out[span.start : span.end] = _prefill_attention(q, k, v, k_cache, v_cache, span, scale)
     return out
+
+
+def _native_decode(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch, scale: float
+) -> torch.Tensor:
+    return torch.ops.llmserve.paged_decode_attention(q, k_cache, v_cache, batch.block_table, batch.context_lens, scale)
 
 
 def _rows(cache: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from types import FrameType
 
 import uvicorn
 
-from llmserve.config import QUANTIZATION_METHODS, SchedulerConfig
+from llmserve.config import ATTENTION_BACKENDS, QUANTIZATION_METHODS, SchedulerConfig
 
 API_KEY_ENV = "LLMSERVE_API_KEY"
 
@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "(CPU; default: none, the weights as loaded)")
     eng.add_argument("--compile", action="store_true",
                      help="torch.compile the decoder layers (faster steps; ~20-40 s more start-up)")
+    eng.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
+                     help="decode attention: native (the C++ CPU kernel), torch (PyTorch ops), or auto: native "
+                     "on CPU where it builds (default: %(default)s)")
     eng.add_argument("--max-model-len", type=int, default=None,
                      help="longest prompt + output in tokens (default: the model's context length)")
     eng.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch (default: %(default)s)")
@@ -91,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine = EngineConfig(
             model=ModelConfig(model=args.model or args.model_flag, dtype=args.dtype, quantization=args.quantization,
-                              compile=args.compile,
+                              compile=args.compile, attention_backend=args.attention_backend,
                               max_model_len=args.max_model_len, seed=args.seed),
             cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
                               kv_cache_memory_fraction=args.kv_cache_memory_fraction,

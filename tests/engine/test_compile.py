@@ -1,13 +1,21 @@
-"""torch.compile'd decoder layers: the same greedy tokens as transformers, in batched and single steps."""
+"""torch.compile'd engines: the same greedy tokens as transformers, in batched and single steps.
+
+Native attention compiles each decode-only step as one graph (engine/decode_graph.py); the PyTorch
+attention path compiles each decoder layer with attention left eager."""
 
 from __future__ import annotations
+
+import pytest
 
 from llmserve import LLM
 from tests.greedy import assert_greedy_equals
 
 
-def test_compiled_layers_match_transformers(prompt_token_ids, hf_reference):
-    llm = LLM(dtype="float32", compile=True, kv_cache_memory_gb=0.25, max_model_len=2048)
+@pytest.mark.parametrize("attention_backend", ["native", "torch"])
+def test_compiled_engine_matches_transformers(attention_backend, prompt_token_ids, hf_reference):
+    llm = LLM(dtype="float32", compile=True, attention_backend=attention_backend, kv_cache_memory_gb=0.25,
+              max_model_len=2048)
+    assert (llm.engine.runner.decode_graph is not None) == (attention_backend == "native")
     # the warm-up ran before serving and left nothing behind
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
     assert llm.engine.kv_cache.stats.queries == 0

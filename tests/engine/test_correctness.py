@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from llmserve import LLM, SamplingParams
+from tests.greedy import assert_greedy_equals
 
 GREEDY_64 = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 
@@ -47,3 +50,15 @@ def test_small_token_budget_chunks_prompts_and_keeps_outputs(prompt_token_ids, h
     outs = llm.generate(prompt_token_ids, GREEDY_64, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_reference
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
+
+
+def test_torch_attention_path_matches_transformers(prompt_token_ids, hf_reference):
+    # the fallback of the native kernel (other devices, no compiler) owes the same tokens
+    llm = LLM(dtype="float32", attention_backend="torch", kv_cache_memory_gb=0.25, max_model_len=2048)
+    assert not llm.engine.runner.native_attention
+    assert_greedy_equals(llm, prompt_token_ids, hf_reference, single=1)
+
+
+def test_bad_attention_backend_is_refused():
+    with pytest.raises(ValueError, match="attention_backend"):
+        LLM(attention_backend="flash")

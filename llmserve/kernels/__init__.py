@@ -1,0 +1,60 @@
+"""Native CPU kernels for the engine's hot path, built once on the machine that runs them.
+
+They are compiled with `torch.utils.cpp_extension` for this CPU (`-march=native`) at setup time
+(`python -m llmserve.kernels`, run by `scripts/setup.sh`) and cached, so the engine only loads a
+shared library. Where no compiler is available the engine runs the pure-PyTorch path instead, which
+the tests keep equal to the kernels on the same inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).with_name("paged_attention.cpp")]
+
+
+def build_directory() -> Path:
+    """Where the compiled library lives: per torch version, so an upgrade rebuilds instead of crashing."""
+    root = Path(os.environ.get("LLMSERVE_KERNEL_CACHE", Path.home() / ".cache" / "llmserve" / "kernels"))
+    path = root / f"torch-{torch.__version__}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@functools.cache
+def load_cpu_kernels() -> bool:
+    """Build (first call on a machine) and load the kernels; registers `torch.ops.llmserve.*`.
+    Returns False, with the reason logged, where they cannot be built: callers fall back to PyTorch."""
+    from torch.utils import cpp_extension
+
+    try:
+        cpp_extension.load(
+            name="llmserve_cpu_kernels",
+            sources=[str(s) for s in _SOURCES],
+            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_directory()),
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, a read-only cache: every one means "use PyTorch"
+        logger.warning("native CPU kernels unavailable, using the PyTorch attention path: %s", exc)
+        return False
+
+    # shapes for torch.compile, which keeps both ops inside its graphs
+    @torch.library.register_fake("llmserve::paged_decode_attention")
+    def _(q, k_cache, v_cache, block_table, context_lens, scale):
+        return torch.empty_like(q)
+
+    @torch.library.register_fake("llmserve::write_kv")
+    def _(k, v, k_cache, v_cache, slots):
+        return None
+
+    return True

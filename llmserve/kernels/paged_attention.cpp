@@ -1,0 +1,366 @@
+// Decode attention over the paged KV cache, for CPU: one query token per sequence.
+//
+// Why a kernel: the pure-PyTorch path gathers every sequence's K/V blocks into a padded copy, then runs
+// two batched matmuls over it, so each KV byte crosses memory three times, and every layer pays ~6 op
+// dispatches. At batch 32 the KV read per step is as large as the weights. Here each (sequence, KV head)
+// task reads its blocks in place through the block table, once; the G query heads that share the KV head
+// are scored together, so GQA costs no extra KV traffic. Blocks shared by a common prompt prefix are read
+// by many tasks and stay in cache.
+//
+// Layout (see layers/attention.py): cache [num_blocks, num_kv_heads, block_size, head_dim].
+// Scores, softmax and the weighted sum of V run in float32 whatever the cache dtype.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(double x) { return static_cast<float>(x); }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+template <typename T>
+void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& block_table, const at::Tensor& context_lens, double scale,
+                   at::Tensor& out) {
+  const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_table.size(1);
+  const T* q_ptr = q.data_ptr<T>();
+  const T* k_ptr = k_cache.data_ptr<T>();
+  const T* v_ptr = v_cache.data_ptr<T>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  T* out_ptr = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+  const int64_t head_stride = block_size * head_dim;  // one (block, kv head) row
+
+  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
+      const int64_t ctx = lens[b];
+      const int32_t* blocks = table + b * max_blocks;
+      for (int64_t g = 0; g < group; ++g) {
+        const T* src = q_ptr + (b * num_heads + h * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = to_float(src[d]) * fscale;
+      }
+      scores.resize(group * ctx);
+      // scores[g, t] = q_g . k_t
+      for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+        const T* kb = k_ptr + (static_cast<int64_t>(blocks[t0 / block_size]) * num_kv_heads + h) * head_stride;
+        const int64_t n = std::min(block_size, ctx - t0);
+        for (int64_t t = 0; t < n; ++t) {
+          const T* krow = kb + t * head_dim;
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = qf.data() + g * head_dim;
+            float s = 0.f;
+            for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * to_float(krow[d]);
+            scores[g * ctx + t0 + t] = s;
+          }
+        }
+      }
+      // softmax per query head
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * ctx;
+        float mx = -INFINITY;
+        for (int64_t t = 0; t < ctx; ++t) mx = std::max(mx, s[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < ctx; ++t) {
+          s[t] = std::exp(s[t] - mx);
+          sum += s[t];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
+      }
+      // acc[g] = sum_t p[g, t] v_t
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+        const T* vb = v_ptr + (static_cast<int64_t>(blocks[t0 / block_size]) * num_kv_heads + h) * head_stride;
+        const int64_t n = std::min(block_size, ctx - t0);
+        for (int64_t t = 0; t < n; ++t) {
+          const T* vrow = vb + t * head_dim;
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * ctx + t0 + t];
+            float* a = acc.data() + g * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(vrow[d]);
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        T* dst = out_ptr + (b * num_heads + h * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[g * head_dim + d]);
+      }
+    }
+  });
+}
+
+
+#if defined(__AVX512BF16__)
+// bf16 caches on CPUs with AVX512-BF16: dot products with vdpbf16ps (32 bf16 pairs per instruction).
+// Scores: each token's partial sums stay a 16-lane vector; 16 tokens are then summed lane-wise by a
+// transpose-reduce (15 permute-add steps instead of 16 horizontal reductions). Weighted sum of V: two
+// tokens' rows are interleaved so one vdpbf16ps applies (p_t, p_t+1) to (v_t[d], v_t+1[d]); the
+// probabilities are rounded to bf16 for it, as a bf16 matmul would.
+struct ReduceIndex {
+  __m512i lo[4], hi[4];
+  ReduceIndex() {
+    for (int level = 0; level < 4; ++level) {
+      const int span = 16 >> level, half = span / 2;  // lanes per token before this level, and after
+      alignas(64) int32_t l[16], h[16];
+      for (int j = 0; j < 16; ++j) {
+        const int jj = j % 8;
+        l[j] = (j < 8 ? 0 : 16) + (jj / half) * span + jj % half;
+        h[j] = l[j] + half;
+      }
+      lo[level] = _mm512_load_si512(l);
+      hi[level] = _mm512_load_si512(h);
+    }
+  }
+};
+
+// out[t] = sum of the 16 lanes of r[t], for t < 16 (r is overwritten)
+inline __m512 transpose_reduce16(__m512* r, const ReduceIndex& ix) {
+  for (int level = 0, n = 16; level < 4; ++level, n /= 2)
+    for (int i = 0; i < n / 2; ++i)
+      r[i] = _mm512_add_ps(_mm512_permutex2var_ps(r[2 * i], ix.lo[level], r[2 * i + 1]),
+                           _mm512_permutex2var_ps(r[2 * i], ix.hi[level], r[2 * i + 1]));
+  return r[0];
+}
+
+constexpr int64_t kMaxGroup = 8;   // query heads per KV head
+constexpr int64_t kMaxChunks = 8;  // head_dim / 32
+
+bool bf16_fast_path_fits(int64_t group, int64_t head_dim) {
+  return group <= kMaxGroup && head_dim % 32 == 0 && head_dim / 32 <= kMaxChunks;
+}
+
+void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_table, const at::Tensor& context_lens, double scale,
+                        at::Tensor& out) {
+  const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads, chunks = head_dim / 32;
+  const int64_t max_blocks = block_table.size(1);
+  const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
+  const auto* k_ptr = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+  const auto* v_ptr = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const float fscale = static_cast<float>(scale);
+  const int64_t head_stride = block_size * head_dim;
+  static const ReduceIndex reduce_index;
+  // acc lanes -> head_dim order (see the V loop): first/second 16 of each 32-wide chunk
+  alignas(64) int32_t order_a[16], order_b[16];
+  for (int m = 0; m < 16; ++m) {
+    const int j = m % 8;
+    order_a[m] = j < 4 ? 4 * (m / 8) + j : 16 + 4 * (m / 8) + j - 4;
+    order_b[m] = j < 4 ? 4 * (2 + m / 8) + j : 16 + 4 * (2 + m / 8) + j - 4;
+  }
+  const __m512i perm_a = _mm512_load_si512(order_a), perm_b = _mm512_load_si512(order_b);
+
+  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<uint16_t> probs;  // bf16, [group][ctx rounded up to even]
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
+      const int64_t ctx = lens[b], ctx2 = (ctx + 1) & ~int64_t(1);
+      const int32_t* blocks = table + b * max_blocks;
+      // walks the context token by token through the block table (no division per token)
+      struct Cursor {
+        const int32_t* block;
+        int64_t offset;
+      };
+      auto row = [&](const uint16_t* base, const Cursor& at) {
+        return base + (static_cast<int64_t>(*at.block) * num_kv_heads + h) * head_stride + at.offset * head_dim;
+      };
+      auto advance = [&](Cursor& at) {
+        if (++at.offset == block_size) {
+          at.offset = 0;
+          ++at.block;
+        }
+      };
+      __m512bh qv[kMaxGroup][kMaxChunks];
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t c = 0; c < chunks; ++c)
+          qv[g][c] = (__m512bh)_mm512_loadu_si512(q_ptr + (b * num_heads + h * group + g) * head_dim + c * 32);
+      scores.resize(group * ctx);
+      __m512 part[kMaxGroup][16];
+      Cursor k_at{blocks, 0};
+      for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+        const int64_t n = std::min<int64_t>(16, ctx - t0);
+        for (int64_t t = 0; t < 16; ++t) {
+          if (t >= n) {
+            for (int64_t g = 0; g < group; ++g) part[g][t] = _mm512_setzero_ps();
+            continue;
+          }
+          const uint16_t* krow = row(k_ptr, k_at);
+          advance(k_at);
+          __m512bh kv[kMaxChunks];
+          for (int64_t c = 0; c < chunks; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(krow + c * 32);
+          for (int64_t g = 0; g < group; ++g) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t c = 0; c < chunks; ++c) acc = _mm512_dpbf16_ps(acc, qv[g][c], kv[c]);
+            part[g][t] = acc;
+          }
+        }
+        const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+        for (int64_t g = 0; g < group; ++g)
+          _mm512_mask_storeu_ps(scores.data() + g * ctx + t0, mask,
+                                _mm512_mul_ps(transpose_reduce16(part[g], reduce_index), _mm512_set1_ps(fscale)));
+      }
+      probs.assign(group * ctx2, 0);
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * ctx;
+        float mx = -INFINITY;
+        for (int64_t t = 0; t < ctx; ++t) mx = std::max(mx, s[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < ctx; ++t) {
+          s[t] = std::exp(s[t] - mx);
+          sum += s[t];
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / sum);
+        uint16_t* p = probs.data() + g * ctx2;
+        for (int64_t t = 0; t < ctx; t += 16) {
+          const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, ctx - t)) - 1);
+          const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, s + t), inv);
+          _mm256_mask_storeu_epi16(p + t, mask, (__m256i)_mm512_cvtneps_pbh(x));
+        }
+      }
+      __m512 acc[kMaxGroup][2 * kMaxChunks];
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t c = 0; c < 2 * chunks; ++c) acc[g][c] = _mm512_setzero_ps();
+      Cursor v_at{blocks, 0};
+      for (int64_t t = 0; t < ctx; t += 2) {
+        const uint16_t* v0 = row(v_ptr, v_at);
+        advance(v_at);
+        const uint16_t* v1 = nullptr;
+        if (t + 1 < ctx) {
+          v1 = row(v_ptr, v_at);
+          advance(v_at);
+        }
+        __m512bh pp[kMaxGroup];
+        for (int64_t g = 0; g < group; ++g) {
+          uint32_t pair;
+          std::memcpy(&pair, probs.data() + g * ctx2 + t, sizeof(pair));
+          pp[g] = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair));
+        }
+        for (int64_t c = 0; c < chunks; ++c) {
+          const __m512i a = _mm512_loadu_si512(v0 + c * 32);
+          const __m512i b = v1 ? _mm512_loadu_si512(v1 + c * 32) : _mm512_setzero_si512();
+          const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+          for (int64_t g = 0; g < group; ++g) {
+            acc[g][2 * c] = _mm512_dpbf16_ps(acc[g][2 * c], lo, pp[g]);
+            acc[g][2 * c + 1] = _mm512_dpbf16_ps(acc[g][2 * c + 1], hi, pp[g]);
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        uint16_t* dst = out_ptr + (b * num_heads + h * group + g) * head_dim;
+        for (int64_t c = 0; c < chunks; ++c) {
+          const __m512 first = _mm512_permutex2var_ps(acc[g][2 * c], perm_a, acc[g][2 * c + 1]);
+          const __m512 second = _mm512_permutex2var_ps(acc[g][2 * c], perm_b, acc[g][2 * c + 1]);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c * 32), (__m256i)_mm512_cvtneps_pbh(first));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c * 32 + 16), (__m256i)_mm512_cvtneps_pbh(second));
+        }
+      }
+    }
+  });
+}
+#endif  // __AVX512BF16__
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_table, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "expected q [B, heads, head_dim] and caches [blocks, kv_heads, block_size, head_dim]");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode_attention is a CPU kernel");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(1) == 0,
+              "head_dim must match and heads must be a multiple of kv_heads");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
+              "block_table and context_lens must be int32");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == q.size(0) && context_lens.numel() == q.size(0),
+              "one block-table row and one context length per query");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  const at::Tensor qc = q.contiguous(), table = block_table.contiguous(), lens = context_lens.contiguous();
+  // a bad index would read outside the cache: check them all (a few hundred ints) before any work
+  const int64_t width = table.size(1), block_size = k_cache.size(2), num_blocks = k_cache.size(0);
+  const int32_t* tp = table.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < qc.size(0); ++b) {
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= width * block_size, "context length out of range for the block table");
+    for (int64_t i = 0; i < (lp[b] + block_size - 1) / block_size; ++i)
+      TORCH_CHECK(tp[b * width + i] >= 0 && tp[b * width + i] < num_blocks, "block id out of range");
+  }
+  at::Tensor out = at::empty_like(qc);
+#if defined(__AVX512BF16__)
+  if (qc.scalar_type() == at::kBFloat16 && bf16_fast_path_fits(qc.size(1) / k_cache.size(1), qc.size(2))) {
+    decode_kernel_bf16(qc, k_cache, v_cache, table, lens, scale, out);
+    return out;
+  }
+#endif
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    decode_kernel<scalar_t>(qc, k_cache, v_cache, table, lens, scale, out);
+  });
+  return out;
+}
+
+// k, v [T, kv_heads, head_dim] -> the caches seen as [slots, head_dim], one slot per (token, kv head).
+// An op of its own (not index_copy_ in Python) so a compiled model sees the cache write as one in-place op.
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slots) {
+  TORCH_CHECK(k.sizes() == v.sizes() && k.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "expected k, v [T, kv_heads, head_dim] and caches [blocks, kv_heads, block_size, head_dim]");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type(),
+              "k, v and the caches must share a dtype");
+  TORCH_CHECK(k.size(2) == k_cache.size(3) && k.size(1) == k_cache.size(1), "k/v heads must match the cache");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == k.size(0) * k.size(1),
+              "slots: one int64 per (token, kv head)");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  const at::Tensor kc = k.contiguous(), vc = v.contiguous(), sl = slots.contiguous();
+  const int64_t rows = sl.numel(), head_dim = k.size(2), num_slots = k_cache.numel() / head_dim;
+  const int64_t bytes = head_dim * k.element_size();
+  const int64_t* slot = sl.data_ptr<int64_t>();
+  auto* kd = static_cast<char*>(k_cache.data_ptr());
+  auto* vd = static_cast<char*>(v_cache.data_ptr());
+  const auto* ks = static_cast<const char*>(kc.data_ptr());
+  const auto* vs = static_cast<const char*>(vc.data_ptr());
+  for (int64_t r = 0; r < rows; ++r) TORCH_CHECK(slot[r] >= 0 && slot[r] < num_slots, "KV slot out of range");
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(kd + slot[r] * bytes, ks + r * bytes, bytes);
+    std::memcpy(vd + slot[r] * bytes, vs + r * bytes, bytes);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(llmserve, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+        "Tensor context_lens, float scale) -> Tensor");
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(llmserve, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("write_kv", &write_kv);
+}
