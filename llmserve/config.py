@@ -33,8 +33,9 @@ class ModelConfig:
     device: str = "cpu"
     # weight-only quantization of the linear layers: None, "int8" or "int4" (see quantization/)
     quantization: str | None = None
-    # torch.compile each decoder layer (attention stays eager): fewer, fused kernels per step, paid for
-    # with ~20-40 s of compilation at start-up (the engine warms up before it serves)
+    # torch.compile: with native attention, each decode-only step as one graph of the whole model
+    # (engine/decode_graph.py); with torch attention, each decoder layer (attention eager). Paid for with
+    # ~1-2 min of compilation at start-up (the engine warms up before it serves)
     compile: bool = False
     # decode attention: "native" = the C++ kernel of llmserve/kernels (CPU), "torch" = batched PyTorch ops,
     # "auto" = native where it builds and runs (CPU), else torch

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv with the CPU build of torch first (so nothing pulls the CUDA build), then llmserve
-# with its test extras, then the embedded default model, then the native kernels. Safe to run again: it only adds what's missing.
+# with its test extras, then the embedded default model, then the native kernels. Safe to run again:
+# it only adds what's missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

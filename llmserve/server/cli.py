@@ -56,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="weight-only quantization of the linear layers, used for steps of few tokens "
                           "(CPU; default: none, the weights as loaded)")
     eng.add_argument("--compile", action="store_true",
-                     help="torch.compile the decoder layers (faster steps; ~20-40 s more start-up)")
+                     help="torch.compile decode steps as one graph (native attention) or each decoder layer (torch "
+                     "attention): faster steps for ~1-2 min more start-up")
     eng.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
                      help="decode attention: native (the C++ CPU kernel), torch (PyTorch ops), or auto: native "
                      "on CPU where it builds (default: %(default)s)")
