@@ -20,3 +20,5 @@ def test_compiled_engine_matches_transformers(attention_backend, prompt_token_id
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
     assert llm.engine.kv_cache.stats.queries == 0
     assert_greedy_equals(llm, prompt_token_ids, hf_reference, single=2)
+    if attention_backend == "native":  # after warm-up, decode steps called the compiled code directly
+        assert {1, len(prompt_token_ids)} <= llm.engine.runner.decode_graph.direct_batch_sizes

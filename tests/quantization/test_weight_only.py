@@ -53,9 +53,10 @@ def test_bad_quantization_is_refused():
         ModelConfig(quantization="int4", device="cuda")
 
 
-def test_int4_engine_matches_transformers_on_the_quantized_weights(hf_model, prompt_token_ids):
+@pytest.mark.parametrize("compile", [False, True])
+def test_int4_engine_matches_transformers_on_the_quantized_weights(hf_model, prompt_token_ids, compile):
     ref = quantized_reference(hf_model, "int4")
     expected = [reference_greedy(ref, ids, 32) for ids in prompt_token_ids]
-    llm = LLM(dtype="float32", quantization="int4", kv_cache_memory_gb=0.25, max_model_len=2048)
+    llm = LLM(dtype="float32", quantization="int4", compile=compile, kv_cache_memory_gb=0.25, max_model_len=2048)
     # prompts prefill through the dequantized weights; 8 decodes a step, or one, through the int4 kernel
     assert_greedy_equals(llm, prompt_token_ids, expected, single=5)
