@@ -36,6 +36,18 @@ inline float to_float(c10::BFloat16 x) {
 }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
+// s[t] = exp(s[t] - max(s)) in place; returns 1 / sum(s), the softmax's normaliser
+inline float exp_shifted(float* s, int64_t n) {
+  float mx = -INFINITY;
+  for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+  float sum = 0.f;
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = std::exp(s[t] - mx);
+    sum += s[t];
+  }
+  return 1.f / sum;
+}
+
 template <typename T>
 void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& block_table, const at::Tensor& context_lens, double scale,
@@ -81,14 +93,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       // softmax per query head
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * ctx;
-        float mx = -INFINITY;
-        for (int64_t t = 0; t < ctx; ++t) mx = std::max(mx, s[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < ctx; ++t) {
-          s[t] = std::exp(s[t] - mx);
-          sum += s[t];
-        }
-        const float inv = 1.f / sum;
+        const float inv = exp_shifted(s, ctx);
         for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
       }
       // acc[g] = sum_t p[g, t] v_t
@@ -231,14 +236,7 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
       probs.assign(group * ctx2, 0);
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * ctx;
-        float mx = -INFINITY;
-        for (int64_t t = 0; t < ctx; ++t) mx = std::max(mx, s[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < ctx; ++t) {
-          s[t] = std::exp(s[t] - mx);
-          sum += s[t];
-        }
-        const __m512 inv = _mm512_set1_ps(1.f / sum);
+        const __m512 inv = _mm512_set1_ps(exp_shifted(s, ctx));
         uint16_t* p = probs.data() + g * ctx2;
         for (int64_t t = 0; t < ctx; t += 16) {
           const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, ctx - t)) - 1);
