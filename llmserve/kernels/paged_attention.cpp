@@ -19,9 +19,12 @@
 #endif
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -151,19 +154,24 @@ inline __m512 transpose_reduce16(__m512* r, const ReduceIndex& ix) {
   return r[0];
 }
 
-constexpr int64_t kMaxGroup = 8;   // query heads per KV head
-constexpr int64_t kMaxChunks = 8;  // head_dim / 32
+constexpr int kMaxGroup = 8;   // query heads per KV head
+constexpr int kMaxChunks = 4;  // head_dim / 32
 
 bool bf16_fast_path_fits(int64_t group, int64_t head_dim) {
-  return group <= kMaxGroup && head_dim % 32 == 0 && head_dim / 32 <= kMaxChunks;
+  return group >= 1 && group <= kMaxGroup && head_dim % 32 == 0 && head_dim / 32 >= 1 &&
+         head_dim / 32 <= kMaxChunks;
 }
 
+// The query heads per KV head (G) and the 32-wide chunks of head_dim (C) are template parameters: every
+// loop over them unrolls and the queries, partial sums and accumulators stay in registers (with runtime
+// bounds they lived on the stack and the loop control was a third of the kernel's time).
+template <int G, int C>
 void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_table, const at::Tensor& context_lens, double scale,
                         at::Tensor& out) {
-  const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  constexpr int64_t head_dim = 32 * C;
+  const int64_t batch = q.size(0), num_heads = q.size(1);
   const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads, chunks = head_dim / 32;
   const int64_t max_blocks = block_table.size(1);
   const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
   const auto* k_ptr = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
@@ -171,9 +179,10 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
   const int32_t* table = block_table.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const float fscale = static_cast<float>(scale);
+  const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
   const int64_t head_stride = block_size * head_dim;
   static const ReduceIndex reduce_index;
+  alignas(64) static const uint16_t zero_row[head_dim] = {};  // stands in for the tokens past the end
   // acc lanes -> head_dim order (see the V loop): first/second 16 of each 32-wide chunk
   alignas(64) int32_t order_a[16], order_b[16];
   for (int m = 0; m < 16; ++m) {
@@ -183,58 +192,52 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
   }
   const __m512i perm_a = _mm512_load_si512(order_a), perm_b = _mm512_load_si512(order_b);
 
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Tasks are taken from a shared counter rather than split in halves up front: contexts differ in
+  // length, and a static split leaves one thread waiting for the other.
+  const int64_t num_tasks = batch * num_kv_heads;
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> scores;
-    std::vector<uint16_t> probs;  // bf16, [group][ctx rounded up to even]
-    for (int64_t task = begin; task < end; ++task) {
+    std::vector<uint16_t> probs;  // bf16, [G][ctx rounded up to even]
+    for (int64_t task = next_task++; task < num_tasks; task = next_task++) {
       const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
       const int64_t ctx = lens[b], ctx2 = (ctx + 1) & ~int64_t(1);
       const int32_t* blocks = table + b * max_blocks;
       // walks the context token by token through the block table (no division per token)
-      struct Cursor {
-        const int32_t* block;
-        int64_t offset;
-      };
-      auto row = [&](const uint16_t* base, const Cursor& at) {
-        return base + (static_cast<int64_t>(*at.block) * num_kv_heads + h) * head_stride + at.offset * head_dim;
-      };
-      auto advance = [&](Cursor& at) {
-        if (++at.offset == block_size) {
-          at.offset = 0;
-          ++at.block;
+      const int32_t* block = blocks;
+      int64_t offset = 0;
+      auto next_row = [&](const uint16_t* base) {
+        const uint16_t* r = base + (static_cast<int64_t>(*block) * num_kv_heads + h) * head_stride + offset * head_dim;
+        if (++offset == block_size) {
+          offset = 0;
+          ++block;
         }
+        return r;
       };
-      __m512bh qv[kMaxGroup][kMaxChunks];
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t c = 0; c < chunks; ++c)
-          qv[g][c] = (__m512bh)_mm512_loadu_si512(q_ptr + (b * num_heads + h * group + g) * head_dim + c * 32);
-      scores.resize(group * ctx);
-      __m512 part[kMaxGroup][16];
-      Cursor k_at{blocks, 0};
+      __m512bh qv[G][C];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < C; ++c)
+          qv[g][c] = (__m512bh)_mm512_loadu_si512(q_ptr + (b * num_heads + h * G + g) * head_dim + c * 32);
+      scores.resize(G * ctx);
       for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, ctx - t0);
-        for (int64_t t = 0; t < 16; ++t) {
-          if (t >= n) {
-            for (int64_t g = 0; g < group; ++g) part[g][t] = _mm512_setzero_ps();
-            continue;
-          }
-          const uint16_t* krow = row(k_ptr, k_at);
-          advance(k_at);
-          __m512bh kv[kMaxChunks];
-          for (int64_t c = 0; c < chunks; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(krow + c * 32);
-          for (int64_t g = 0; g < group; ++g) {
-            __m512 acc = _mm512_setzero_ps();
-            for (int64_t c = 0; c < chunks; ++c) acc = _mm512_dpbf16_ps(acc, qv[g][c], kv[c]);
-            part[g][t] = acc;
-          }
-        }
+        const uint16_t* krow[16];
+        for (int t = 0; t < 16; ++t) krow[t] = t < n ? next_row(k_ptr) : zero_row;
         const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
-        for (int64_t g = 0; g < group; ++g)
+        for (int g = 0; g < G; ++g) {  // one head at a time: 16 partial sums fit in registers
+          __m512 part[16];
+          for (int t = 0; t < 16; ++t) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int c = 0; c < C; ++c)
+              acc = _mm512_dpbf16_ps(acc, qv[g][c], (__m512bh)_mm512_loadu_si512(krow[t] + c * 32));
+            part[t] = acc;
+          }
           _mm512_mask_storeu_ps(scores.data() + g * ctx + t0, mask,
-                                _mm512_mul_ps(transpose_reduce16(part[g], reduce_index), _mm512_set1_ps(fscale)));
+                                _mm512_mul_ps(transpose_reduce16(part, reduce_index), vscale));
+        }
       }
-      probs.assign(group * ctx2, 0);
-      for (int64_t g = 0; g < group; ++g) {
+      probs.assign(G * ctx2, 0);
+      for (int g = 0; g < G; ++g) {
         float* s = scores.data() + g * ctx;
         const __m512 inv = _mm512_set1_ps(exp_shifted(s, ctx));
         uint16_t* p = probs.data() + g * ctx2;
@@ -244,37 +247,32 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
           _mm256_mask_storeu_epi16(p + t, mask, (__m256i)_mm512_cvtneps_pbh(x));
         }
       }
-      __m512 acc[kMaxGroup][2 * kMaxChunks];
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t c = 0; c < 2 * chunks; ++c) acc[g][c] = _mm512_setzero_ps();
-      Cursor v_at{blocks, 0};
+      __m512 acc[G][2 * C];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < 2 * C; ++c) acc[g][c] = _mm512_setzero_ps();
+      block = blocks;
+      offset = 0;
       for (int64_t t = 0; t < ctx; t += 2) {
-        const uint16_t* v0 = row(v_ptr, v_at);
-        advance(v_at);
-        const uint16_t* v1 = nullptr;
-        if (t + 1 < ctx) {
-          v1 = row(v_ptr, v_at);
-          advance(v_at);
-        }
-        __m512bh pp[kMaxGroup];
-        for (int64_t g = 0; g < group; ++g) {
+        const uint16_t* v0 = next_row(v_ptr);
+        const uint16_t* v1 = t + 1 < ctx ? next_row(v_ptr) : zero_row;
+        __m512bh pp[G];
+        for (int g = 0; g < G; ++g) {
           uint32_t pair;
           std::memcpy(&pair, probs.data() + g * ctx2 + t, sizeof(pair));
           pp[g] = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(pair));
         }
-        for (int64_t c = 0; c < chunks; ++c) {
-          const __m512i a = _mm512_loadu_si512(v0 + c * 32);
-          const __m512i b = v1 ? _mm512_loadu_si512(v1 + c * 32) : _mm512_setzero_si512();
-          const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
-          for (int64_t g = 0; g < group; ++g) {
+        for (int c = 0; c < C; ++c) {
+          const __m512i a = _mm512_loadu_si512(v0 + c * 32), b2 = _mm512_loadu_si512(v1 + c * 32);
+          const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b2), hi = (__m512bh)_mm512_unpackhi_epi16(a, b2);
+          for (int g = 0; g < G; ++g) {
             acc[g][2 * c] = _mm512_dpbf16_ps(acc[g][2 * c], lo, pp[g]);
             acc[g][2 * c + 1] = _mm512_dpbf16_ps(acc[g][2 * c + 1], hi, pp[g]);
           }
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        uint16_t* dst = out_ptr + (b * num_heads + h * group + g) * head_dim;
-        for (int64_t c = 0; c < chunks; ++c) {
+      for (int g = 0; g < G; ++g) {
+        uint16_t* dst = out_ptr + (b * num_heads + h * G + g) * head_dim;
+        for (int c = 0; c < C; ++c) {
           const __m512 first = _mm512_permutex2var_ps(acc[g][2 * c], perm_a, acc[g][2 * c + 1]);
           const __m512 second = _mm512_permutex2var_ps(acc[g][2 * c], perm_b, acc[g][2 * c + 1]);
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c * 32), (__m256i)_mm512_cvtneps_pbh(first));
@@ -284,6 +282,23 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
     }
   });
 }
+
+using Bf16Kernel = void (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, double, at::Tensor&);
+
+template <int G, int... Cs>
+constexpr std::array<Bf16Kernel, sizeof...(Cs)> kernels_for_group(std::integer_sequence<int, Cs...>) {
+  return {&decode_kernel_bf16<G, Cs + 1>...};
+}
+
+template <int... Gs>
+constexpr auto bf16_kernel_table(std::integer_sequence<int, Gs...>) {
+  return std::array<std::array<Bf16Kernel, kMaxChunks>, sizeof...(Gs)>{
+      kernels_for_group<Gs + 1>(std::make_integer_sequence<int, kMaxChunks>{})...};
+}
+
+// [group - 1][head_dim / 32 - 1]
+constexpr auto kBf16Kernels = bf16_kernel_table(std::make_integer_sequence<int, kMaxGroup>{});
 #endif  // __AVX512BF16__
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -313,7 +328,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   at::Tensor out = at::empty_like(qc);
 #if defined(__AVX512BF16__)
   if (qc.scalar_type() == at::kBFloat16 && bf16_fast_path_fits(qc.size(1) / k_cache.size(1), qc.size(2))) {
-    decode_kernel_bf16(qc, k_cache, v_cache, table, lens, scale, out);
+    kBf16Kernels[qc.size(1) / k_cache.size(1) - 1][qc.size(2) / 32 - 1](qc, k_cache, v_cache, table, lens, scale, out);
     return out;
   }
 #endif
