@@ -20,6 +20,7 @@ from llmserve.engine.request import Request, RequestStatus
 from llmserve.engine.scheduler import Scheduler
 from llmserve.kernels import load_cpu_kernels
 from llmserve.kv_cache.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from llmserve.layers.linear import prepack_linears
 from llmserve.loader import build_model, load_checkpoint
 from llmserve.models.llama import compile_layers
 from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -47,6 +48,8 @@ class LLMEngine:
         if mc.quantization:
             quantize_model(model, mc.quantization)
             logger.info("weights quantized: %s (linear layers), int8 output head", mc.quantization)
+        if packed := prepack_linears(model):
+            logger.info("%d linear weights prepacked for oneDNN", packed)
         self.max_model_len = min(mc.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         block_size = config.cache.block_size

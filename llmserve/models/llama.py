@@ -116,7 +116,9 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:  # the embedding matrix is the output head: one shared parameter
+            self.lm_head.weight = self.embed_tokens.weight
 
     def forward(
         self,
@@ -134,8 +136,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the rows that will be sampled."""
-        if self.lm_head is None:  # tied: the embedding matrix is the output head
-            return nn.functional.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -146,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
             ".mlp.gate_up_proj.": (".mlp.gate_proj.", ".mlp.up_proj."),
         }
         remaining = {k.removeprefix("model."): v for k, v in weights.items()}
-        if self.lm_head is None:
+        if self.config.tie_word_embeddings:
             remaining.pop("lm_head.weight", None)
         loaded = set()
         for name, param in own.items():

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from llmserve.config import QUANTIZATION_METHODS as METHODS
+from llmserve.layers.linear import dense_linear
 
 INT4_GROUP_SIZE = 32
 # Steps with at most this many tokens use the quantized kernel (the crossover measured above).
@@ -44,10 +45,11 @@ class WeightOnlyLinear(nn.Module):
         self.register_buffer("scales", scales.to(dtype))
         # the large-step path: the quantized values themselves, in the model dtype
         self.register_buffer("weight", dequantized.to(dtype))
+        self.packed: torch.Tensor | None = None  # its oneDNN-packed copy, once `prepack_linears` made one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_quantized_tokens:
-            return nn.functional.linear(x, self.weight)
+            return dense_linear(self, x)
         if self.method == "int8":
             return torch._weight_int8pack_mm(x, self.qweight, self.scales)
         return torch._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP_SIZE, self.scales)
@@ -80,12 +82,11 @@ def _quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 
 def quantize_model(model: nn.Module, method: str) -> nn.Module:
-    """Replace every bias-free `nn.Linear` of the decoder layers by a `WeightOnlyLinear`, and give a
-    tied-embedding model an int8 output head (the embedding itself stays: a lookup reads one row)."""
+    """Replace every bias-free `nn.Linear` of the decoder layers by a `WeightOnlyLinear`, and give the
+    output head int8 weights (a tied embedding stays as it is: a lookup reads one row)."""
     for module in list(model.layers.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child.bias is None:
                 setattr(module, child_name, WeightOnlyLinear(child.weight, method))
-    head = model.embed_tokens if model.lm_head is None else model.lm_head
-    model.lm_head = WeightOnlyLinear(head.weight, "int8")
+    model.lm_head = WeightOnlyLinear(model.lm_head.weight, "int8")
     return model

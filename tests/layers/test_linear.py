@@ -1,0 +1,47 @@
+"""Prepacked dense linears: the same product as `F.linear`, bit for bit, eager and compiled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from llmserve.layers.linear import PackedLinear, packs, prepack_linears
+from llmserve.quantization.weight_only import WeightOnlyLinear
+
+pytestmark = pytest.mark.skipif(
+    not packs(torch.zeros(1, 1, dtype=torch.bfloat16)), reason="oneDNN runs no bf16 on this CPU"
+)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 7, 32, 300])
+def test_packed_linear_equals_f_linear(rows, bias):
+    torch.manual_seed(rows)
+    linear = nn.Linear(576, 960, bias=bias, dtype=torch.bfloat16)
+    packed = PackedLinear(linear)
+    assert packed.packed is not None and packed.weight is linear.weight  # shared, not copied
+    x = torch.randn(rows, 576, dtype=torch.bfloat16)
+    assert torch.equal(packed(x), nn.functional.linear(x, linear.weight, linear.bias))
+
+
+def test_prepack_linears_swaps_dense_layers_and_fills_quantized_ones():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(128, 64, bias=False, dtype=torch.bfloat16),
+        WeightOnlyLinear(torch.randn(32, 64, dtype=torch.bfloat16), "int4"),
+        nn.Linear(64, 8, dtype=torch.float32),  # not bf16: left as it is
+    )
+    x = torch.randn(40, 128, dtype=torch.bfloat16)  # 40 rows: the quantized layer's dense path
+    before = model[1](model[0](x))
+    assert prepack_linears(model) == 2
+    assert isinstance(model[0], PackedLinear) and model[1].packed is not None
+    assert isinstance(model[2], nn.Linear) and not isinstance(model[2], PackedLinear)
+    assert torch.equal(model[1](model[0](x)), before)
+
+
+def test_compiled_packed_linear_traces_the_plain_weight():
+    linear = PackedLinear(nn.Linear(64, 32, bias=False, dtype=torch.bfloat16))
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    compiled = torch.compile(linear, fullgraph=True)
+    torch.testing.assert_close(compiled(x), linear(x))
