@@ -51,6 +51,46 @@ inline float exp_shifted(float* s, int64_t n) {
   return 1.f / sum;
 }
 
+// One (sequence, KV head)'s context rows, token by token through its block table (no division per
+// token). Cache layout [num_blocks, num_kv_heads, block_size, head_dim].
+template <typename T>
+class RowWalker {
+ public:
+  RowWalker(const T* cache, const int32_t* blocks, int64_t kv_head, int64_t num_kv_heads, int64_t block_size,
+            int64_t head_dim)
+      : cache_(cache), block_(blocks), head_(kv_head), num_kv_heads_(num_kv_heads), block_size_(block_size),
+        head_dim_(head_dim) {}
+
+  const T* next() {
+    const T* row = cache_ + ((static_cast<int64_t>(*block_) * num_kv_heads_ + head_) * block_size_ + offset_) * head_dim_;
+    if (++offset_ == block_size_) {
+      offset_ = 0;
+      ++block_;
+    }
+    return row;
+  }
+
+ private:
+  const T* cache_;
+  const int32_t* block_;
+  int64_t head_, num_kv_heads_, block_size_, head_dim_, offset_ = 0;
+};
+
+// Runs the (sequence, KV head) tasks on torch's threads, each thread taking the next task from a shared
+// counter: contexts differ in length, and a static split leaves one thread waiting for the other.
+// `worker(next_task)` runs once per thread (so it can keep scratch buffers); next_task() returns -1 when
+// none is left.
+template <typename Worker>
+void run_tasks(int64_t num_tasks, const Worker& worker) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    worker([&] {
+      const int64_t task = next++;
+      return task < num_tasks ? task : int64_t{-1};
+    });
+  });
+}
+
 template <typename T>
 void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& block_table, const at::Tensor& context_lens, double scale,
@@ -66,11 +106,9 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   T* out_ptr = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
-  const int64_t head_stride = block_size * head_dim;  // one (block, kv head) row
-
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  run_tasks(batch * num_kv_heads, [&](auto next_task) {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task; (task = next_task()) >= 0;) {
       const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
       const int64_t ctx = lens[b];
       const int32_t* blocks = table + b * max_blocks;
@@ -80,17 +118,14 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       }
       scores.resize(group * ctx);
       // scores[g, t] = q_g . k_t
-      for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-        const T* kb = k_ptr + (static_cast<int64_t>(blocks[t0 / block_size]) * num_kv_heads + h) * head_stride;
-        const int64_t n = std::min(block_size, ctx - t0);
-        for (int64_t t = 0; t < n; ++t) {
-          const T* krow = kb + t * head_dim;
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = qf.data() + g * head_dim;
-            float s = 0.f;
-            for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * to_float(krow[d]);
-            scores[g * ctx + t0 + t] = s;
-          }
+      RowWalker<T> k_rows(k_ptr, blocks, h, num_kv_heads, block_size, head_dim);
+      for (int64_t t = 0; t < ctx; ++t) {
+        const T* krow = k_rows.next();
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qf.data() + g * head_dim;
+          float s = 0.f;
+          for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * to_float(krow[d]);
+          scores[g * ctx + t] = s;
         }
       }
       // softmax per query head
@@ -101,16 +136,13 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       }
       // acc[g] = sum_t p[g, t] v_t
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-        const T* vb = v_ptr + (static_cast<int64_t>(blocks[t0 / block_size]) * num_kv_heads + h) * head_stride;
-        const int64_t n = std::min(block_size, ctx - t0);
-        for (int64_t t = 0; t < n; ++t) {
-          const T* vrow = vb + t * head_dim;
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * ctx + t0 + t];
-            float* a = acc.data() + g * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(vrow[d]);
-          }
+      RowWalker<T> v_rows(v_ptr, blocks, h, num_kv_heads, block_size, head_dim);
+      for (int64_t t = 0; t < ctx; ++t) {
+        const T* vrow = v_rows.next();
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * ctx + t];
+          float* a = acc.data() + g * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(vrow[d]);
         }
       }
       for (int64_t g = 0; g < group; ++g) {
@@ -180,7 +212,6 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
-  const int64_t head_stride = block_size * head_dim;
   static const ReduceIndex reduce_index;
   alignas(64) static const uint16_t zero_row[head_dim] = {};  // stands in for the tokens past the end
   // acc lanes -> head_dim order (see the V loop): first/second 16 of each 32-wide chunk
@@ -192,28 +223,15 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
   }
   const __m512i perm_a = _mm512_load_si512(order_a), perm_b = _mm512_load_si512(order_b);
 
-  // Tasks are taken from a shared counter rather than split in halves up front: contexts differ in
-  // length, and a static split leaves one thread waiting for the other.
-  const int64_t num_tasks = batch * num_kv_heads;
-  std::atomic<int64_t> next_task{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  run_tasks(batch * num_kv_heads, [&](auto next_task) {
     std::vector<float> scores;
     std::vector<uint16_t> probs;  // bf16, [G][ctx rounded up to even]
-    for (int64_t task = next_task++; task < num_tasks; task = next_task++) {
+    for (int64_t task; (task = next_task()) >= 0;) {
       const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
       const int64_t ctx = lens[b], ctx2 = (ctx + 1) & ~int64_t(1);
       const int32_t* blocks = table + b * max_blocks;
-      // walks the context token by token through the block table (no division per token)
-      const int32_t* block = blocks;
-      int64_t offset = 0;
-      auto next_row = [&](const uint16_t* base) {
-        const uint16_t* r = base + (static_cast<int64_t>(*block) * num_kv_heads + h) * head_stride + offset * head_dim;
-        if (++offset == block_size) {
-          offset = 0;
-          ++block;
-        }
-        return r;
-      };
+      RowWalker<uint16_t> k_rows(k_ptr, blocks, h, num_kv_heads, block_size, head_dim);
+      RowWalker<uint16_t> v_rows(v_ptr, blocks, h, num_kv_heads, block_size, head_dim);
       __m512bh qv[G][C];
       for (int g = 0; g < G; ++g)
         for (int c = 0; c < C; ++c)
@@ -222,7 +240,7 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
       for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, ctx - t0);
         const uint16_t* krow[16];
-        for (int t = 0; t < 16; ++t) krow[t] = t < n ? next_row(k_ptr) : zero_row;
+        for (int t = 0; t < 16; ++t) krow[t] = t < n ? k_rows.next() : zero_row;
         const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
         for (int g = 0; g < G; ++g) {  // one head at a time: 16 partial sums fit in registers
           __m512 part[16];
@@ -250,11 +268,9 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
       __m512 acc[G][2 * C];
       for (int g = 0; g < G; ++g)
         for (int c = 0; c < 2 * C; ++c) acc[g][c] = _mm512_setzero_ps();
-      block = blocks;
-      offset = 0;
       for (int64_t t = 0; t < ctx; t += 2) {
-        const uint16_t* v0 = next_row(v_ptr);
-        const uint16_t* v1 = t + 1 < ctx ? next_row(v_ptr) : zero_row;
+        const uint16_t* v0 = v_rows.next();
+        const uint16_t* v1 = t + 1 < ctx ? v_rows.next() : zero_row;
         __m512bh pp[G];
         for (int g = 0; g < G; ++g) {
           uint32_t pair;
