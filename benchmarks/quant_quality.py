@@ -27,7 +27,13 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from conftest import PROMPT_TEXTS  # noqa: E402
 
-from llmserve.evaluate.reference import quantized_reference, reference_greedy, reference_model  # noqa: E402
+from llmserve import LLM  # noqa: E402
+from llmserve.evaluate.reference import (  # noqa: E402
+    int8_activation_reference,
+    quantized_reference,
+    reference_greedy,
+    reference_model,
+)
 from llmserve.loader import load_checkpoint  # noqa: E402
 
 
@@ -54,9 +60,15 @@ def main() -> None:
     base = reference_model(None, torch.float32)
     baseline_tokens = None
     rows = []
-    for method in (None, "int8", "int4"):
+    for method in (None, "int8", "int4", "int4 + int8 activations"):
         start = time.perf_counter()
-        model = base if method is None else quantized_reference(base, method)
+        if method is None:
+            model = base
+        elif method.endswith("int8 activations"):  # the served layers after calibration, on every step
+            served = LLM(dtype="float32", quantization="int4", int8_activations=True, kv_cache_memory_gb=0.1)
+            model = int8_activation_reference(base, served.engine.runner.model, "int4", max_tokens=0)
+        else:
+            model = quantized_reference(base, method)
         ppl = perplexity(model, ids, args.window)
         tokens = [reference_greedy(model, p, 32) for p in prompts]
         baseline_tokens = baseline_tokens or tokens

@@ -39,12 +39,14 @@ class LLM:
         seed: int = 0,
         device: str = "cpu",
         quantization: str | None = None,
+        int8_activations: bool = False,
         compile: bool = False,
         attention_backend: str = "auto",
     ) -> None:
         self.engine_config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, device=device,
-                              quantization=quantization, compile=compile, attention_backend=attention_backend),
+                              quantization=quantization, int8_activations=int8_activations,
+                              compile=compile, attention_backend=attention_backend),
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory_gb=kv_cache_memory_gb,

@@ -24,7 +24,8 @@ from llmserve.layers.linear import prepack_linears
 from llmserve.loader import build_model, load_checkpoint
 from llmserve.models.llama import compile_layers
 from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
-from llmserve.quantization.weight_only import quantize_model
+from llmserve.quantization.int8_activations import calibration_prompts, record_input_ranges
+from llmserve.quantization.weight_only import WeightOnlyLinear, quantize_model
 from llmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,8 @@ class LLMEngine:
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); max_model_len %d",
             num_blocks, block_size, num_blocks * block_size, self.kv_cache_bytes / 2**30, self.max_model_len,
         )
+        if mc.int8_activations:
+            self._calibrate_int8_activations()
         if mc.compile:
             self._warm_up()
 
@@ -193,6 +196,24 @@ class LLMEngine:
             self.config.cache.block_size * self.model_config.kv_bytes_per_token
             * torch.tensor([], dtype=self.dtype).element_size()
         )
+
+    def _calibrate_int8_activations(self) -> None:
+        """Measure each decoder linear's input range on the calibration prompts (run as requests, so
+        through this engine's own forward pass), then switch those layers' large steps to int8 x int8."""
+        start = time.perf_counter()
+        layers = {name: m for name, m in self.runner.model.layers.named_modules() if isinstance(m, WeightOnlyLinear)}
+        greedy = SamplingParams(temperature=0, max_tokens=1)
+        with record_input_ranges(layers) as absmax:
+            for i, text in enumerate(calibration_prompts()):
+                prompt = self.apply_chat_template([{"role": "user", "content": text}]) if self.chat_template else text
+                # salted: these blocks were computed before the switch, no request may reuse them
+                self.add_request(f"calibration-{i}", prompt, greedy, cache_salt="int8-calibration")
+            while self.has_unfinished_requests():
+                self.step()
+        for name, layer in layers.items():
+            layer.use_int8_activations(absmax[name])
+        self.kv_cache.stats = PrefixCacheStats()
+        logger.info("int8 activations: %d layers calibrated in %.1fs", len(layers), time.perf_counter() - start)
 
     def _warm_up(self) -> None:
         """Compile before serving: one step of each shape class the compiled code specialises on (one

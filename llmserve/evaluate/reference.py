@@ -47,6 +47,51 @@ def quantized_reference(model, method: str):
     return ref
 
 
+def int8_activation_reference(model, served: torch.nn.Module, method: str, max_tokens: int | None = None):
+    """A copy of a transformers Llama model that computes every decoder projection as `served` (our
+    model, after `--quantization method --int8-activations` calibrated it) does: inputs of more than
+    `max_tokens` rows through the served int8 x int8 layer, fewer through the `method` quantized weight.
+    None: the served layers' own limit."""
+    from llmserve.quantization.weight_only import QUANTIZED_MAX_TOKENS
+
+    limit = QUANTIZED_MAX_TOKENS[method] if max_tokens is None else max_tokens
+    ref = quantized_reference(model, method)
+    for layer, ours in zip(ref.model.layers, served.layers, strict=True):
+        attn, mlp = layer.self_attn, layer.mlp
+        q, kv, inter = ours.self_attn.q_size, ours.self_attn.kv_size, ours.mlp.intermediate_size
+        for owner, name, fused, cols in (
+            (attn, "q_proj", ours.self_attn.qkv_proj, slice(0, q)),
+            (attn, "k_proj", ours.self_attn.qkv_proj, slice(q, q + kv)),
+            (attn, "v_proj", ours.self_attn.qkv_proj, slice(q + kv, q + 2 * kv)),
+            (attn, "o_proj", ours.self_attn.o_proj, slice(None)),
+            (mlp, "gate_proj", ours.mlp.gate_up_proj, slice(0, inter)),
+            (mlp, "up_proj", ours.mlp.gate_up_proj, slice(inter, 2 * inter)),
+            (mlp, "down_proj", ours.mlp.down_proj, slice(None)),
+        ):
+            setattr(owner, name, _ServedInt8Projection(getattr(owner, name), fused, cols, limit))
+    return ref
+
+
+class _ServedInt8Projection(torch.nn.Module):
+    """One transformers projection computed through our fused layer's int8 x int8 path (its columns
+    `cols`) above `limit` rows, through its own quantized weight at or below."""
+
+    def __init__(self, dense: torch.nn.Linear, served: torch.nn.Module, cols: slice, limit: int) -> None:
+        super().__init__()
+        self.dense, self.served, self.cols, self.limit = dense, served, cols, limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from llmserve.quantization.int8_activations import int8_linear
+
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] <= self.limit:
+            return self.dense(x)
+        s = self.served
+        y = int8_linear(rows.to(s.smooth_inv.dtype), s.smooth_inv, s.int8_weight, s.int8_scales, s.int8_zeros,
+                        s.int8_packed)
+        return y[:, self.cols].to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
 def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Greedy decoding with transformers' KV cache and no logits processors (EOS is not special)."""
     out_ids: list[int] = []

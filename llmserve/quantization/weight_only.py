@@ -20,6 +20,7 @@ from torch import nn
 
 from llmserve.config import QUANTIZATION_METHODS as METHODS
 from llmserve.layers.linear import dense_linear
+from llmserve.quantization.int8_activations import int8_linear, pack_int8_weight, smoothing_scales
 
 INT4_GROUP_SIZE = 32
 # Steps with at most this many tokens use the quantized kernel (the crossover measured above).
@@ -46,9 +47,29 @@ class WeightOnlyLinear(nn.Module):
         # the large-step path: the quantized values themselves, in the model dtype
         self.register_buffer("weight", dequantized.to(dtype))
         self.packed: torch.Tensor | None = None  # its oneDNN-packed copy, once `prepack_linears` made one
+        # or, once `use_int8_activations` ran, the large-step path is int8 x int8 (see int8_activations.py)
+        self.register_buffer("int8_weight", None)
+        self.register_buffer("int8_scales", None)
+        self.register_buffer("int8_zeros", None)
+        self.register_buffer("smooth_inv", None)
+        self.int8_packed: torch.Tensor | None = None
+
+    def use_int8_activations(self, act_absmax: torch.Tensor) -> None:
+        """Large steps from now on: SmoothQuant-smoothed int8 weights x per-token int8 activations, given
+        the largest |input| seen per channel. The dense weight and its packed copy are released."""
+        with torch.no_grad():
+            smooth = smoothing_scales(act_absmax, self.weight)
+            qweight, scales, _ = _quantize_int8(self.weight.float() * smooth)
+        self.int8_weight, self.int8_scales, self.smooth_inv = qweight, scales.float(), 1 / smooth
+        self.int8_zeros = torch.zeros(len(scales), dtype=torch.int64)
+        self.int8_packed = pack_int8_weight(qweight)
+        self.weight, self.packed = None, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_quantized_tokens:
+            if self.int8_weight is not None:
+                return int8_linear(x, self.smooth_inv, self.int8_weight, self.int8_scales, self.int8_zeros,
+                                   self.int8_packed)
             return dense_linear(self, x)
         if self.method == "int8":
             return torch._weight_int8pack_mm(x, self.qweight, self.scales)

@@ -55,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
                      help="weight-only quantization of the linear layers, used for steps of few tokens "
                           "(CPU; default: none, the weights as loaded)")
+    eng.add_argument("--int8-activations", action="store_true",
+                     help="with --quantization: steps of many tokens (batches, prompts) multiply int8 activations "
+                     "by SmoothQuant-smoothed int8 weights, calibrated at start: ~1.7x faster matmuls there")
     eng.add_argument("--compile", action="store_true",
                      help="torch.compile decode steps as one graph (native attention) or each decoder layer (torch "
                      "attention): faster steps for ~1-2 min more start-up")
@@ -95,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine = EngineConfig(
             model=ModelConfig(model=args.model or args.model_flag, dtype=args.dtype, quantization=args.quantization,
-                              compile=args.compile, attention_backend=args.attention_backend,
+                              int8_activations=args.int8_activations, compile=args.compile,
+                              attention_backend=args.attention_backend,
                               max_model_len=args.max_model_len, seed=args.seed),
             cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
                               kv_cache_memory_fraction=args.kv_cache_memory_fraction,
