@@ -20,7 +20,7 @@ from torch import nn
 
 from llmserve.config import QUANTIZATION_METHODS as METHODS
 from llmserve.layers.linear import dense_linear
-from llmserve.quantization.int8_activations import int8_linear, pack_int8_weight, smoothing_scales
+from llmserve.quantization.int8_activations import int8_linear, pack_int8_weight, quantize_rows, smoothing_scales
 
 INT4_GROUP_SIZE = 32
 # Steps with at most this many tokens use the quantized kernel (the crossover measured above).
@@ -78,9 +78,8 @@ class WeightOnlyLinear(nn.Module):
 
 def _quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Symmetric per output channel: w ~ q * scale, q in [-127, 127]."""
-    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
-    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-    return q, scales, q.float() * scales[:, None]
+    q, scales = quantize_rows(w)
+    return q, scales.squeeze(1), q.float() * scales
 
 
 def _quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
