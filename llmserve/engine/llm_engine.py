@@ -18,7 +18,7 @@ from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.model_runner import ModelRunner
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.engine.scheduler import Scheduler
-from llmserve.kernels import load_cpu_kernels
+from llmserve.kernels import load_cpu_kernels, native_quantized_kernels
 from llmserve.kv_cache.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from llmserve.layers.linear import prepack_linears
 from llmserve.loader import build_model, load_checkpoint
@@ -46,8 +46,8 @@ class LLMEngine:
         logger.info("dtype %s (%s)", self.dtype, "chosen automatically" if mc.dtype == "auto" else "as asked")
         model = build_model(ckpt, self.dtype, mc.device)
         del ckpt
-        if mc.quantization:
-            quantize_model(model, mc.quantization)
+        if mc.quantization:  # CPU only (config checks): small steps on the native kernels where they build
+            quantize_model(model, mc.quantization, native_kernels=native_quantized_kernels())
             logger.info("weights quantized: %s (linear layers), int8 output head", mc.quantization)
         if packed := prepack_linears(model):
             logger.info("%d linear weights prepacked for oneDNN", packed)

@@ -15,9 +15,11 @@ from pathlib import Path
 
 import torch
 
+from llmserve.kernels.quantized_gemv import register_fakes as register_quantized_gemv_fakes
+
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name("paged_attention.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "quantized_gemv.cpp")]
 
 
 def build_directory() -> Path:
@@ -45,7 +47,7 @@ def load_cpu_kernels() -> bool:
             verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, a read-only cache: every one means "use PyTorch"
-        logger.warning("native CPU kernels unavailable, using the PyTorch attention path: %s", exc)
+        logger.warning("native CPU kernels unavailable, using PyTorch's attention and quantized kernels: %s", exc)
         return False
 
     # shapes for torch.compile, which keeps both ops inside its graphs
@@ -57,4 +59,11 @@ def load_cpu_kernels() -> bool:
     def _(k, v, k_cache, v_cache, slots):
         return None
 
+    register_quantized_gemv_fakes()
     return True
+
+
+def native_quantized_kernels() -> bool:
+    """Whether small quantized steps should run on the native kernels: built, and vectorized for this CPU
+    (AVX-512 VNNI); elsewhere PyTorch's own kernels are faster than the portable loops."""
+    return load_cpu_kernels() and torch.ops.llmserve.quantized_gemv_vectorized()

@@ -1,16 +1,18 @@
 """Weight-only quantized linear layers (int8 per output channel, int4 in groups of 32).
 
 Why: a decode step of a few requests is bound by the bytes of weight it reads, and int4/int8 read
-4x/2x fewer than bf16 (PyTorch's CPU kernels `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm`
-dequantize on the fly). But those kernels are slower than a bf16 GEMM once a step carries more than a
-handful of tokens (measured here, 30 layers of SmolLM2's linears: 1 token 2.6 ms int4 / 4.2 ms int8 /
-10.3 ms bf16; 32 tokens 21.9 / 24.7 / 16.9 ms; 256 tokens 181 / 187 / 70 ms). So each layer keeps both:
+4x/2x fewer than bf16. Small steps run our native kernels (`kernels/quantized_gemv.cpp`, which stream
+the weights at close to the machine's memory bandwidth) where they are built, else PyTorch's CPU kernels
+`_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm`. Both are slower than a bf16 GEMM once a step
+carries more than a handful of tokens (measured here with PyTorch's kernels, 30 layers of SmolLM2's
+linears: 1 token 2.6 ms int4 / 4.2 ms int8 / 10.3 ms bf16; 32 tokens 21.9 / 24.7 / 16.9 ms; 256 tokens
+181 / 187 / 70 ms). So each layer keeps both:
 the quantized weight for small steps and its exact dequantization, in the model dtype, for large ones.
 Both paths compute with the same quantized values; they differ only in rounding order.
 
 int4 follows GGUF's Q4_1 scheme (per group of 32 inputs: scale = (max - min) / 15, zero = min), so
 the embedded Q4_1 model's weights, already dequantized by the loader, are re-quantized to the values
-they were shipped as.
+they were shipped as. As in Q4_1, scale and minimum are fp16 values.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 from llmserve.config import QUANTIZATION_METHODS as METHODS
+from llmserve.kernels.quantized_gemv import int4_packs, int8_packs, pack_int4, pack_int8
 from llmserve.layers.linear import dense_linear
 from llmserve.quantization.int8_activations import int8_linear, pack_int8_weight, quantize_rows, smoothing_scales
 
@@ -30,20 +33,31 @@ QUANTIZED_MAX_TOKENS = {"int8": 8, "int4": 16}
 class WeightOnlyLinear(nn.Module):
     """A bias-free linear layer `y = x W^T` over a quantized W."""
 
-    def __init__(self, weight: torch.Tensor, method: str) -> None:
+    def __init__(self, weight: torch.Tensor, method: str, native_kernels: bool = False) -> None:
+        """`native_kernels`: small steps through `torch.ops.llmserve` (the caller has loaded them), which
+        keep a weight copy of their own layout instead of PyTorch's."""
         super().__init__()
         if method not in METHODS:
             raise ValueError(f"quantization must be one of {list(METHODS)}, got {method!r}")
         self.method = method
         self.max_quantized_tokens = QUANTIZED_MAX_TOKENS[method]
         dtype = weight.dtype
+        out_features, in_features = weight.shape
+        packs = int4_packs if method == "int4" else int8_packs
+        self.native = native_kernels and packs(out_features, in_features)
         with torch.no_grad():
             if method == "int8":
-                qweight, scales, dequantized = _quantize_int8(weight.float())
+                q, scales, dequantized = _quantize_int8(weight.float())
+                kernel_weights = (pack_int8(q), scales.float()) if self.native else (q, scales.to(dtype))
             else:
-                qweight, scales, dequantized = _quantize_int4(weight.float())
-        self.register_buffer("qweight", qweight)
-        self.register_buffer("scales", scales.to(dtype))
+                q, scales, mins, dequantized = _quantize_int4(weight.float())
+                kernel_weights = (
+                    (pack_int4(q, scales, mins), None) if self.native else _torch_int4_pack(q, scales, mins, dtype)
+                )
+        # the small-step kernel's weight and scales: the native layout, or PyTorch's
+        self.register_buffer("qweight", kernel_weights[0])
+        self.register_buffer("scales", kernel_weights[1])
+        self.out_features = out_features
         # the large-step path: the quantized values themselves, in the model dtype
         self.register_buffer("weight", dequantized.to(dtype))
         self.packed: torch.Tensor | None = None  # its oneDNN-packed copy, once `prepack_linears` made one
@@ -71,6 +85,10 @@ class WeightOnlyLinear(nn.Module):
                 return int8_linear(x, self.smooth_inv, self.int8_weight, self.int8_scales, self.int8_zeros,
                                    self.int8_packed)
             return dense_linear(self, x)
+        if self.native:
+            if self.method == "int8":
+                return torch.ops.llmserve.int8_gemv(x, self.qweight, self.scales, self.out_features)
+            return torch.ops.llmserve.int4_gemv(x, self.qweight, self.out_features)
         if self.method == "int8":
             return torch._weight_int8pack_mm(x, self.qweight, self.scales)
         return torch._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP_SIZE, self.scales)
@@ -82,31 +100,37 @@ def _quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return q, scales.squeeze(1), q.float() * scales
 
 
-def _quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric per group of 32 inputs (Q4_1): w ~ q * scale + min, q in [0, 15].
-
-    The kernel's form is (q - 8) * scale + zero, so zero = min + 8 * scale; scales and zeros are
-    packed as [in / 32, out, 2]."""
+def _quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric per group of 32 inputs (Q4_1): w ~ q * scale + min, q in [0, 15], scale and min fp16
+    values. Returns q [out, in] (int32), scales and mins [out, in / 32] (float32), the dequantized weight."""
     out_features, in_features = w.shape
     if in_features % INT4_GROUP_SIZE:
         raise ValueError(f"int4 needs input features divisible by {INT4_GROUP_SIZE}, got {in_features}")
     groups = w.view(out_features, in_features // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
     lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
-    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    scale = ((hi - lo) / 15).clamp(min=1e-7).half().float()
+    lo = lo.half().float()
     q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15)
     dequantized = (q * scale[..., None] + lo[..., None]).view(out_features, in_features)
-    zero = lo + 8 * scale
-    scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
-    packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).view(out_features, in_features), 1)
-    return packed, scales_and_zeros, dequantized
+    return q.to(torch.int32).view(out_features, in_features), scale, lo, dequantized
 
 
-def quantize_model(model: nn.Module, method: str) -> nn.Module:
+def _torch_int4_pack(
+    q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch's int4 layout: the kernel's form is (q - 8) * scale + zero, so zero = min + 8 * scale;
+    scales and zeros are packed as [in / 32, out, 2]."""
+    scales_and_zeros = torch.stack([scale, lo + 8 * scale], dim=-1).transpose(0, 1).contiguous().to(dtype)
+    return torch._convert_weight_to_int4pack_for_cpu(q, 1), scales_and_zeros
+
+
+def quantize_model(model: nn.Module, method: str, native_kernels: bool = False) -> nn.Module:
     """Replace every bias-free `nn.Linear` of the decoder layers by a `WeightOnlyLinear`, and give the
-    output head int8 weights (a tied embedding stays as it is: a lookup reads one row)."""
+    output head int8 weights (a tied embedding stays as it is: a lookup reads one row).
+    `native_kernels`: the caller has loaded `llmserve.kernels`; small steps use them."""
     for module in list(model.layers.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child.bias is None:
-                setattr(module, child_name, WeightOnlyLinear(child.weight, method))
-    model.lm_head = WeightOnlyLinear(model.lm_head.weight, "int8")
+                setattr(module, child_name, WeightOnlyLinear(child.weight, method, native_kernels))
+    model.lm_head = WeightOnlyLinear(model.lm_head.weight, "int8", native_kernels)
     return model

@@ -11,16 +11,20 @@ from torch import nn
 from llmserve import LLM
 from llmserve.config import ModelConfig
 from llmserve.evaluate.reference import quantized_reference, reference_greedy
+from llmserve.kernels import native_quantized_kernels
 from llmserve.quantization.weight_only import QUANTIZED_MAX_TOKENS, WeightOnlyLinear
 from tests.greedy import assert_greedy_equals
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["torch-kernels", "native-kernels"])
 @pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_equals_dequantized_weight(method, dtype):
+def test_kernel_equals_dequantized_weight(method, dtype, native):
+    assert not native or native_quantized_kernels(), "this machine runs the native kernels (AVX-512 VNNI)"
     torch.manual_seed(0)
     weight = (torch.randn(96, 128) * 0.05).to(dtype)
-    layer = WeightOnlyLinear(weight, method)
+    layer = WeightOnlyLinear(weight, method, native_kernels=native)
+    assert layer.native == native
     x = torch.randn(QUANTIZED_MAX_TOKENS[method], 128).to(dtype)
     kernel = layer(x)  # few tokens: the quantized kernel
     dense = nn.functional.linear(x, layer.weight)  # what a large step computes
@@ -29,6 +33,23 @@ def test_kernel_equals_dequantized_weight(method, dtype):
     # and the quantization error itself is what the format allows
     err = (layer.weight.float() - weight.float()).abs().max()
     assert 0 < err < (0.05 * 4 / 15 if method == "int4" else 0.05 * 4 / 127) + 1e-2
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_native_and_torch_kernels_hold_the_same_quantized_values(method):
+    torch.manual_seed(1)
+    weight = torch.randn(64, 96, dtype=torch.bfloat16) * 0.05
+    native, fallback = (WeightOnlyLinear(weight, method, native_kernels=n) for n in (True, False))
+    assert torch.equal(native.weight, fallback.weight)  # one quantization, two layouts
+    x = torch.randn(3, 96, dtype=torch.bfloat16)
+    torch.testing.assert_close(native(x), fallback(x), rtol=2e-2, atol=2e-2)
+
+
+def test_a_shape_the_native_kernel_does_not_take_keeps_the_torch_kernel():
+    layer = WeightOnlyLinear(torch.randn(40, 64), "int8", native_kernels=True)  # 40 rows: not a multiple of 16
+    assert not layer.native
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight), rtol=1e-4, atol=1e-4)
 
 
 def test_large_steps_use_the_dequantized_weight():

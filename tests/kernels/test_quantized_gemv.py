@@ -1,0 +1,111 @@
+"""The native quantized products: the vector loops equal the portable ones and the product of the
+dequantized weights (what PyTorch's kernels and the large-step path compute), for every token count
+and both activation dtypes; bad inputs raise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve.kernels import load_cpu_kernels, native_quantized_kernels
+from llmserve.kernels.quantized_gemv import pack_int4, pack_int8
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    assert load_cpu_kernels(), "the native kernels must build here (setup builds them)"
+
+
+def _int4_case(out_features, in_features, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (out_features, in_features), generator=gen)
+    scales = (torch.rand(out_features, in_features // 32, generator=gen) * 0.01).half().float()
+    mins = (-torch.rand(out_features, in_features // 32, generator=gen) * 0.05).half().float()
+    dense = (q.float().view(out_features, -1, 32) * scales[..., None] + mins[..., None]).view(out_features, in_features)
+    return pack_int4(q, scales, mins), dense
+
+
+def _int8_case(out_features, in_features, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (out_features, in_features), generator=gen).to(torch.int8)
+    scales = torch.rand(out_features, generator=gen) * 0.01
+    return pack_int8(q), scales, q.float() * scales[:, None]
+
+
+def _assert_same_up_to_summation_order(out, portable):
+    """float32 sums in another order: a few float32 ulps, or one bfloat16 ulp once rounded to bfloat16."""
+    rtol = 1e-5 if out.dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(out, portable, rtol=rtol, atol=1e-5 * float(portable.abs().max()))
+
+
+# 1-8 tokens: one pass; 9 and 17: passes of 8 plus a remainder. Shapes: SmolLM2's, and small ones.
+TOKENS = [1, 2, 3, 8, 9, 17]
+SHAPES = [(960, 576), (576, 1536), (32, 64)]
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_product_equals_the_dequantized_weight(tokens, shape, dtype):
+    packed, dense = _int4_case(*shape)
+    x = torch.randn(tokens, shape[1]).to(dtype)
+    out = torch.ops.llmserve.int4_gemv(x, packed, shape[0])
+    assert out.dtype == dtype and out.shape == (tokens, shape[0])
+    expected = x.double() @ dense.double().T
+    # float32: only the ~16-bit activation split rounds; bfloat16: the output's own rounding
+    tol = 1e-4 * expected.abs().max() if dtype == torch.float32 else 8e-3 * expected.abs().max()
+    assert (out.double() - expected).abs().max() < tol
+    portable = torch.ops.llmserve.int4_gemv_portable(x, packed, shape[0])
+    _assert_same_up_to_summation_order(out, portable)
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_product_equals_the_dequantized_weight(tokens, shape, dtype):
+    packed, scales, dense = _int8_case(*shape)
+    x = torch.randn(tokens, shape[1]).to(dtype)
+    out = torch.ops.llmserve.int8_gemv(x, packed, scales, shape[0])
+    assert out.dtype == dtype and out.shape == (tokens, shape[0])
+    expected = x.double() @ dense.double().T
+    tol = 1e-5 * expected.abs().max() if dtype == torch.float32 else 8e-3 * expected.abs().max()
+    assert (out.double() - expected).abs().max() < tol
+    portable = torch.ops.llmserve.int8_gemv_portable(x, packed, scales, shape[0])
+    _assert_same_up_to_summation_order(out, portable)
+
+
+def test_non_contiguous_activations_are_read_as_their_values():
+    packed, dense = _int4_case(64, 64)
+    x = torch.randn(64, 3).T  # [3, 64], strided
+    torch.testing.assert_close(torch.ops.llmserve.int4_gemv(x, packed, 64),
+                               torch.ops.llmserve.int4_gemv(x.contiguous(), packed, 64))
+
+
+def test_mismatched_shapes_raise_instead_of_reading_past_the_weight():
+    packed, _ = _int4_case(64, 64)
+    with pytest.raises(RuntimeError, match="does not match"):
+        torch.ops.llmserve.int4_gemv(torch.randn(1, 128), packed, 64)
+    with pytest.raises(RuntimeError, match="multiple"):
+        torch.ops.llmserve.int4_gemv(torch.randn(1, 48), packed, 64)
+    packed8, scales, _ = _int8_case(32, 64)
+    with pytest.raises(RuntimeError, match="does not match"):
+        torch.ops.llmserve.int8_gemv(torch.randn(1, 64), packed8, scales, 48)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.llmserve.int8_gemv(torch.randn(1, 64).half(), packed8, scales, 32)
+
+
+def test_packing_refuses_shapes_the_kernels_do_not_take():
+    with pytest.raises(ValueError, match="out_features"):
+        pack_int4(torch.zeros(24, 64, dtype=torch.int32), torch.ones(24, 2), torch.zeros(24, 2))
+    with pytest.raises(ValueError, match="in_features"):
+        pack_int4(torch.zeros(32, 48, dtype=torch.int32), torch.ones(32, 1), torch.zeros(32, 1))
+    with pytest.raises(ValueError, match="out_features"):
+        pack_int8(torch.zeros(24, 64, dtype=torch.int8))
+
+
+def test_this_machine_runs_the_vector_loops():
+    # CI's machine has AVX-512 VNNI; elsewhere the engine keeps PyTorch's kernels for small steps
+    assert native_quantized_kernels() == torch.ops.llmserve.quantized_gemv_vectorized()
+    with open("/proc/cpuinfo") as f:
+        has_vnni = " avx512_vnni" in f.read()
+    assert torch.ops.llmserve.quantized_gemv_vectorized() == has_vnni
