@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, see quantization/weight_only.py
 ATTENTION_BACKENDS = ("auto", "native", "torch")  # see layers/attention.py
+QUANTIZED_KERNELS = ("auto", "native", "torch")  # see quantization/weight_only.py
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,15 @@ class ModelConfig:
     # decode attention: "native" = the C++ kernel of llmserve/kernels (CPU), "torch" = batched PyTorch ops,
     # "auto" = native where it builds and runs (CPU), else torch
     attention_backend: str = "auto"
+    # with quantization, the small steps' kernels: "native" = llmserve/kernels/quantized_gemv.cpp (CPUs with
+    # AVX-512 VNNI), "torch" = PyTorch's weight-only kernels, "auto" = native where it builds vectorized
+    quantized_kernels: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.quantized_kernels not in QUANTIZED_KERNELS:
+            raise ValueError(
+                f"quantized_kernels must be one of {list(QUANTIZED_KERNELS)}, got {self.quantized_kernels!r}"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"

@@ -46,8 +46,8 @@ class LLMEngine:
         logger.info("dtype %s (%s)", self.dtype, "chosen automatically" if mc.dtype == "auto" else "as asked")
         model = build_model(ckpt, self.dtype, mc.device)
         del ckpt
-        if mc.quantization:  # CPU only (config checks): small steps on the native kernels where they build
-            quantize_model(model, mc.quantization, native_kernels=native_quantized_kernels())
+        if mc.quantization:
+            quantize_model(model, mc.quantization, native_kernels=self._native_quantized_kernels())
             logger.info("weights quantized: %s (linear layers), int8 output head", mc.quantization)
         if packed := prepack_linears(model):
             logger.info("%d linear weights prepacked for oneDNN", packed)
@@ -85,6 +85,20 @@ class LLMEngine:
             return True
         if backend == "native":
             raise RuntimeError("attention_backend='native' but the native kernels could not be built (see the log)")
+        return False
+
+    def _native_quantized_kernels(self) -> bool:
+        """Whether small quantized steps use the native kernels: asked for, or "auto" where they build
+        vectorized (quantization is CPU-only)."""
+        choice = self.config.model.quantized_kernels
+        if choice == "torch":
+            return False
+        if native_quantized_kernels():
+            logger.info("quantized steps of few tokens: native CPU kernels")
+            return True
+        if choice == "native":
+            raise RuntimeError("quantized_kernels='native' but the native kernels are not built vectorized here "
+                               "(they need AVX-512 VNNI; see the log)")
         return False
 
     # --- public API -------------------------------------------------------------------------

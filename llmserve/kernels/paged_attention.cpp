@@ -39,8 +39,13 @@ inline float to_float(c10::BFloat16 x) {
 }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
-// s[t] = exp(s[t] - max(s)) in place; returns 1 / sum(s), the softmax's normaliser
-inline float exp_shifted(float* s, int64_t n) {
+struct ExpSum {
+  float max;  // of the scores
+  float sum;  // of their exponentials, shifted by max
+};
+
+// s[t] = exp(s[t] - max(s)) in place; the softmax's normaliser is 1 / sum
+inline ExpSum exp_shifted(float* s, int64_t n) {
   float mx = -INFINITY;
   for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
   float sum = 0.f;
@@ -48,18 +53,18 @@ inline float exp_shifted(float* s, int64_t n) {
     s[t] = std::exp(s[t] - mx);
     sum += s[t];
   }
-  return 1.f / sum;
+  return {mx, sum};
 }
 
-// One (sequence, KV head)'s context rows, token by token through its block table (no division per
-// token). Cache layout [num_blocks, num_kv_heads, block_size, head_dim].
+// One (sequence, KV head)'s context rows from `first_token` on, token by token through its block table (no
+// division per token). Cache layout [num_blocks, num_kv_heads, block_size, head_dim].
 template <typename T>
 class RowWalker {
  public:
   RowWalker(const T* cache, const int32_t* blocks, int64_t kv_head, int64_t num_kv_heads, int64_t block_size,
-            int64_t head_dim)
-      : cache_(cache), block_(blocks), head_(kv_head), num_kv_heads_(num_kv_heads), block_size_(block_size),
-        head_dim_(head_dim) {}
+            int64_t head_dim, int64_t first_token = 0)
+      : cache_(cache), block_(blocks + first_token / block_size), head_(kv_head), num_kv_heads_(num_kv_heads),
+        block_size_(block_size), head_dim_(head_dim), offset_(first_token % block_size) {}
 
   const T* next() {
     const T* row = cache_ + ((static_cast<int64_t>(*block_) * num_kv_heads_ + head_) * block_size_ + offset_) * head_dim_;
@@ -73,7 +78,7 @@ class RowWalker {
  private:
   const T* cache_;
   const int32_t* block_;
-  int64_t head_, num_kv_heads_, block_size_, head_dim_, offset_ = 0;
+  int64_t head_, num_kv_heads_, block_size_, head_dim_, offset_;
 };
 
 // Runs the (sequence, KV head) tasks on torch's threads, each thread taking the next task from a shared
@@ -131,7 +136,7 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       // softmax per query head
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * ctx;
-        const float inv = exp_shifted(s, ctx);
+        const float inv = 1.f / exp_shifted(s, ctx).sum;
         for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
       }
       // acc[g] = sum_t p[g, t] v_t
@@ -223,15 +228,34 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
   }
   const __m512i perm_a = _mm512_load_si512(order_a), perm_b = _mm512_load_si512(order_b);
 
-  run_tasks(batch * num_kv_heads, [&](auto next_task) {
+  // Too few (sequence, KV head) tasks to keep every thread busy (a step of one or two requests): each
+  // context is split into parts whose softmax statistics are merged at the end (flash-decoding).
+  const int64_t pairs = batch * num_kv_heads;
+  const int64_t max_ctx = *std::max_element(lens, lens + batch);
+  const int64_t parts = pairs >= 2 * at::get_num_threads()
+      ? 1
+      : std::max<int64_t>(1, std::min((4 * at::get_num_threads() + pairs - 1) / pairs, (max_ctx + 63) / 64));
+  const int64_t part_len = ((max_ctx + parts - 1) / parts + 15) / 16 * 16;
+  // per task and query head: the scores' max, the sum of their exponentials, the unnormalised V sum
+  constexpr int64_t stride = head_dim + 2;
+  std::vector<float> partial(pairs * parts * G * stride);
+
+  run_tasks(pairs * parts, [&](auto next_task) {
     std::vector<float> scores;
-    std::vector<uint16_t> probs;  // bf16, [G][ctx rounded up to even]
+    std::vector<uint16_t> probs;  // bf16, [G][tokens rounded up to even]
     for (int64_t task; (task = next_task()) >= 0;) {
-      const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
-      const int64_t ctx = lens[b], ctx2 = (ctx + 1) & ~int64_t(1);
+      const int64_t b = task / (num_kv_heads * parts), h = task / parts % num_kv_heads;
+      const int64_t first = task % parts * part_len;
+      const int64_t ctx = std::max<int64_t>(0, std::min<int64_t>(lens[b] - first, part_len));
+      const int64_t ctx2 = (ctx + 1) & ~int64_t(1);
+      float* result = partial.data() + task * G * stride;
+      if (ctx == 0) {  // a short context's later parts
+        for (int g = 0; g < G; ++g) result[g * stride] = -INFINITY, result[g * stride + 1] = 0.f;
+        continue;
+      }
       const int32_t* blocks = table + b * max_blocks;
-      RowWalker<uint16_t> k_rows(k_ptr, blocks, h, num_kv_heads, block_size, head_dim);
-      RowWalker<uint16_t> v_rows(v_ptr, blocks, h, num_kv_heads, block_size, head_dim);
+      RowWalker<uint16_t> k_rows(k_ptr, blocks, h, num_kv_heads, block_size, head_dim, first);
+      RowWalker<uint16_t> v_rows(v_ptr, blocks, h, num_kv_heads, block_size, head_dim, first);
       __m512bh qv[G][C];
       for (int g = 0; g < G; ++g)
         for (int c = 0; c < C; ++c)
@@ -257,12 +281,13 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
       probs.assign(G * ctx2, 0);
       for (int g = 0; g < G; ++g) {
         float* s = scores.data() + g * ctx;
-        const __m512 inv = _mm512_set1_ps(exp_shifted(s, ctx));
+        const ExpSum stats = exp_shifted(s, ctx);
+        result[g * stride] = stats.max;
+        result[g * stride + 1] = stats.sum;
         uint16_t* p = probs.data() + g * ctx2;
         for (int64_t t = 0; t < ctx; t += 16) {
           const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, ctx - t)) - 1);
-          const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, s + t), inv);
-          _mm256_mask_storeu_epi16(p + t, mask, (__m256i)_mm512_cvtneps_pbh(x));
+          _mm256_mask_storeu_epi16(p + t, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, s + t)));
         }
       }
       __m512 acc[G][2 * C];
@@ -286,17 +311,39 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
           }
         }
       }
-      for (int g = 0; g < G; ++g) {
-        uint16_t* dst = out_ptr + (b * num_heads + h * G + g) * head_dim;
+      for (int g = 0; g < G; ++g) {  // back to head_dim order
+        float* dst = result + g * stride + 2;
         for (int c = 0; c < C; ++c) {
-          const __m512 first = _mm512_permutex2var_ps(acc[g][2 * c], perm_a, acc[g][2 * c + 1]);
-          const __m512 second = _mm512_permutex2var_ps(acc[g][2 * c], perm_b, acc[g][2 * c + 1]);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c * 32), (__m256i)_mm512_cvtneps_pbh(first));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c * 32 + 16), (__m256i)_mm512_cvtneps_pbh(second));
+          _mm512_storeu_ps(dst + c * 32, _mm512_permutex2var_ps(acc[g][2 * c], perm_a, acc[g][2 * c + 1]));
+          _mm512_storeu_ps(dst + c * 32 + 16, _mm512_permutex2var_ps(acc[g][2 * c], perm_b, acc[g][2 * c + 1]));
         }
       }
     }
   });
+
+  // merge each query head's parts: weights exp(max_p - max) on their sums and V sums
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    const int64_t b = pair / num_kv_heads, h = pair % num_kv_heads;
+    for (int g = 0; g < G; ++g) {
+      const float* first = partial.data() + (pair * parts * G + g) * stride;
+      float mx = -INFINITY;
+      for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, first[p * G * stride]);
+      __m512 sum[2 * C];
+      for (int c = 0; c < 2 * C; ++c) sum[c] = _mm512_setzero_ps();
+      float total = 0.f;
+      for (int64_t p = 0; p < parts; ++p) {
+        const float* r = first + p * G * stride;
+        if (r[1] == 0.f) continue;
+        const float w = std::exp(r[0] - mx);
+        total += w * r[1];
+        for (int c = 0; c < 2 * C; ++c) sum[c] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(r + 2 + 16 * c), sum[c]);
+      }
+      const __m512 inv = _mm512_set1_ps(1.f / total);
+      uint16_t* dst = out_ptr + (b * num_heads + h * G + g) * head_dim;
+      for (int c = 0; c < 2 * C; ++c)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sum[c], inv)));
+    }
+  }
 }
 
 using Bf16Kernel = void (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,

@@ -17,7 +17,7 @@ from types import FrameType
 
 import uvicorn
 
-from llmserve.config import ATTENTION_BACKENDS, QUANTIZATION_METHODS, SchedulerConfig
+from llmserve.config import ATTENTION_BACKENDS, QUANTIZATION_METHODS, QUANTIZED_KERNELS, SchedulerConfig
 
 API_KEY_ENV = "LLMSERVE_API_KEY"
 
@@ -64,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
                      help="decode attention: native (the C++ CPU kernel), torch (PyTorch ops), or auto: native "
                      "on CPU where it builds (default: %(default)s)")
+    eng.add_argument("--quantized-kernels", default="auto", choices=list(QUANTIZED_KERNELS),
+                     help="with --quantization, the kernels of steps of few tokens: native (llmserve's, AVX-512 "
+                     "VNNI), torch (PyTorch's), or auto: native where it builds vectorized (default: %(default)s)")
     eng.add_argument("--max-model-len", type=int, default=None,
                      help="longest prompt + output in tokens (default: the model's context length)")
     eng.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch (default: %(default)s)")
@@ -99,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         engine = EngineConfig(
             model=ModelConfig(model=args.model or args.model_flag, dtype=args.dtype, quantization=args.quantization,
                               int8_activations=args.int8_activations, compile=args.compile,
-                              attention_backend=args.attention_backend,
+                              attention_backend=args.attention_backend, quantized_kernels=args.quantized_kernels,
                               max_model_len=args.max_model_len, seed=args.seed),
             cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
                               kv_cache_memory_fraction=args.kv_cache_memory_fraction,

@@ -14,17 +14,17 @@ def kernels():
     assert load_cpu_kernels(), "the native kernels must build here (setup builds them)"
 
 
-def _paged_case(batch, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
+def _paged_case(batch, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0, max_blocks=12):
     """Random caches; requests share a prefix of blocks (as prefix caching makes them) and end anywhere."""
     gen = torch.Generator().manual_seed(seed)
-    num_blocks = 200
+    num_blocks = 200 + batch * max_blocks
     k_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=gen).to(dtype)
     v_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=gen).to(dtype)
     q = torch.randn(batch, num_heads, head_dim, generator=gen).to(dtype)
-    context = torch.randint(1, 12 * block_size, (batch,), generator=gen).sort().values
+    context = torch.randint(1, max_blocks * block_size, (batch,), generator=gen).sort().values
     shared = [1, 2]
     fresh = iter(torch.randperm(num_blocks - 3, generator=gen).add(3).tolist())
-    tables = [(shared + [next(fresh) for _ in range(12)])[: -(-int(c) // block_size)] for c in context]
+    tables = [(shared + [next(fresh) for _ in range(max_blocks)])[: -(-int(c) // block_size)] for c in context]
     width = max(len(t) for t in tables)
     block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     return q, k_cache, v_cache, block_table, context.to(torch.int32)
@@ -67,6 +67,24 @@ def test_decode_attention_bfloat16_is_as_close_to_float32_as_the_torch_path(
     ours = torch.ops.llmserve.paged_decode_attention(q, k_cache, v_cache, table, context, scale).float()
     theirs = _torch_path(q, k_cache, v_cache, table, context, scale).float()
     assert (ours - exact).abs().max() <= max(2 * (theirs - exact).abs().max(), 1e-2)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_few_long_contexts_split_across_threads_stay_as_close(batch, block_size):
+    # one or two requests give fewer (request, KV head) tasks than threads: their contexts are split into
+    # parts whose softmax statistics are merged; the result must be as good as in one piece
+    q, k_cache, v_cache, table, context = _paged_case(batch, 9, 3, 64, block_size, torch.bfloat16, seed=batch,
+                                                      max_blocks=40 * 16 // block_size)
+    assert int(context.max()) > 128  # long enough to be split
+    scale = 64**-0.5
+    exact = torch.ops.llmserve.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), table, context,
+                                                     scale)
+    ours = torch.ops.llmserve.paged_decode_attention(q, k_cache, v_cache, table, context, scale).float()
+    theirs = _torch_path(q, k_cache, v_cache, table, context, scale).float()
+    assert (ours - exact).abs().max() <= max(2 * (theirs - exact).abs().max(), 1e-2)
+    torch.testing.assert_close(exact, _torch_path(q.float(), k_cache.float(), v_cache.float(), table, context, scale),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_write_kv_equals_index_copy():

@@ -1,0 +1,87 @@
+"""Offline decode-step time of engine configurations, A/B(/C...) in one process.
+
+    .venv/bin/python benchmarks/decode_step_configs.py \
+        --config "torch-kernels=quantization=int4,compile=true,quantized_kernels=torch" \
+        --config "native-kernels=quantization=int4,compile=true"
+
+Each configuration is an `LLM(...)` of its own (keyword=value pairs; true/false/none and numbers are
+parsed), all loaded in this process. Per batch size, each engine serves the same B requests (a shared
+200-token prefix + a distinct 56-token tail, as the peer workload), then timed stretches of decode steps
+alternate between the engines, six times each, and the median ms/step is reported: the host is noisy,
+so every configuration sees the same noise. The first configuration is the baseline of the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from llmserve import LLM, SamplingParams  # noqa: E402
+
+
+def parse_config(text: str) -> tuple[str, dict]:
+    name, _, pairs = text.partition("=")
+    kwargs: dict = {}
+    for pair in filter(None, pairs.split(",")):
+        key, _, raw = pair.partition("=")
+        value: object = {"true": True, "false": False, "none": None}.get(raw.lower(), raw)
+        if isinstance(value, str):
+            try:
+                value = float(raw) if "." in raw else int(raw)
+            except ValueError:
+                pass
+        kwargs[key.strip()] = value
+    return name, kwargs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", action="append", required=True, metavar="NAME=KEY=VALUE,...",
+                    help="an engine configuration (LLM keyword arguments); give two or more")
+    ap.add_argument("--batches", default="1,8,32", help="decode batch sizes (default: %(default)s)")
+    ap.add_argument("--steps", type=int, default=16, help="steps per timed stretch (default: %(default)s)")
+    ap.add_argument("--repeats", type=int, default=6, help="stretches per configuration (default: %(default)s)")
+    args = ap.parse_args()
+    configs = [parse_config(c) for c in args.config]
+    engines = {}
+    for name, kwargs in configs:
+        print(f"loading {name}: {kwargs} ...", flush=True)
+        engines[name] = LLM(kv_cache_memory_gb=1.0, max_num_seqs=64, **kwargs).engine
+    tok = next(iter(engines.values())).tokenizer
+    prefix = tok.encode("You are a helpful assistant. " * 40)[:200]
+    params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+    names = list(engines)
+    print("| batch | " + " | ".join(f"{n} ms/step" for n in names) + " | "
+          + " | ".join(f"{names[0]} / {n}" for n in names[1:]) + " |")
+    print("|---:|" + "---:|" * (2 * len(names) - 1))
+    for batch in (int(b) for b in args.batches.split(",")):
+        ids = [f"b{batch}-{i}" for i in range(batch)]
+        for engine in engines.values():
+            for i, rid in enumerate(ids):
+                tail = tok.encode(f" question {i} about the weather in town {i * 7}")[:56]
+                engine.add_request(rid, prefix + tail, params)
+            while any(engine.requests[r].num_computed_tokens < engine.requests[r].num_prompt_tokens for r in ids):
+                engine.step()
+            engine.step()
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for _ in range(args.repeats):
+            for name, engine in engines.items():
+                start = time.perf_counter()
+                for _ in range(args.steps):
+                    engine.step()
+                times[name].append((time.perf_counter() - start) / args.steps * 1e3)
+        for engine in engines.values():
+            for rid in ids:
+                engine.abort_request(rid)
+        ms = [statistics.median(times[n]) for n in names]
+        print(f"| {batch} | " + " | ".join(f"{m:.2f}" for m in ms) + " | "
+              + " | ".join(f"{ms[0] / m:.2f}x" for m in ms[1:]) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
