@@ -182,6 +182,43 @@ struct ReduceIndex {
   }
 };
 
+// exp(x) of 16 floats (Cephes' expf: range reduction by ln 2, degree-6 polynomial; ~1 ulp). The scalar
+// std::exp loop it replaces was a third of the kernel at batch 32.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));  // below this exp is 0 for the softmax's purposes
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// exp_shifted, 16 scores at a time
+inline ExpSum exp_shifted16(float* s, int64_t n) {
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, n - t)) - 1);
+    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, mask, s + t));
+  }
+  const float m = _mm512_reduce_max_ps(mx);
+  const __m512 shift = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, n - t)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + t), shift)));
+    _mm512_mask_storeu_ps(s + t, mask, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return {m, _mm512_reduce_add_ps(sum)};
+}
+
 // out[t] = sum of the 16 lanes of r[t], for t < 16 (r is overwritten)
 inline __m512 transpose_reduce16(__m512* r, const ReduceIndex& ix) {
   for (int level = 0, n = 16; level < 4; ++level, n /= 2)
@@ -281,7 +318,7 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
       probs.assign(G * ctx2, 0);
       for (int g = 0; g < G; ++g) {
         float* s = scores.data() + g * ctx;
-        const ExpSum stats = exp_shifted(s, ctx);
+        const ExpSum stats = exp_shifted16(s, ctx);
         result[g * stride] = stats.max;
         result[g * stride + 1] = stats.sum;
         uint16_t* p = probs.data() + g * ctx2;

@@ -271,8 +271,9 @@ void int8_rows_portable(const int8_t* w, const T* x, const float* scales, T* out
 }
 
 #if LLMSERVE_GEMV_AVX512
+// x: the tokens' activations in float32 (broadcast straight from memory into each multiply-add).
 template <int M, typename T>
-void int8_rows_avx512(const int8_t* w, const T* x, const float* scales, T* out, int64_t k, int64_t n,
+void int8_rows_avx512(const int8_t* w, const float* x, const float* scales, T* out, int64_t k, int64_t n,
                       int64_t block_begin, int64_t block_end) {
   const int8_t* p = w + block_begin * k * kRows;
   for (int64_t b = block_begin; b < block_end; ++b) {
@@ -285,13 +286,12 @@ void int8_rows_avx512(const int8_t* w, const T* x, const float* scales, T* out, 
       for (int j = 0; j < 4; ++j) {
         const __m512 wv = _mm512_cvtepi32_ps(
             _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j * kRows))));
-        for (int t = 0; t < M; ++t)
-          acc[t][j & 1] = _mm512_fmadd_ps(wv, _mm512_set1_ps(as_float(x[t * k + i + j])), acc[t][j & 1]);
+        for (int t = 0; t < M; ++t) acc[t][j & 1] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[t * k + i + j]), acc[t][j & 1]);
       }
     }
     for (; i < k; ++i, p += kRows) {
       const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-      for (int t = 0; t < M; ++t) acc[t][0] = _mm512_fmadd_ps(wv, _mm512_set1_ps(as_float(x[t * k + i])), acc[t][0]);
+      for (int t = 0; t < M; ++t) acc[t][0] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[t * k + i]), acc[t][0]);
     }
     const __m512 s = _mm512_loadu_ps(scales + b * kRows);
     alignas(64) float rows[kRows];
@@ -303,8 +303,8 @@ void int8_rows_avx512(const int8_t* w, const T* x, const float* scales, T* out, 
 }
 
 template <int M, typename T>
-void int8_rows_avx512_for(int64_t m, const int8_t* w, const T* x, const float* scales, T* out, int64_t k, int64_t n,
-                          int64_t begin, int64_t end) {
+void int8_rows_avx512_for(int64_t m, const int8_t* w, const float* x, const float* scales, T* out, int64_t k,
+                          int64_t n, int64_t begin, int64_t end) {
   if constexpr (M > 1) {
     if (m < M) return int8_rows_avx512_for<M - 1>(m, w, x, scales, out, k, n, begin, end);
   }
@@ -318,11 +318,17 @@ void int8_product(const at::Tensor& x, const int8_t* w, const float* scales, at:
   const T* xs = x.data_ptr<T>();
   T* o = out.data_ptr<T>();
   if (portable) return int8_rows_portable(w, xs, scales, o, m, k, n, 0, num_blocks);
+#if LLMSERVE_GEMV_AVX512
+  thread_local std::vector<float> xf;  // float32 once, not per multiply-add (this thread's buffer:
+  xf.resize(m * k);                     // the workers below read it through a plain pointer)
+  for (int64_t i = 0; i < m * k; ++i) xf[i] = as_float(xs[i]);
+  const float* x32 = xf.data();
+#endif
   for_row_blocks(num_blocks, [&](int64_t begin, int64_t end) {
     for (int64_t t0 = 0; t0 < m; t0 += kMaxTokens) {
       const int64_t mt = std::min(kMaxTokens, m - t0);
 #if LLMSERVE_GEMV_AVX512
-      int8_rows_avx512_for<kMaxTokens>(mt, w, xs + t0 * k, scales, o + t0 * n, k, n, begin, end);
+      int8_rows_avx512_for<kMaxTokens>(mt, w, x32 + t0 * k, scales, o + t0 * n, k, n, begin, end);
 #else
       int8_rows_portable(w, xs + t0 * k, scales, o + t0 * n, mt, k, n, begin, end);
 #endif
