@@ -1,0 +1,78 @@
+"""The native quantized products against PyTorch's weight-only kernels, on SmolLM2's shapes.
+
+    .venv/bin/python benchmarks/quantized_gemv.py
+
+One decode step's worth of weights (30 layers x qkv, o, gate_up, down in int4; the 49152 x 576 output
+head in int8), each layer its own weight as in the model, timed per token count in two states: "hot"
+(the same step repeated, weights partly in cache) and "streamed" (a 256 MiB read between steps evicts
+them, as a real step's other work does). The streamed figure is what a server's step pays.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from llmserve.kernels import native_quantized_kernels  # noqa: E402
+from llmserve.quantization.weight_only import WeightOnlyLinear  # noqa: E402
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down: [out, in]
+HEAD = (49152, 576)
+
+
+def timed(step, evict: torch.Tensor | None, repeats: int = 15) -> float:
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(repeats):
+        if evict is not None:
+            evict.sum()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    if not native_quantized_kernels():
+        sys.exit("the native quantized kernels are not built vectorized on this machine (AVX-512 VNNI)")
+    torch.manual_seed(0)
+    print("quantizing one step's weights twice (native and PyTorch layouts) ...", flush=True)
+    layers = {native: [] for native in (True, False)}
+    for _ in range(30):
+        for out_features, in_features in SHAPES:
+            weight = torch.randn(out_features, in_features, dtype=torch.bfloat16) * 0.02
+            for native in (True, False):
+                layers[native].append(WeightOnlyLinear(weight, "int4", native_kernels=native))
+    head_weight = torch.randn(*HEAD, dtype=torch.bfloat16) * 0.02
+    heads = {native: WeightOnlyLinear(head_weight, "int8", native_kernels=native) for native in (True, False)}
+    evict = torch.ones(2**26)  # 256 MiB
+    int4_bytes = sum(m.qweight.numel() * m.qweight.element_size() for m in layers[True])
+    print(f"int4 layers: {int4_bytes / 1e6:.1f} MB (native layout); head: {HEAD[0] * HEAD[1] / 1e6:.1f} MB int8")
+    print("| tokens | what | PyTorch hot ms | native hot ms | PyTorch streamed ms | native streamed ms | "
+          "streamed speed-up | native streamed GB/s |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    for tokens in (1, 2, 4, 8):
+        xs = {k: torch.randn(tokens, k, dtype=torch.bfloat16) for k in (576, 1536)}
+        for what, nbytes in (("int4 layers", int4_bytes), ("int8 head", HEAD[0] * HEAD[1])):
+            def step(native: bool, what=what) -> None:
+                if what == "int4 layers":
+                    for layer in layers[native]:
+                        layer(xs[layer.weight.shape[1]])
+                else:
+                    heads[native](xs[576])
+            hot = {n: timed(lambda n=n: step(n), None) for n in (False, True)}
+            streamed = {n: timed(lambda n=n: step(n), evict) for n in (False, True)}
+            print(f"| {tokens} | {what} | {hot[False]:.2f} | {hot[True]:.2f} | {streamed[False]:.2f} | "
+                  f"{streamed[True]:.2f} | {streamed[False] / streamed[True]:.2f}x | "
+                  f"{nbytes / streamed[True] / 1e6:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
