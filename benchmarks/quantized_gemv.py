@@ -61,7 +61,7 @@ def main() -> None:
     for tokens in (1, 2, 4, 8):
         xs = {k: torch.randn(tokens, k, dtype=torch.bfloat16) for k in (576, 1536)}
         for what, nbytes in (("int4 layers", int4_bytes), ("int8 head", HEAD[0] * HEAD[1])):
-            def step(native: bool, what=what) -> None:
+            def step(native: bool, what=what, xs=xs) -> None:
                 if what == "int4 layers":
                     for layer in layers[native]:
                         layer(xs[layer.weight.shape[1]])

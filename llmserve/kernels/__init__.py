@@ -19,7 +19,10 @@ from llmserve.kernels.quantized_gemv import register_fakes as register_quantized
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "quantized_gemv.cpp")]
+_SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("paged_attention.cpp", "quantized_gemv.cpp", "activation_quant.cpp")
+]
 
 
 def build_directory() -> Path:

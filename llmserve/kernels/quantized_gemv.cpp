@@ -80,6 +80,14 @@ struct Int4Tokens {
   }
 };
 
+#if LLMSERVE_GEMV_AVX512
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const at::BFloat16* x) {  // bf16 is the top half of a float32
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+}
+#endif
+
 // Splits the activations; its buffers are reused across calls (one per thread that calls).
 template <typename T>
 Int4Tokens split_activations(const T* x, int64_t m, int64_t k) {
@@ -91,6 +99,23 @@ Int4Tokens split_activations(const T* x, int64_t m, int64_t k) {
   step.resize(m * groups);
   sum.resize(m * groups);
   for (int64_t tg = 0; tg < m * groups; ++tg) {
+#if LLMSERVE_GEMV_AVX512
+    const __m512 v[2] = {load16(x + tg * kGroup), load16(x + tg * kGroup + 16)};
+    const float absmax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+    sum[tg] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
+    step[tg] = absmax > 0.f ? absmax / 127.f : 1.f;
+    const __m512 inv = _mm512_set1_ps(1.f / step[tg]);
+    for (int half = 0; half < 2; ++half) {
+      const __m512 scaled = _mm512_mul_ps(v[half], inv);
+      const __m512 h = _mm512_roundscale_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512 l = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(scaled, h), _mm512_set1_ps(254.f)),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(hi.data() + tg * kGroup + 16 * half),
+                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(h)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(lo.data() + tg * kGroup + 16 * half),
+                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(l)));
+    }
+#else
     const T* v = x + tg * kGroup;
     float absmax = 0.f, total = 0.f;
     for (int i = 0; i < kGroup; ++i) {
@@ -107,6 +132,7 @@ Int4Tokens split_activations(const T* x, int64_t m, int64_t k) {
     }
     step[tg] = s;
     sum[tg] = total;
+#endif
   }
   return {hi.data(), lo.data(), step.data(), sum.data()};
 }

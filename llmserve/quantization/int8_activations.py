@@ -59,18 +59,24 @@ def int8_linear(
     weight_scales: torch.Tensor,
     weight_zeros: torch.Tensor,
     packed: torch.Tensor | None,
+    native_quantize: bool = False,
 ) -> torch.Tensor:
     """x [T, in] times a smoothed int8 weight [out, in] (per output channel scales, zero points all 0;
     `packed` its `pack_int8_weight`), in x's dtype. The int32 sums are exact: this is the float product
-    of the quantized values, to float32 rounding.
+    of the quantized values, to float32 rounding. `native_quantize`: eager calls quantize x with
+    `llmserve::quantize_activations_u8` (loaded by the caller), bit for bit the ops below in one.
 
     Activations go in as uint8 around 128 (VNNI multiplies unsigned by signed bytes). Compiled, the
     product is written as its dequantized form, which Inductor's freezing turns back into this same
     oneDNN call on a weight it packs itself."""
-    xs = x.float() * smooth_inv
-    row_scales = xs.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127
-    xu = (torch.round(xs / row_scales) + 128).clamp(1, 255).to(torch.uint8)
-    if torch.compiler.is_compiling() or packed is None:
+    compiling = torch.compiler.is_compiling()
+    if native_quantize and not compiling and packed is not None:  # eager: one op instead of ~10 (same bits)
+        xu, row_scales = torch.ops.llmserve.quantize_activations_u8(x, smooth_inv)
+    else:
+        xs = x.float() * smooth_inv
+        row_scales = xs.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127
+        xu = (torch.round(xs / row_scales) + 128).clamp(1, 255).to(torch.uint8)
+    if compiling or packed is None:
         decomposed = torch.ops.quantized_decomposed
         xd = decomposed.dequantize_per_tensor.default(xu, 1.0, 128, 0, 255, torch.uint8)
         wd = decomposed.dequantize_per_channel.default(weight, weight_scales, weight_zeros, 0, -128, 127, torch.int8)

@@ -83,7 +83,7 @@ class WeightOnlyLinear(nn.Module):
         if x.shape[0] > self.max_quantized_tokens:
             if self.int8_weight is not None:
                 return int8_linear(x, self.smooth_inv, self.int8_weight, self.int8_scales, self.int8_zeros,
-                                   self.int8_packed)
+                                   self.int8_packed, native_quantize=self.native)
             return dense_linear(self, x)
         if self.native:
             if self.method == "int8":
