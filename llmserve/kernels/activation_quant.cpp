@@ -21,8 +21,6 @@
 
 namespace {
 
-inline float scaled(float x, float smooth_inv) { return x * smooth_inv; }
-
 #if defined(__AVX512F__)
 inline __m512 load16(const float* x, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, x); }
 inline __m512 load16(const at::BFloat16* x, __mmask16 mask) {  // bf16 is the top half of a float32
@@ -55,10 +53,10 @@ __attribute__((optimize("no-fast-math"))) void quantize_rows_u8(const T* x, cons
       }
 #else
       float absmax = 0.f;
-      for (int64_t i = 0; i < k; ++i) absmax = std::max(absmax, std::fabs(scaled(static_cast<float>(xr[i]), smooth_inv[i])));
+      for (int64_t i = 0; i < k; ++i) absmax = std::max(absmax, std::fabs(static_cast<float>(xr[i]) * smooth_inv[i]));
       const float scale = std::max(absmax, 1e-12f) / 127.f;
       for (int64_t i = 0; i < k; ++i) {
-        const float v = std::nearbyint(scaled(static_cast<float>(xr[i]), smooth_inv[i]) / scale) + 128.f;
+        const float v = std::nearbyint(static_cast<float>(xr[i]) * smooth_inv[i] / scale) + 128.f;
         qr[i] = static_cast<uint8_t>(std::min(std::max(v, 1.f), 255.f));
       }
 #endif
