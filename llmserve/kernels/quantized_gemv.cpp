@@ -4,9 +4,10 @@
 // Why a kernel of our own: such a step reads every weight once, so it runs at the rate weight bytes stream
 // from memory. PyTorch's `_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm` are compute-bound at one
 // row and reach ~15-17 GB/s on weights streamed from memory, of the ~27 GB/s this machine reads
-// (measured: SmolLM2's 120 int4 products 4.0 ms, its int8 head 1.7 ms). Here the weights are stored in
-// the order the loop consumes them, one contiguous stream per thread, prefetched ahead, and the int4
-// inner loop is four integer dot instructions (`vpdpbusd`) per 128 weights: 3.35 ms and 1.15 ms.
+// (benchmarks/quantized_gemv.py, one token, weights streamed: SmolLM2's 120 int4 products 4.6 ms, its int8
+// head 1.7 ms). Here the weights are stored in the order the loop consumes them, one contiguous stream per
+// thread, prefetched ahead, and the int4 inner loop is four integer dot instructions (`vpdpbusd`) per 128
+// weights: 3.6 ms and 0.8 ms there; in the engine's step 2.45 ms (~27 GB/s) and 0.8-0.9 ms.
 //
 // int4 layout, per row block of 16 output rows (a float32 vector lane per row, so no horizontal sums),
 // per group of 32 inputs, 320 bytes:
