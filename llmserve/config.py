@@ -15,8 +15,9 @@ if TYPE_CHECKING:
 # Names only: importing torch here would make every `--help` pay for it.
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, see quantization/weight_only.py
-ATTENTION_BACKENDS = ("auto", "native", "torch")  # see layers/attention.py
-QUANTIZED_KERNELS = ("auto", "native", "torch")  # see quantization/weight_only.py
+# where the engine has a native CPU kernel beside a PyTorch path: attention_backend (layers/attention.py),
+# quantized_kernels (quantization/weight_only.py)
+KERNEL_CHOICES = ("auto", "native", "torch")
 
 
 @dataclass(frozen=True)
@@ -50,14 +51,9 @@ class ModelConfig:
     quantized_kernels: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.quantized_kernels not in QUANTIZED_KERNELS:
-            raise ValueError(
-                f"quantized_kernels must be one of {list(QUANTIZED_KERNELS)}, got {self.quantized_kernels!r}"
-            )
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
-            )
+        for option in ("attention_backend", "quantized_kernels"):
+            if getattr(self, option) not in KERNEL_CHOICES:
+                raise ValueError(f"{option} must be one of {list(KERNEL_CHOICES)}, got {getattr(self, option)!r}")
         if self.attention_backend == "native" and not self.device.startswith("cpu"):
             raise ValueError(f"the native attention kernel is CPU-only, not {self.device!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:

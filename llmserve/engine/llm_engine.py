@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import psutil
 import torch
@@ -77,28 +78,25 @@ class LLMEngine:
 
     def _native_attention(self) -> bool:
         """Whether decodes use the native kernel: asked for, or "auto" on CPU where it builds."""
-        backend = self.config.model.attention_backend
-        if backend == "torch" or not self.config.model.device.startswith("cpu"):
-            return False
-        if load_cpu_kernels():
-            logger.info("attention: native CPU kernel for decodes")
-            return True
-        if backend == "native":
-            raise RuntimeError("attention_backend='native' but the native kernels could not be built (see the log)")
-        return False
+        return self._use_native("attention_backend", load_cpu_kernels, "decode attention", "could not be built")
 
     def _native_quantized_kernels(self) -> bool:
         """Whether small quantized steps use the native kernels: asked for, or "auto" where they build
-        vectorized (quantization is CPU-only)."""
-        choice = self.config.model.quantized_kernels
-        if choice == "torch":
+        vectorized (they need AVX-512 VNNI)."""
+        return self._use_native("quantized_kernels", native_quantized_kernels, "quantized steps of few tokens",
+                                "are not built vectorized here (they need AVX-512 VNNI)")
+
+    def _use_native(self, option: str, available: Callable[[], bool], what: str, why_not: str) -> bool:
+        """A KERNEL_CHOICES option: "torch" never, "native" always (raises where it can't), "auto" where
+        `available()`; native kernels are CPU-only."""
+        choice = getattr(self.config.model, option)
+        if choice == "torch" or not self.config.model.device.startswith("cpu"):
             return False
-        if native_quantized_kernels():
-            logger.info("quantized steps of few tokens: native CPU kernels")
+        if available():
+            logger.info("%s: native CPU kernels", what)
             return True
         if choice == "native":
-            raise RuntimeError("quantized_kernels='native' but the native kernels are not built vectorized here "
-                               "(they need AVX-512 VNNI; see the log)")
+            raise RuntimeError(f"{option}='native' but the native kernels {why_not} (see the log)")
         return False
 
     # --- public API -------------------------------------------------------------------------

@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -42,10 +43,23 @@ constexpr int64_t kInt4GroupBytes = kGroup * kRows / 2 + 2 * kRows * 2;  // nibb
 constexpr int64_t kMaxTokens = 8;    // activation rows per pass over the weights (accumulators in registers)
 constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of the loop the weight stream is prefetched
 
-// Row blocks split between torch's threads, contiguous so that each thread reads one stream.
-template <typename F>
-void for_row_blocks(int64_t num_blocks, const F& fn) {
-  at::parallel_for(0, num_blocks, 1, fn);
+// Row blocks split between torch's threads, contiguous so that each thread reads one stream; each thread
+// runs `pass(first_token, tokens, block_begin, block_end)` over its blocks for every kMaxTokens tokens.
+template <typename Pass>
+void for_token_passes(int64_t num_blocks, int64_t m, const Pass& pass) {
+  at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t0 = 0; t0 < m; t0 += kMaxTokens) pass(t0, std::min(kMaxTokens, m - t0), begin, end);
+  });
+}
+
+// Calls kernel(std::integral_constant<int, m>{}) for 1 <= m <= M: the vector loops take the token count as
+// a compile-time constant, so each token's accumulators live in registers.
+template <int M, typename Kernel>
+void with_token_count(int64_t m, const Kernel& kernel) {
+  if constexpr (M > 1) {
+    if (m < M) return with_token_count<M - 1>(m, kernel);
+  }
+  kernel(std::integral_constant<int, M>{});
 }
 
 template <typename T>
@@ -222,16 +236,6 @@ void int4_rows_avx512(const uint8_t* w, Int4Tokens a, T* out, int64_t k, int64_t
     }
   }
 }
-
-// The kernel instance for m tokens (1 <= m <= M).
-template <int M, typename T>
-void int4_rows_avx512_for(int64_t m, const uint8_t* w, Int4Tokens a, T* out, int64_t k, int64_t n, int64_t begin,
-                          int64_t end) {
-  if constexpr (M > 1) {
-    if (m < M) return int4_rows_avx512_for<M - 1>(m, w, a, out, k, n, begin, end);
-  }
-  int4_rows_avx512<M>(w, a, out, k, n, begin, end);
-}
 #endif
 
 template <typename T>
@@ -240,15 +244,14 @@ void int4_product(const at::Tensor& x, const uint8_t* w, at::Tensor& out, bool p
   const Int4Tokens a = split_activations(x.data_ptr<T>(), m, k);
   T* o = out.data_ptr<T>();
   if (portable) return int4_rows_portable(w, a, o, m, k, n, 0, num_blocks);
-  for_row_blocks(num_blocks, [&](int64_t begin, int64_t end) {
-    for (int64_t t0 = 0; t0 < m; t0 += kMaxTokens) {
-      const int64_t mt = std::min(kMaxTokens, m - t0);
+  for_token_passes(num_blocks, m, [&](int64_t t0, int64_t mt, int64_t begin, int64_t end) {
 #if LLMSERVE_GEMV_AVX512
-      int4_rows_avx512_for<kMaxTokens>(mt, w, a.from(t0, k), o + t0 * n, k, n, begin, end);
+    with_token_count<kMaxTokens>(mt, [&](auto tokens) {
+      int4_rows_avx512<decltype(tokens)::value>(w, a.from(t0, k), o + t0 * n, k, n, begin, end);
+    });
 #else
-      int4_rows_portable(w, a.from(t0, k), o + t0 * n, mt, k, n, begin, end);
+    int4_rows_portable(w, a.from(t0, k), o + t0 * n, mt, k, n, begin, end);
 #endif
-    }
   });
 }
 
@@ -328,15 +331,6 @@ void int8_rows_avx512(const int8_t* w, const float* x, const float* scales, T* o
     }
   }
 }
-
-template <int M, typename T>
-void int8_rows_avx512_for(int64_t m, const int8_t* w, const float* x, const float* scales, T* out, int64_t k,
-                          int64_t n, int64_t begin, int64_t end) {
-  if constexpr (M > 1) {
-    if (m < M) return int8_rows_avx512_for<M - 1>(m, w, x, scales, out, k, n, begin, end);
-  }
-  int8_rows_avx512<M>(w, x, scales, out, k, n, begin, end);
-}
 #endif
 
 template <typename T>
@@ -351,15 +345,14 @@ void int8_product(const at::Tensor& x, const int8_t* w, const float* scales, at:
   for (int64_t i = 0; i < m * k; ++i) xf[i] = as_float(xs[i]);
   const float* x32 = xf.data();
 #endif
-  for_row_blocks(num_blocks, [&](int64_t begin, int64_t end) {
-    for (int64_t t0 = 0; t0 < m; t0 += kMaxTokens) {
-      const int64_t mt = std::min(kMaxTokens, m - t0);
+  for_token_passes(num_blocks, m, [&](int64_t t0, int64_t mt, int64_t begin, int64_t end) {
 #if LLMSERVE_GEMV_AVX512
-      int8_rows_avx512_for<kMaxTokens>(mt, w, x32 + t0 * k, scales, o + t0 * n, k, n, begin, end);
+    with_token_count<kMaxTokens>(mt, [&](auto tokens) {
+      int8_rows_avx512<decltype(tokens)::value>(w, x32 + t0 * k, scales, o + t0 * n, k, n, begin, end);
+    });
 #else
-      int8_rows_portable(w, xs + t0 * k, scales, o + t0 * n, mt, k, n, begin, end);
+    int8_rows_portable(w, xs + t0 * k, scales, o + t0 * n, mt, k, n, begin, end);
 #endif
-    }
   });
 }
 

@@ -17,7 +17,7 @@ from types import FrameType
 
 import uvicorn
 
-from llmserve.config import ATTENTION_BACKENDS, QUANTIZATION_METHODS, QUANTIZED_KERNELS, SchedulerConfig
+from llmserve.config import KERNEL_CHOICES, QUANTIZATION_METHODS, SchedulerConfig
 
 API_KEY_ENV = "LLMSERVE_API_KEY"
 
@@ -61,10 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--compile", action="store_true",
                      help="torch.compile decode steps as one graph (native attention) or each decoder layer (torch "
                      "attention): faster steps for ~1-2 min more start-up")
-    eng.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
+    eng.add_argument("--attention-backend", default="auto", choices=list(KERNEL_CHOICES),
                      help="decode attention: native (the C++ CPU kernel), torch (PyTorch ops), or auto: native "
                      "on CPU where it builds (default: %(default)s)")
-    eng.add_argument("--quantized-kernels", default="auto", choices=list(QUANTIZED_KERNELS),
+    eng.add_argument("--quantized-kernels", default="auto", choices=list(KERNEL_CHOICES),
                      help="with --quantization, the kernels of steps of few tokens: native (llmserve's, AVX-512 "
                      "VNNI), torch (PyTorch's), or auto: native where it builds vectorized (default: %(default)s)")
     eng.add_argument("--max-model-len", type=int, default=None,
