@@ -19,7 +19,7 @@ from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.model_runner import ModelRunner
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.engine.scheduler import Scheduler
-from llmserve.kernels import load_cpu_kernels, native_quantized_kernels
+from llmserve.kernels import amx_int8_gemm, load_cpu_kernels, native_quantized_kernels
 from llmserve.kv_cache.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from llmserve.layers.linear import prepack_linears
 from llmserve.loader import build_model, load_checkpoint
@@ -85,6 +85,14 @@ class LLMEngine:
         vectorized (they need AVX-512 VNNI)."""
         return self._use_native("quantized_kernels", native_quantized_kernels, "quantized steps of few tokens",
                                 "are not built vectorized here (they need AVX-512 VNNI)")
+
+    def _amx_int8_products(self) -> bool:
+        """Whether int8 x int8 products run on our AMX kernel: native quantized kernels not refused, and AMX
+        built and granted here (elsewhere they stay on oneDNN, which is what "native" cannot change)."""
+        mc = self.config.model
+        usable = mc.quantized_kernels != "torch" and mc.device.startswith("cpu") and amx_int8_gemm()
+        logger.info("int8 x int8 products: %s", "native AMX kernel" if usable else "oneDNN")
+        return usable
 
     def _use_native(self, option: str, available: Callable[[], bool], what: str, why_not: str) -> bool:
         """A KERNEL_CHOICES option: "torch" never, "native" always (raises where it can't), "auto" where
@@ -222,8 +230,9 @@ class LLMEngine:
                 self.add_request(f"calibration-{i}", prompt, greedy, cache_salt="int8-calibration")
             while self.has_unfinished_requests():
                 self.step()
+        amx = self._amx_int8_products()
         for name, layer in layers.items():
-            layer.use_int8_activations(absmax[name])
+            layer.use_int8_activations(absmax[name], amx=amx)
         self.kv_cache.stats = PrefixCacheStats()
         logger.info("int8 activations: %d layers calibrated in %.1fs", len(layers), time.perf_counter() - start)
 

@@ -52,9 +52,6 @@ def int8_activation_reference(model, served: torch.nn.Module, method: str, max_t
     model, after `--quantization method --int8-activations` calibrated it) does: inputs of more than
     `max_tokens` rows through the served int8 x int8 layer, fewer through the `method` quantized weight.
     None: the served layers' own limit."""
-    from llmserve.quantization.weight_only import QUANTIZED_MAX_TOKENS
-
-    limit = QUANTIZED_MAX_TOKENS[method] if max_tokens is None else max_tokens
     ref = quantized_reference(model, method)
     for layer, ours in zip(ref.model.layers, served.layers, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
@@ -68,6 +65,7 @@ def int8_activation_reference(model, served: torch.nn.Module, method: str, max_t
             (mlp, "up_proj", ours.mlp.gate_up_proj, slice(inter, 2 * inter)),
             (mlp, "down_proj", ours.mlp.down_proj, slice(None)),
         ):
+            limit = fused.max_quantized_tokens if max_tokens is None else max_tokens
             setattr(owner, name, _ServedInt8Projection(getattr(owner, name), fused, cols, limit))
     return ref
 
@@ -81,14 +79,10 @@ class _ServedInt8Projection(torch.nn.Module):
         self.dense, self.served, self.cols, self.limit = dense, served, cols, limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from llmserve.quantization.int8_activations import int8_linear
-
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] <= self.limit:
             return self.dense(x)
-        s = self.served
-        y = int8_linear(rows.to(s.smooth_inv.dtype), s.smooth_inv, s.int8_weight, s.int8_scales, s.int8_zeros,
-                        s.int8_packed)
+        y = self.served.int8_forward(rows.to(self.served.smooth_inv.dtype))
         return y[:, self.cols].to(x.dtype).reshape(*x.shape[:-1], -1)
 
 

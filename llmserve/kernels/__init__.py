@@ -15,13 +15,14 @@ from pathlib import Path
 
 import torch
 
+from llmserve.kernels.int8_gemm import register_fakes as register_int8_gemm_fakes
 from llmserve.kernels.quantized_gemv import register_fakes as register_quantized_gemv_fakes
 
 logger = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("paged_attention.cpp", "quantized_gemv.cpp", "activation_quant.cpp")
+    for name in ("paged_attention.cpp", "quantized_gemv.cpp", "activation_quant.cpp", "int8_gemm.cpp")
 ]
 
 
@@ -63,6 +64,7 @@ def load_cpu_kernels() -> bool:
         return None
 
     register_quantized_gemv_fakes()
+    register_int8_gemm_fakes()
     return True
 
 
@@ -70,3 +72,9 @@ def native_quantized_kernels() -> bool:
     """Whether small quantized steps should run on the native kernels: built, and vectorized for this CPU
     (AVX-512 VNNI); elsewhere PyTorch's own kernels are faster than the portable loops."""
     return load_cpu_kernels() and torch.ops.llmserve.quantized_gemv_vectorized()
+
+
+def amx_int8_gemm() -> bool:
+    """Whether the int8-activation path's products can run on our AMX kernel: built with AMX for this CPU,
+    and the kernel granted the tile state."""
+    return load_cpu_kernels() and torch.ops.llmserve.int8_gemm_amx_available()

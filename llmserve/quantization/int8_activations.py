@@ -55,27 +55,33 @@ def pack_int8_weight(weight: torch.Tensor) -> torch.Tensor:
 def int8_linear(
     x: torch.Tensor,
     smooth_inv: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | None,
     weight_scales: torch.Tensor,
     weight_zeros: torch.Tensor,
     packed: torch.Tensor | None,
     native_quantize: bool = False,
+    amx: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [T, in] times a smoothed int8 weight [out, in] (per output channel scales, zero points all 0;
     `packed` its `pack_int8_weight`), in x's dtype. The int32 sums are exact: this is the float product
     of the quantized values, to float32 rounding. `native_quantize`: eager calls quantize x with
     `llmserve::quantize_activations_u8` (loaded by the caller), bit for bit the ops below in one.
+    `amx`: the weight as `pack_int8_for_amx` gives it; the product runs on `llmserve::int8_gemm` (eager
+    and compiled alike), bit for bit oneDNN's, twice as fast on a step's streamed weights; `weight` and
+    `packed` are then unused.
 
-    Activations go in as uint8 around 128 (VNNI multiplies unsigned by signed bytes). Compiled, the
-    product is written as its dequantized form, which Inductor's freezing turns back into this same
-    oneDNN call on a weight it packs itself."""
+    Activations go in as uint8 around 128 (VNNI and AMX multiply unsigned by signed bytes). Compiled
+    without `amx`, the product is written as its dequantized form, which Inductor's freezing turns back
+    into this same oneDNN call on a weight it packs itself."""
     compiling = torch.compiler.is_compiling()
-    if native_quantize and not compiling and packed is not None:  # eager: one op instead of ~10 (same bits)
+    if native_quantize and not compiling and (packed is not None or amx is not None):  # one op, same bits
         xu, row_scales = torch.ops.llmserve.quantize_activations_u8(x, smooth_inv)
     else:
         xs = x.float() * smooth_inv
         row_scales = xs.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127
         xu = (torch.round(xs / row_scales) + 128).clamp(1, 255).to(torch.uint8)
+    if amx is not None:
+        return torch.ops.llmserve.int8_gemm(xu, row_scales, amx[0], weight_scales, amx[1], x.dtype)
     if compiling or packed is None:
         decomposed = torch.ops.quantized_decomposed
         xd = decomposed.dequantize_per_tensor.default(xu, 1.0, 128, 0, 255, torch.uint8)

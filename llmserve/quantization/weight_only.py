@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from llmserve.config import QUANTIZATION_METHODS as METHODS
+from llmserve.kernels.int8_gemm import int8_gemm_packs, pack_int8_for_amx
 from llmserve.kernels.quantized_gemv import int4_packs, int8_packs, pack_int4, pack_int8
 from llmserve.layers.linear import dense_linear
 from llmserve.quantization.int8_activations import int8_linear, pack_int8_weight, quantize_rows, smoothing_scales
@@ -28,6 +29,9 @@ from llmserve.quantization.int8_activations import int8_linear, pack_int8_weight
 INT4_GROUP_SIZE = 32
 # Steps with at most this many tokens use the quantized kernel (the crossover measured above).
 QUANTIZED_MAX_TOKENS = {"int8": 8, "int4": 16}
+# With the AMX int8 x int8 product, steps from this many tokens take it: all 120 of SmolLM2's products with
+# weights streamed, 8 tokens: int4 kernel 7.0 ms, AMX 6.1 ms (benchmarks/quantized_gemv.py, int8_gemm.py).
+AMX_MIN_TOKENS = 9
 
 
 class WeightOnlyLinear(nn.Module):
@@ -67,23 +71,40 @@ class WeightOnlyLinear(nn.Module):
         self.register_buffer("int8_zeros", None)
         self.register_buffer("smooth_inv", None)
         self.int8_packed: torch.Tensor | None = None
+        self.register_buffer("int8_amx_packed", None)  # or the weight in our AMX kernel's layout
+        self.register_buffer("int8_compensation", None)
 
-    def use_int8_activations(self, act_absmax: torch.Tensor) -> None:
+    def use_int8_activations(self, act_absmax: torch.Tensor, amx: bool = False) -> None:
         """Large steps from now on: SmoothQuant-smoothed int8 weights x per-token int8 activations, given
-        the largest |input| seen per channel. The dense weight and its packed copy are released."""
+        the largest |input| seen per channel. The dense weight and its packed copy are released.
+        `amx`: the product runs on our AMX kernel (`kernels/int8_gemm.cpp`, loaded by the caller) where
+        the shape packs; it is fast enough to take int4's steps of more than AMX_MIN_TOKENS - 1 tokens."""
         with torch.no_grad():
             smooth = smoothing_scales(act_absmax, self.weight)
             qweight, scales, _ = _quantize_int8(self.weight.float() * smooth)
-        self.int8_weight, self.int8_scales, self.smooth_inv = qweight, scales.float(), 1 / smooth
+        self.int8_scales, self.smooth_inv = scales.float(), 1 / smooth
         self.int8_zeros = torch.zeros(len(scales), dtype=torch.int64)
-        self.int8_packed = pack_int8_weight(qweight)
+        if amx and int8_gemm_packs(*qweight.shape):
+            self.int8_amx_packed, self.int8_compensation = pack_int8_for_amx(qweight)
+            self.max_quantized_tokens = min(self.max_quantized_tokens, AMX_MIN_TOKENS - 1)
+        else:
+            self.int8_weight, self.int8_packed = qweight, pack_int8_weight(qweight)
         self.weight, self.packed = None, None
+
+    @property
+    def uses_int8_activations(self) -> bool:
+        return self.int8_scales is not None
+
+    def int8_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The large-step product once `use_int8_activations` ran, whatever the number of tokens."""
+        amx = (self.int8_amx_packed, self.int8_compensation) if self.int8_amx_packed is not None else None
+        return int8_linear(x, self.smooth_inv, self.int8_weight, self.int8_scales, self.int8_zeros,
+                           self.int8_packed, native_quantize=self.native or amx is not None, amx=amx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_quantized_tokens:
-            if self.int8_weight is not None:
-                return int8_linear(x, self.smooth_inv, self.int8_weight, self.int8_scales, self.int8_zeros,
-                                   self.int8_packed, native_quantize=self.native)
+            if self.uses_int8_activations:
+                return self.int8_forward(x)
             return dense_linear(self, x)
         if self.native:
             if self.method == "int8":

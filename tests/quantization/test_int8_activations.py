@@ -115,9 +115,9 @@ def test_engine_matches_transformers_computing_the_same_way(hf_model, long_promp
     llm = LLM(dtype="float32", quantization="int4", int8_activations=True, kv_cache_memory_gb=0.25,
               max_model_len=2048, **WHOLE_PROMPTS)
     served = llm.engine.runner.model
-    assert all(m.int8_weight is not None for m in served.layers.modules() if isinstance(m, WeightOnlyLinear))
+    assert all(m.uses_int8_activations for m in served.layers.modules() if isinstance(m, WeightOnlyLinear))
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks  # calibration freed its KV
-    # prompts (> 16 tokens) through int8 x int8, decodes (3 a step, or 1) through the int4 kernel
+    # prompts (> 16 tokens) through int8 x int8 (on AMX where it is), decodes (3 a step, or 1) through the int4 kernel
     ref = int8_activation_reference(hf_model, served, "int4")
     expected = [reference_greedy(ref, ids, 32) for ids in long_prompts]
     assert_greedy_equals(llm, long_prompts, expected, single=1)
