@@ -137,18 +137,21 @@ __attribute__((optimize("no-fast-math"))) void strip_epilogue(const int32_t* sum
   }
 }
 
+// `tail`: the last rows of x when m is not a multiple of 32, copied into a zero-padded 32-row block (the
+// tile loads read whole blocks); nullptr otherwise.
 template <typename T>
-void gemm_amx(const uint8_t* x, const float* row_scales, const int8_t* packed, const float* w_scales,
-              const int32_t* comp, T* out, int64_t m, int64_t k, int64_t n) {
-  const int64_t steps = k / kStep, strip_bytes = steps * 2 * 1024;
+void gemm_amx(const uint8_t* x, const uint8_t* tail, const float* row_scales, const int8_t* packed,
+              const float* w_scales, const int32_t* comp, T* out, int64_t m, int64_t k, int64_t n) {
+  const int64_t steps = k / kStep, strip_bytes = steps * 2 * 1024, tail_row = m / kRowBlock * kRowBlock;
   at::parallel_for(0, n / kStrip, 1, [&](int64_t begin, int64_t end) {
     _tile_loadconfig(&tile_config());
     alignas(64) int32_t sums[kRowBlock * kStrip];
     for (int64_t s = begin; s < end; ++s) {
       const int8_t* w = packed + s * strip_bytes;
       for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
-        const uint8_t* a0 = x + r0 * k;
-        const uint8_t* a1 = a0 + 16 * k;  // rows past m: the caller's zero padding
+        const uint8_t* a0 = r0 == tail_row ? tail : x + r0 * k;
+        const uint8_t* a1 = a0 + 16 * k;
+        const bool upper_only = m - r0 <= 16;  // rows 16-31 all padding: half the tile products
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
@@ -160,9 +163,10 @@ void gemm_amx(const uint8_t* x, const float* row_scales, const int8_t* packed, c
           _tile_loadd(6, b, 64);
           _tile_loadd(7, b + 1024, 64);
           _tile_loadd(4, a0 + j * kStep, k);
-          _tile_loadd(5, a1 + j * kStep, k);
           _tile_dpbusd(0, 4, 6);
           _tile_dpbusd(1, 4, 7);
+          if (upper_only) continue;
+          _tile_loadd(5, a1 + j * kStep, k);
           _tile_dpbusd(2, 5, 6);
           _tile_dpbusd(3, 5, 7);
         }
@@ -197,17 +201,25 @@ at::Tensor int8_gemm_impl(const at::Tensor& xu_in, const at::Tensor& row_scales_
   const int64_t m = xu_in.size(0), k = xu_in.size(1), n = w_scales.numel();
   const at::Tensor row_scales = row_scales_in.contiguous();
   at::Tensor out = at::empty({m, n}, xu_in.options().dtype(out_dtype));
-  at::Tensor xu = xu_in.contiguous();
-  if (!portable && m % kRowBlock != 0) {  // the tile loads read whole 32-row blocks: zero rows past m
-    xu = at::zeros({(m + kRowBlock - 1) / kRowBlock * kRowBlock, k}, xu.options());
-    xu.narrow(0, 0, m).copy_(xu_in);
+  const at::Tensor xu = xu_in.contiguous();
+  // the tile loads read whole 32-row blocks: a last partial block is copied into zero-padded rows (a buffer
+  // this thread keeps: a fresh zeroed tensor per call cost ~18 us, a page-faulting allocation)
+  thread_local std::vector<uint8_t> tail_rows;
+  const uint8_t* tail = nullptr;
+  if (!portable && m % kRowBlock != 0) {
+    tail_rows.assign(kRowBlock * k, 0);
+    const int64_t first = m / kRowBlock * kRowBlock;
+    std::memcpy(tail_rows.data(), xu.data_ptr<uint8_t>() + first * k, (m - first) * k);
+    tail = tail_rows.data();
   }
   auto run = [&](auto* o) {
     using T = std::remove_pointer_t<decltype(o)>;
     const auto args = std::make_tuple(xu.data_ptr<uint8_t>(), row_scales.data_ptr<float>(), packed.data_ptr<int8_t>(),
                                       w_scales.data_ptr<float>(), compensation.data_ptr<int32_t>(), o, m, k, n);
 #if LLMSERVE_GEMM_AMX
-    if (!portable) return std::apply(gemm_amx<T>, args);
+    if (!portable)
+      return gemm_amx<T>(xu.data_ptr<uint8_t>(), tail, row_scales.data_ptr<float>(), packed.data_ptr<int8_t>(),
+                         w_scales.data_ptr<float>(), compensation.data_ptr<int32_t>(), o, m, k, n);
 #endif
     std::apply(gemm_portable<T>, args);
   };
