@@ -281,6 +281,50 @@ const TileConfig& amx_score_config() {
   return config;
 }
 
+// The weighted sum of V on AMX (head_dim <= 64): tiles 0..2C-1: the sums [G][16 dims] (float32) of each
+// 16-dim slice; 6: probabilities [G][32 tokens] (bf16); 7: V of 32 tokens as pairs [16][16 dims][2] (bf16).
+template <int G, int C>
+const TileConfig& amx_value_config() {
+  static const TileConfig config = [] {
+    TileConfig t;
+    for (int c = 0; c < 2 * C; ++c) t.rows[c] = G, t.colsb[c] = 64;
+    t.rows[6] = G, t.colsb[6] = 64;
+    t.rows[7] = 16, t.colsb[7] = 64;
+    return t;
+  }();
+  return config;
+}
+
+// sums[g][d] += p[g][t0 + t] v_t[d] over 32 tokens: their V rows are interleaved in pairs (the order the
+// tile product reads) into `pairs`, one 16-dim slice per tile. Tokens past the context read `zero_row` and
+// have probability 0.
+template <int G, int C>
+inline void accumulate_values_amx(RowWalker<uint16_t>& v_rows, int64_t t0, int64_t ctx, const uint16_t* zero_row,
+                                  const uint16_t* probs, int64_t probs_stride, uint16_t (*pairs)[16 * 32],
+                                  __m512i interleave_lo, __m512i interleave_hi) {
+  for (int p = 0; p < 16; ++p) {
+    const int64_t t = t0 + 2 * p;
+    const uint16_t* v0 = t < ctx ? v_rows.next() : zero_row;
+    const uint16_t* v1 = t + 1 < ctx ? v_rows.next() : zero_row;
+    for (int c = 0; c < C; ++c) {
+      const __m512i a = _mm512_loadu_si512(v0 + 32 * c), b = _mm512_loadu_si512(v1 + 32 * c);
+      _mm512_store_si512(pairs[2 * c] + 32 * p, _mm512_permutex2var_epi16(a, interleave_lo, b));
+      _mm512_store_si512(pairs[2 * c + 1] + 32 * p, _mm512_permutex2var_epi16(a, interleave_hi, b));
+    }
+  }
+  _tile_loadd(6, probs + t0, 2 * probs_stride);
+  _tile_loadd(7, pairs[0], 64);
+  _tile_dpbf16ps(0, 6, 7);
+  _tile_loadd(7, pairs[1], 64);
+  _tile_dpbf16ps(1, 6, 7);
+  if constexpr (C > 1) {
+    _tile_loadd(7, pairs[2], 64);
+    _tile_dpbf16ps(2, 6, 7);
+    _tile_loadd(7, pairs[3], 64);
+    _tile_dpbf16ps(3, 6, 7);
+  }
+}
+
 // scores[g * ctx + t] = scale * q_g . k_t for the n (<= 16) tokens of a chunk whose K rows start at `rows`
 // (contiguous, head_dim apart; rows past n are other tokens' or stale, and are computed but not kept).
 // The products are float32 sums of bf16 pairs, as vdpbf16ps makes them.
@@ -367,18 +411,26 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
 #else
   constexpr bool amx = false;
 #endif
+  // and the weighted sum of V too where head_dim <= 64 (2C sum tiles fit beside the probability and V ones)
+  constexpr bool kValueTilesFit = C <= 2;
+  const bool amx_values = amx && kValueTilesFit;
+#if LLMSERVE_ATTENTION_AMX
+  alignas(64) int16_t lo_order[32], hi_order[32];  // interleave two tokens' rows: (a0, b0, a1, b1, ...)
+  for (int i = 0; i < 32; ++i) lo_order[i] = i / 2 + (i % 2) * 32, hi_order[i] = 16 + i / 2 + (i % 2) * 32;
+  const __m512i interleave_lo = _mm512_load_si512(lo_order), interleave_hi = _mm512_load_si512(hi_order);
+#endif
   run_tasks(pairs * parts, [&](auto next_task) {
     std::vector<float> scores;
-    std::vector<uint16_t> probs;  // bf16, [G][tokens rounded up to even]
+    std::vector<uint16_t> probs;  // bf16, [G][tokens rounded up to even, or to 32 for the tiles]
 #if LLMSERVE_ATTENTION_AMX
-    if (amx) _tile_loadconfig(&amx_score_config<G, C>());
     alignas(64) uint16_t q_pairs[C][16 * 2 * G];  // the B tiles: [dim pair][query head][2]
+    alignas(64) uint16_t v_pairs[2 * C][16 * 32];
 #endif
     for (int64_t task; (task = next_task()) >= 0;) {
       const int64_t b = task / (num_kv_heads * parts), h = task / parts % num_kv_heads;
       const int64_t first = task % parts * part_len;
       const int64_t ctx = std::max<int64_t>(0, std::min<int64_t>(lens[b] - first, part_len));
-      const int64_t ctx2 = (ctx + 1) & ~int64_t(1);
+      const int64_t ctx2 = amx_values ? (ctx + 31) & ~int64_t(31) : (ctx + 1) & ~int64_t(1);
       float* result = partial.data() + task * G * stride;
       if (ctx == 0) {  // a short context's later parts
         for (int g = 0; g < G; ++g) result[g * stride] = -INFINITY, result[g * stride + 1] = 0.f;
@@ -394,6 +446,7 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
       scores.resize(G * ctx);
 #if LLMSERVE_ATTENTION_AMX
       if (amx) {
+        _tile_loadconfig(&amx_score_config<G, C>());
         const uint16_t* q_rows = q_ptr + (b * num_heads + h * G) * head_dim;
         for (int c = 0; c < C; ++c)
           for (int p = 0; p < 16; ++p)
@@ -436,6 +489,29 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
           _mm256_mask_storeu_epi16(p + t, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, s + t)));
         }
       }
+#if LLMSERVE_ATTENTION_AMX
+      if constexpr (kValueTilesFit) {
+        if (amx_values) {
+          _tile_loadconfig(&amx_value_config<G, C>());
+          _tile_zero(0);
+          _tile_zero(1);
+          if constexpr (C > 1) {
+            _tile_zero(2);
+            _tile_zero(3);
+          }
+          for (int64_t t0 = 0; t0 < ctx; t0 += 32)
+            accumulate_values_amx<G, C>(v_rows, t0, ctx, zero_row, probs.data(), ctx2, v_pairs, interleave_lo,
+                                        interleave_hi);
+          _tile_stored(0, result + 2, 4 * stride);
+          _tile_stored(1, result + 2 + 16, 4 * stride);
+          if constexpr (C > 1) {
+            _tile_stored(2, result + 2 + 32, 4 * stride);
+            _tile_stored(3, result + 2 + 48, 4 * stride);
+          }
+          continue;
+        }
+      }
+#endif
       __m512 acc[G][2 * C];
       for (int g = 0; g < G; ++g)
         for (int c = 0; c < 2 * C; ++c) acc[g][c] = _mm512_setzero_ps();
