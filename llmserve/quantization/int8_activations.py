@@ -2,9 +2,10 @@
 
 Why: once a step carries a few dozen tokens (a busy server's decode batch, any prompt chunk) the
 linears are compute-bound, and an int8 x int8 GEMM (VNNI, oneDNN) runs ~1.5x faster than the prepacked
-bf16 one on SmolLM2's shapes (32 rows, 30 layers' weights streamed from memory, measured here). Steps of
-few tokens keep the weight-only kernels: they are bound by the bytes of weight they read, and int4
-reads fewer.
+bf16 one on SmolLM2's shapes (32 rows, 30 layers' weights streamed from memory, measured here); on CPUs
+with AMX our own kernel (`kernels/int8_gemm.cpp`) does the same product, bit for bit, twice as fast again.
+Steps of few tokens keep the weight-only kernels: they are bound by the bytes of weight they read, and
+int4 reads fewer.
 
 Activations get one scale per token, so a row's result never depends on the rows batched with it.
 Per-token scales alone cost +2.7 % perplexity (outlier channels take the whole int8 range); SmoothQuant
