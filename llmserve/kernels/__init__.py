@@ -63,6 +63,10 @@ def load_cpu_kernels() -> bool:
     def _(k, v, k_cache, v_cache, slots):
         return None
 
+    @torch.library.register_fake("llmserve::quantize_activations_u8")
+    def _(x, smooth_inv):
+        return x.new_empty(x.shape, dtype=torch.uint8), x.new_empty(x.shape[0], 1, dtype=torch.float32)
+
     register_quantized_gemv_fakes()
     register_int8_gemm_fakes()
     return True
