@@ -80,3 +80,29 @@ def test_bad_shapes_raise():
         gemm(xu, row_scales[:2], packed, scales, comp, torch.float32)
     with pytest.raises(RuntimeError, match="uint8"):
         gemm(xu.to(torch.int8), row_scales, packed, scales, comp, torch.float32)
+
+
+@pytest.mark.skipif(not amx_int8_gemm(), reason="no AMX here")
+def test_amx_kernels_leave_pytorchs_own_amx_users_correct():
+    # Our kernels load and release the tile configuration on every thread they run on; PyTorch's bf16
+    # flash attention (prompt steps) and oneDNN (the bf16 head) configure tiles their own way. Interleaved
+    # on the same threads, each must still compute exactly what it computes alone.
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 9, 64, 64, generator=gen).to(torch.bfloat16) for _ in range(3))
+    head_x, head_w = torch.randn(32, 576, generator=gen).bfloat16(), torch.randn(4096, 576, generator=gen).bfloat16()
+
+    def pytorch_amx_users():
+        return (torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True),
+                torch.nn.functional.linear(head_x, head_w))
+
+    alone = pytorch_amx_users()
+    qw, scales, xu, row_scales = _case(32, 960, 576)
+    packed, comp = pack_int8_for_amx(qw)
+    cache = torch.randn(8, 3, 16, 64, generator=gen).bfloat16()
+    table = torch.arange(8, dtype=torch.int32).view(2, 4)
+    for _ in range(3):
+        torch.ops.llmserve.int8_gemm(xu, row_scales, packed, scales, comp, torch.bfloat16)
+        torch.ops.llmserve.paged_decode_attention(torch.randn(2, 9, 64).bfloat16(), cache, cache, table,
+                                                  torch.tensor([50, 64], dtype=torch.int32), 0.125)
+        after = pytorch_amx_users()
+        assert all(torch.equal(a, b) for a, b in zip(alone, after, strict=True))
