@@ -275,14 +275,14 @@ struct alignas(64) TileConfig {
 };
 
 // tile 0: the chunk's scores [16 tokens][G] (float32); 1: K rows [16 tokens][32 dims] (bf16, one row of the
-// cache per token); 2..: the query pairs [16 dim pairs][G][2] of each 32-dim part (bf16)
-template <int G, int C>
+// cache per token); 2: the query pairs [16 dim pairs][G][2] of one 32-dim part (bf16)
+template <int G>
 const TileConfig& amx_score_config() {
   static const TileConfig config = [] {
     TileConfig t;
     t.rows[0] = 16, t.colsb[0] = 4 * G;
     t.rows[1] = 16, t.colsb[1] = 64;
-    for (int c = 0; c < C; ++c) t.rows[2 + c] = 16, t.colsb[2 + c] = 4 * G;
+    t.rows[2] = 16, t.colsb[2] = 4 * G;
     return t;
   }();
   return config;
@@ -338,25 +338,11 @@ inline void accumulate_values_amx(RowWalker<uint16_t>& v_rows, int64_t t0, int64
 template <int G, int C>
 inline void score_chunk_amx(const uint16_t* rows, const uint16_t (*q_pairs)[16 * 2 * G], __m512 vscale,
                             float* scores, int64_t ctx, int64_t n) {
-  constexpr int64_t row_bytes = 64 * C;
   _tile_zero(0);
-  _tile_loadd(1, rows, row_bytes);
-  _tile_loadd(2, q_pairs[0], 4 * G);
-  _tile_dpbf16ps(0, 1, 2);
-  if constexpr (C > 1) {
-    _tile_loadd(1, rows + 32, row_bytes);
-    _tile_loadd(3, q_pairs[1], 4 * G);
-    _tile_dpbf16ps(0, 1, 3);
-  }
-  if constexpr (C > 2) {
-    _tile_loadd(1, rows + 64, row_bytes);
-    _tile_loadd(4, q_pairs[2], 4 * G);
-    _tile_dpbf16ps(0, 1, 4);
-  }
-  if constexpr (C > 3) {
-    _tile_loadd(1, rows + 96, row_bytes);
-    _tile_loadd(5, q_pairs[3], 4 * G);
-    _tile_dpbf16ps(0, 1, 5);
+  for (int c = 0; c < C; ++c) {  // each 32-dim part of the rows against its query pairs
+    _tile_loadd(1, rows + 32 * c, 64 * C);
+    _tile_loadd(2, q_pairs[c], 4 * G);
+    _tile_dpbf16ps(0, 1, 2);
   }
   alignas(64) float chunk[16 * G];  // [token][query head]
   _tile_stored(0, chunk, 4 * G);
@@ -453,7 +439,7 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
       scores.resize(G * ctx);
 #if LLMSERVE_ATTENTION_AMX
       if (amx) {
-        _tile_loadconfig(&amx_score_config<G, C>());
+        _tile_loadconfig(&amx_score_config<G>());
         const uint16_t* q_rows = q_ptr + (b * num_heads + h * G) * head_dim;
         for (int c = 0; c < C; ++c)
           for (int p = 0; p < 16; ++p)
