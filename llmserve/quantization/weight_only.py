@@ -30,8 +30,9 @@ INT4_GROUP_SIZE = 32
 # Steps with at most this many tokens use the quantized kernel (the crossover measured above).
 QUANTIZED_MAX_TOKENS = {"int8": 8, "int4": 16}
 # With the AMX int8 x int8 product, steps from this many tokens take it: all 120 of SmolLM2's products with
-# weights streamed, int4 kernel 4.0 ms at 4 tokens and 7.0 ms at 8; AMX 5.8 ms from 1 to 16 tokens
-# (benchmarks/quantized_gemv.py, benchmarks/int8_gemm.py).
+# weights streamed, int4 kernel 4.0 ms at 4 tokens and 7.0 ms at 8; AMX 5.8 ms at 9 and at 16 tokens (any
+# count up to 16 is the same tile work) (benchmarks/quantized_gemv.py, benchmarks/int8_gemm.py). Quality:
+# every step int8 x int8 is +0.7 % perplexity over int4 (benchmarks/quant_quality.py), the bound for this.
 AMX_MIN_TOKENS = 9
 
 
