@@ -47,7 +47,9 @@ class ModelConfig:
     # "auto" = native where it builds and runs (CPU), else torch
     attention_backend: str = "auto"
     # with quantization, the small steps' kernels: "native" = llmserve/kernels/quantized_gemv.cpp (CPUs with
-    # AVX-512 VNNI), "torch" = PyTorch's weight-only kernels, "auto" = native where it builds vectorized
+    # AVX-512 VNNI), "torch" = PyTorch's weight-only kernels, "auto" = native where it builds vectorized.
+    # With int8_activations, anything but "torch" also runs the int8 x int8 products on
+    # llmserve/kernels/int8_gemm.cpp where the CPU has AMX (else oneDNN)
     quantized_kernels: str = "auto"
 
     def __post_init__(self) -> None:

@@ -35,8 +35,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <tuple>
-#include <type_traits>
+#include <vector>
 
 #if LLMSERVE_AMX_TILES
 // Linux hands out AMX's tile state only on request, once per process (paged_attention.cpp asks here too).
@@ -204,8 +203,8 @@ at::Tensor int8_gemm_impl(const at::Tensor& xu_in, const at::Tensor& row_scales_
   const at::Tensor row_scales = row_scales_in.contiguous();
   at::Tensor out = at::empty({m, n}, xu_in.options().dtype(out_dtype));
   const at::Tensor xu = xu_in.contiguous();
-  // the tile loads read whole 32-row blocks: a last partial block is copied into zero-padded rows (a buffer
-  // this thread keeps: a fresh zeroed tensor per call cost ~18 us, a page-faulting allocation)
+  // the tile loads read whole 32-row blocks: a last partial block is copied into zero-padded rows, in a
+  // buffer this thread keeps (not an allocation per call)
   thread_local std::vector<uint8_t> tail_rows;
   const uint8_t* tail = nullptr;
   if (!portable && m % kRowBlock != 0) {
@@ -214,16 +213,16 @@ at::Tensor int8_gemm_impl(const at::Tensor& xu_in, const at::Tensor& row_scales_
     std::memcpy(tail_rows.data(), xu.data_ptr<uint8_t>() + first * k, (m - first) * k);
     tail = tail_rows.data();
   }
+  const uint8_t* x = xu.data_ptr<uint8_t>();
+  const float* rs = row_scales.data_ptr<float>();
+  const int8_t* w = packed.data_ptr<int8_t>();
+  const float* ws = w_scales.data_ptr<float>();
+  const int32_t* comp = compensation.data_ptr<int32_t>();
   auto run = [&](auto* o) {
-    using T = std::remove_pointer_t<decltype(o)>;
-    const auto args = std::make_tuple(xu.data_ptr<uint8_t>(), row_scales.data_ptr<float>(), packed.data_ptr<int8_t>(),
-                                      w_scales.data_ptr<float>(), compensation.data_ptr<int32_t>(), o, m, k, n);
 #if LLMSERVE_GEMM_AMX
-    if (!portable)
-      return gemm_amx<T>(xu.data_ptr<uint8_t>(), tail, row_scales.data_ptr<float>(), packed.data_ptr<int8_t>(),
-                         w_scales.data_ptr<float>(), compensation.data_ptr<int32_t>(), o, m, k, n);
+    if (!portable) return gemm_amx(x, tail, rs, w, ws, comp, o, m, k, n);
 #endif
-    std::apply(gemm_portable<T>, args);
+    gemm_portable(x, rs, w, ws, comp, o, m, k, n);
   };
   if (out_dtype == at::kBFloat16) {
     run(out.data_ptr<at::BFloat16>());

@@ -398,9 +398,10 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
   std::vector<float> partial(pairs * parts * G * stride);
 
 #if LLMSERVE_ATTENTION_AMX
-  // Scores on AMX where a 16-token chunk never crosses a block (its K rows are one tile): 2 tile loads and
-  // 2 tile products per chunk, instead of ~230 vector instructions for G = 3 (see score_chunk_amx).
-  const bool amx = block_size % 16 == 0 && part_len % 16 == 0 && request_amx_tiles();
+  // Scores on AMX where a 16-token chunk never crosses a block (its K rows are one tile; parts start at
+  // multiples of 16): 2 tile loads and 2 tile products per chunk, instead of ~230 vector instructions for
+  // G = 3 (see score_chunk_amx).
+  const bool amx = block_size % 16 == 0 && request_amx_tiles();
 #else
   constexpr bool amx = false;
 #endif
@@ -432,10 +433,6 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
       const int32_t* blocks = table + b * max_blocks;
       RowWalker<uint16_t> k_rows(k_ptr, blocks, h, num_kv_heads, block_size, head_dim, first, first + ctx);
       RowWalker<uint16_t> v_rows(v_ptr, blocks, h, num_kv_heads, block_size, head_dim, first, first + ctx);
-      __m512bh qv[G][C];
-      for (int g = 0; g < G; ++g)
-        for (int c = 0; c < C; ++c)
-          qv[g][c] = (__m512bh)_mm512_loadu_si512(q_ptr + (b * num_heads + h * G + g) * head_dim + c * 32);
       scores.resize(G * ctx);
 #if LLMSERVE_ATTENTION_AMX
       if (amx) {
@@ -451,23 +448,29 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
           for (int64_t t = 1; t < n; ++t) k_rows.next();
           score_chunk_amx<G, C>(rows, q_pairs, vscale, scores.data() + t0, ctx, n);
         }
-      }
+      } else
 #endif
-      for (int64_t t0 = 0; t0 < (amx ? 0 : ctx); t0 += 16) {
-        const int64_t n = std::min<int64_t>(16, ctx - t0);
-        const uint16_t* krow[16];
-        for (int t = 0; t < 16; ++t) krow[t] = t < n ? k_rows.next() : zero_row;
-        const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
-        for (int g = 0; g < G; ++g) {  // one head at a time: 16 partial sums fit in registers
-          __m512 part[16];
-          for (int t = 0; t < 16; ++t) {
-            __m512 acc = _mm512_setzero_ps();
-            for (int c = 0; c < C; ++c)
-              acc = _mm512_dpbf16_ps(acc, qv[g][c], (__m512bh)_mm512_loadu_si512(krow[t] + c * 32));
-            part[t] = acc;
+      {  // the vector loops
+        __m512bh qv[G][C];
+        for (int g = 0; g < G; ++g)
+          for (int c = 0; c < C; ++c)
+            qv[g][c] = (__m512bh)_mm512_loadu_si512(q_ptr + (b * num_heads + h * G + g) * head_dim + c * 32);
+        for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+          const int64_t n = std::min<int64_t>(16, ctx - t0);
+          const uint16_t* krow[16];
+          for (int t = 0; t < 16; ++t) krow[t] = t < n ? k_rows.next() : zero_row;
+          const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+          for (int g = 0; g < G; ++g) {  // one head at a time: 16 partial sums fit in registers
+            __m512 part[16];
+            for (int t = 0; t < 16; ++t) {
+              __m512 acc = _mm512_setzero_ps();
+              for (int c = 0; c < C; ++c)
+                acc = _mm512_dpbf16_ps(acc, qv[g][c], (__m512bh)_mm512_loadu_si512(krow[t] + c * 32));
+              part[t] = acc;
+            }
+            _mm512_mask_storeu_ps(scores.data() + g * ctx + t0, mask,
+                                  _mm512_mul_ps(transpose_reduce16(part, reduce_index), vscale));
           }
-          _mm512_mask_storeu_ps(scores.data() + g * ctx + t0, mask,
-                                _mm512_mul_ps(transpose_reduce16(part, reduce_index), vscale));
         }
       }
       probs.assign(G * ctx2, 0);

@@ -66,7 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "on CPU where it builds (default: %(default)s)")
     eng.add_argument("--quantized-kernels", default="auto", choices=list(KERNEL_CHOICES),
                      help="with --quantization, the kernels of steps of few tokens: native (llmserve's, AVX-512 "
-                     "VNNI), torch (PyTorch's), or auto: native where it builds vectorized (default: %(default)s)")
+                     "VNNI), torch (PyTorch's), or auto: native where it builds vectorized; with --int8-activations, "
+                     "not torch also runs the int8 products on llmserve's AMX kernel where the CPU has AMX "
+                     "(default: %(default)s)")
     eng.add_argument("--max-model-len", type=int, default=None,
                      help="longest prompt + output in tokens (default: the model's context length)")
     eng.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch (default: %(default)s)")
