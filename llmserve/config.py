@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, see quantization/weight_only.py
 # where the engine has a native CPU kernel beside a PyTorch path: attention_backend (layers/attention.py),
-# quantized_kernels (quantization/weight_only.py)
+# quantized_kernels (quantization/weight_only.py), elementwise_kernels (kernels/fused_elementwise.cpp)
 KERNEL_CHOICES = ("auto", "native", "torch")
 
 
@@ -51,9 +51,15 @@ class ModelConfig:
     # With int8_activations, anything but "torch" also runs the int8 x int8 products on
     # llmserve/kernels/int8_gemm.cpp where the CPU has AMX (else oneDNN)
     quantized_kernels: str = "auto"
+    # the decoder layer's norms, rotary and SwiGLU gate in steps that run eagerly (prompts, mixed steps), and
+    # greedy sampling's argmax: "native" = llmserve/kernels/fused_elementwise.cpp and argmax.cpp (CPU; one op
+    # each instead of ~25 small ones a layer; an argmax several times faster than PyTorch's),
+    # "torch" = PyTorch's ops, "auto" = native in bfloat16 where the kernels build (CPU; "native" also takes
+    # float32)
+    elementwise_kernels: str = "auto"
 
     def __post_init__(self) -> None:
-        for option in ("attention_backend", "quantized_kernels"):
+        for option in ("attention_backend", "quantized_kernels", "elementwise_kernels"):
             if getattr(self, option) not in KERNEL_CHOICES:
                 raise ValueError(f"{option} must be one of {list(KERNEL_CHOICES)}, got {getattr(self, option)!r}")
         if self.attention_backend == "native" and not self.device.startswith("cpu"):

@@ -43,12 +43,13 @@ class LLM:
         compile: bool = False,
         attention_backend: str = "auto",
         quantized_kernels: str = "auto",
+        elementwise_kernels: str = "auto",
     ) -> None:
         self.engine_config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, device=device,
                               quantization=quantization, int8_activations=int8_activations,
                               compile=compile, attention_backend=attention_backend,
-                              quantized_kernels=quantized_kernels),
+                              quantized_kernels=quantized_kernels, elementwise_kernels=elementwise_kernels),
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory_gb=kv_cache_memory_gb,

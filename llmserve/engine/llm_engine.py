@@ -23,7 +23,7 @@ from llmserve.kernels import amx_int8_gemm, load_cpu_kernels, native_quantized_k
 from llmserve.kv_cache.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from llmserve.layers.linear import prepack_linears
 from llmserve.loader import build_model, load_checkpoint
-from llmserve.models.llama import compile_layers
+from llmserve.models.llama import compile_layers, use_native_elementwise
 from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
 from llmserve.quantization.int8_activations import calibration_prompts, record_input_ranges
 from llmserve.quantization.weight_only import WeightOnlyLinear, quantize_model
@@ -52,6 +52,9 @@ class LLMEngine:
             logger.info("weights quantized: %s (linear layers), int8 output head", mc.quantization)
         if packed := prepack_linears(model):
             logger.info("%d linear weights prepacked for oneDNN", packed)
+        native_elementwise = self._native_elementwise()
+        if native_elementwise:
+            use_native_elementwise(model)
         self.max_model_len = min(mc.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         block_size = config.cache.block_size
@@ -62,7 +65,7 @@ class LLMEngine:
             compile_layers(model)  # the PyTorch attention path: per layer, attention left eager
         self.runner = ModelRunner(
             model, self.model_config, num_blocks, block_size, self.dtype, mc.device, native,
-            compile_decode=mc.compile and native,
+            compile_decode=mc.compile and native, native_argmax=self._native_argmax(),
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.requests: dict[str, Request] = {}
@@ -85,6 +88,28 @@ class LLMEngine:
         vectorized (they need AVX-512 VNNI)."""
         return self._use_native("quantized_kernels", native_quantized_kernels, "quantized steps of few tokens",
                                 "are not built vectorized here (they need AVX-512 VNNI)")
+
+    def _native_elementwise(self) -> bool:
+        """Whether eager steps run the layers' norms, rotary and gate on the native kernels: asked for
+        (float32 or bfloat16), or "auto" in bfloat16 on CPU where they build.
+
+        Not "auto" in float32, the dtype we check against transformers to its rounding: the kernels sum
+        RMSNorm's squares in another order, and with int8 activations a last-bit difference can move a
+        value across a quantization level (a test's greedy tokens then diverged at a 1.8 % logit gap).
+        In bfloat16 eager PyTorch rounds after every op; the kernels round once, as compiled code does."""
+        dtypes = (torch.float32, torch.bfloat16) if self.config.model.elementwise_kernels == "native" else (
+            torch.bfloat16,)
+
+        def available() -> bool:
+            return self.dtype in dtypes and load_cpu_kernels()
+        return self._use_native("elementwise_kernels", available, "norms, rotary and gate of eager steps",
+                                "could not be built or do not take this dtype")
+
+    def _native_argmax(self) -> bool:
+        """Greedy sampling's argmax on the native kernel (exact in any dtype: logits are float32) unless
+        elementwise_kernels is "torch"."""
+        mc = self.config.model
+        return mc.elementwise_kernels != "torch" and mc.device.startswith("cpu") and load_cpu_kernels()
 
     def _amx_int8_products(self) -> bool:
         """Whether int8 x int8 products run on our AMX kernel: native quantized kernels not refused, and AMX

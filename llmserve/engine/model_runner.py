@@ -31,9 +31,11 @@ class ModelRunner:
         device: str,
         native_attention: bool = False,
         compile_decode: bool = False,
+        native_argmax: bool = False,
     ) -> None:
         self.model = model
         self.native_attention = native_attention  # decodes through llmserve/kernels (needs them loaded)
+        self.native_argmax = native_argmax  # greedy tokens through llmserve/kernels (needs them loaded)
         self.config = config
         self.block_size = block_size
         self.device = torch.device(device)
@@ -79,7 +81,8 @@ class ModelRunner:
             return results
         last_token = (first_token + counts_t - 1)[sample_rows].to(dev)
         logits = self.model.compute_logits(hidden[last_token])
-        sampled = sample(logits, self._sampling_metadata([reqs[i] for i in sample_rows], logits.shape[1]))
+        sampled = sample(logits, self._sampling_metadata([reqs[i] for i in sample_rows], logits.shape[1]),
+                         self.native_argmax)
         for row, token in zip(sample_rows, sampled, strict=True):
             results[order[row]] = token
         return results

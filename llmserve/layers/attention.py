@@ -104,10 +104,13 @@ def _paged_attention_eager(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    head_dim = k.shape[-1]
-    k_cache.view(-1, head_dim).index_copy_(0, meta.write_slots, k.reshape(-1, head_dim))
-    v_cache.view(-1, head_dim).index_copy_(0, meta.write_slots, v.reshape(-1, head_dim))
     decodes = meta.decodes
+    if isinstance(decodes, DecodeBatch):  # the native kernels are loaded: one op writes K and V
+        torch.ops.llmserve.write_kv(k, v, k_cache, v_cache, meta.write_slots)
+    else:
+        head_dim = k.shape[-1]
+        k_cache.view(-1, head_dim).index_copy_(0, meta.write_slots, k.reshape(-1, head_dim))
+        v_cache.view(-1, head_dim).index_copy_(0, meta.write_slots, v.reshape(-1, head_dim))
     if isinstance(decodes, DecodeBatch):
         out = torch.empty_like(q)
         if decodes.size:

@@ -1,4 +1,8 @@
-"""RMSNorm, computed in float32 as the reference Llama implementation does (bit-for-bit order)."""
+"""RMSNorm, computed in float32 as the reference Llama implementation does (bit-for-bit order).
+
+`native=True` (eager steps on CPU, see kernels/fused_elementwise.cpp): one op instead of five, and
+`add_forward` folds the residual add in; rounded once at the end instead of after each op.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, native: bool = False) -> torch.Tensor:
+        if native:
+            return torch.ops.llmserve.rms_norm(x, self.weight, self.eps)
         # x * rsqrt(mean(x^2) + eps) in float32 (one call instead of five), rounded back, then the weight
         normed = nn.functional.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         return self.weight * normed.to(x.dtype)
+
+    def add_forward(
+        self, x: torch.Tensor, delta: torch.Tensor, native: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, the norm of it): a residual add and the norm that reads its result."""
+        if native:
+            return torch.ops.llmserve.add_rms_norm(x, delta, self.weight, self.eps)
+        x = x + delta
+        return x, self.forward(x)

@@ -57,6 +57,9 @@ class RotaryEmbedding(nn.Module):
         )
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim] (any strides); returns a new contiguous tensor."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, native: bool = False) -> torch.Tensor:
+    """x: [T, heads, head_dim] (any strides); returns a new contiguous tensor. `native`: one op of
+    kernels/fused_elementwise.cpp (x's heads adjacent, each contiguous) instead of four."""
+    if native:
+        return torch.ops.llmserve.rotary(x, cos, signed_sin)
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

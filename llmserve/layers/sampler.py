@@ -38,8 +38,9 @@ class SampledToken:
     top: list[tuple[int, float]] | None = None  # (token id, logprob), best first
 
 
-def sample(logits: torch.Tensor, meta: SamplingMetadata) -> list[SampledToken]:
-    """logits: [B, V] float32 (modified in place)."""
+def sample(logits: torch.Tensor, meta: SamplingMetadata, native_argmax: bool = False) -> list[SampledToken]:
+    """logits: [B, V] float32 (modified in place). `native_argmax`: greedy tokens through
+    `llmserve::argmax_rows` (loaded by the caller; CPU), several times faster than PyTorch's reduction."""
     want_logprobs = any(k is not None for k in meta.num_logprobs)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     for row, ids in meta.banned:
@@ -47,7 +48,10 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> list[SampledToken]:
     if meta.output_counts is not None:
         _apply_penalties(logits, meta)
 
-    tokens = logits.max(dim=-1).indices  # the first maximum, as argmax, in a third of its time on CPU
+    if native_argmax:
+        tokens = torch.ops.llmserve.argmax_rows(logits)
+    else:
+        tokens = logits.max(dim=-1).indices  # the first maximum, as argmax, in a third of its time on CPU
     if not meta.all_greedy:
         tokens = torch.where(meta.temperature == 0, tokens, _sample_random(logits, meta))
 

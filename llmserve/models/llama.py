@@ -53,13 +53,13 @@ class LlamaAttention(nn.Module):
         self.scale = cfg.head_dim**-0.5
 
     def project(
-        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]  # x: [T, hidden]
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], native: bool = False  # x: [T, hidden]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, heads, head_dim] and k, v [T, kv_heads, head_dim], rotary applied to q and k."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         # q and k heads are adjacent columns of the fused projection: one rotary pass covers both
-        qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), *cos_sin)
+        qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), *cos_sin, native)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         return q, k, v
@@ -72,8 +72,11 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+    def forward(self, x: torch.Tensor, native: bool = False) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if native:
+            return self.down_proj(torch.ops.llmserve.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
@@ -84,15 +87,26 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg)
+        # eager steps run the norms, rotary and gate on kernels/fused_elementwise.cpp (`use_native_elementwise`)
+        self.native_elementwise = False
 
     def forward(self, x, cos_sin, kv_cache, meta) -> torch.Tensor:
         # self_attn's steps, spelled out here: paged attention is a compiled layer's one graph break,
-        # and a break inside a nested call would split the layer into four compiled regions, not two
+        # and a break inside a nested call would split the layer into four compiled regions, not two.
+        # Compiled code keeps PyTorch's ops: Inductor fuses them itself.
+        native = self.native_elementwise and not torch.compiler.is_compiling()
         attn = self.self_attn
-        q, k, v = attn.project(self.input_layernorm(x), cos_sin)
+        q, k, v = attn.project(self.input_layernorm(x, native), cos_sin, native)
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, attn.scale)
-        x = x + attn.o_proj(o.flatten(1))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_forward(x, attn.o_proj(o.flatten(1)), native)
+        return x + self.mlp(h, native)
+
+
+def use_native_elementwise(model: nn.Module) -> None:
+    """Eager steps from now on run each decoder layer's norms, rotary and SwiGLU gate on the native kernels
+    (the caller has loaded them): ~5 ops a layer instead of ~25, the dispatch of a step with prompt tokens."""
+    for layer in model.layers:
+        layer.native_elementwise = True
 
 
 def compile_layers(model: nn.Module) -> None:

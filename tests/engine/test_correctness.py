@@ -59,6 +59,38 @@ def test_torch_attention_path_matches_transformers(prompt_token_ids, hf_referenc
     assert_greedy_equals(llm, prompt_token_ids, hf_reference, single=1)
 
 
+@pytest.mark.parametrize("elementwise_kernels", ["native", "torch"])
+def test_elementwise_kernels_match_transformers(elementwise_kernels, prompt_token_ids, hf_reference):
+    # the layers' norms, rotary and gate (and greedy's argmax) on the fused kernels or on PyTorch's ops
+    llm = LLM(dtype="float32", elementwise_kernels=elementwise_kernels, kv_cache_memory_gb=0.25, max_model_len=2048)
+    native = elementwise_kernels == "native"
+    assert all(layer.native_elementwise == native for layer in llm.engine.runner.model.layers)
+    assert llm.engine.runner.native_argmax == native
+    assert_greedy_equals(llm, prompt_token_ids, hf_reference, single=1)
+
+
+def test_elementwise_kernels_in_bfloat16_compute_what_pytorch_does(prompt_token_ids):
+    # bfloat16, where "auto" takes them: the same engine with its layers switched back to PyTorch's ops
+    # gives the same next tokens, and log-probabilities equal to bfloat16's rounding (the head rounds the
+    # logits to bfloat16: at |logit| 16-32, one step is 0.125; allowed: two)
+    llm = LLM(dtype="bfloat16", kv_cache_memory_gb=0.25, max_model_len=2048, enable_prefix_caching=False)
+    layers = llm.engine.runner.model.layers
+    assert all(layer.native_elementwise for layer in layers) and llm.engine.runner.native_argmax
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    native = llm.generate(prompt_token_ids, params, use_tqdm=False)
+    for layer in layers:
+        layer.native_elementwise = False
+    reference = llm.generate(prompt_token_ids, params, use_tqdm=False)
+    for ours, theirs in zip(native, reference, strict=True):
+        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
+        top_ours, top_theirs = ours.outputs[0].logprobs[0], theirs.outputs[0].logprobs[0]
+        for token, lp in top_theirs.items():
+            if lp.rank is not None and lp.rank <= 3:
+                assert abs(top_ours[token].logprob - lp.logprob) <= 0.25
+
+
 def test_bad_attention_backend_is_refused():
     with pytest.raises(ValueError, match="attention_backend"):
         LLM(attention_backend="flash")
+    with pytest.raises(ValueError, match="elementwise_kernels"):
+        LLM(elementwise_kernels="fused")

@@ -1,0 +1,112 @@
+"""The fused elementwise kernels against the PyTorch ops they replace, on the same inputs, and against
+the exact value (float64 from the same inputs).
+
+They compute in float32 and round once at the end, where eager PyTorch rounds to bfloat16 after each op:
+in bfloat16 they agree with eager to its rounding and are correctly rounded themselves (the exact value's
+nearest bfloat16, but for a float32 rounding error landing on a tie)."""
+
+import pytest
+import torch
+from torch import nn
+
+from llmserve.kernels import load_cpu_kernels
+from llmserve.layers.layernorm import RMSNorm
+from llmserve.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+
+pytestmark = pytest.mark.skipif(not load_cpu_kernels(), reason="native kernels unavailable (no compiler)")
+
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, exact: torch.Tensor) -> None:
+    """`expected`: PyTorch's result; `exact`: float64 from the same inputs."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    torch.testing.assert_close(actual, expected, **TOLERANCE[expected.dtype])
+    if actual.dtype == torch.bfloat16:
+        ulp = torch.finfo(torch.bfloat16).eps * exact.abs() + 1e-30  # (silu(-100): e^-x clamped at e^88)
+        assert ((actual.double() - exact).abs() <= ulp).all(), "more than one bfloat16 step from the exact value"
+        rounded = (actual == exact.to(torch.bfloat16)).double().mean().item()
+        assert rounded > 0.99, f"only {rounded:.1%} correctly rounded"
+    else:
+        torch.testing.assert_close(actual.double(), exact, rtol=1e-5, atol=1e-6)
+
+
+def _rms_exact(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.double()
+    return w.double() * x / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 7, 85, 300])
+@pytest.mark.parametrize("hidden", [576, 100])  # 100: a width that is no multiple of the vector length
+def test_rms_norm_and_add(dtype: torch.dtype, tokens: int, hidden: int) -> None:
+    g = torch.Generator().manual_seed(tokens * hidden)
+    norm = RMSNorm(hidden, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(hidden, generator=g) + 0.5)
+    x = (torch.randn(tokens, hidden, generator=g) * 3).to(dtype)
+    delta = torch.randn(tokens, hidden, generator=g).to(dtype)
+    with torch.no_grad():
+        _close(norm(x, native=True), norm(x), _rms_exact(x, norm.weight, 1e-5))
+        total, normed = norm.add_forward(x, delta, native=True)
+        ref_total, ref_normed = norm.add_forward(x, delta)
+    assert torch.equal(total, ref_total)  # one rounded add either way: the residual stream is unchanged
+    _close(normed, ref_normed, _rms_exact(total, norm.weight, 1e-5))
+
+
+def test_rms_norm_reads_strided_rows() -> None:
+    x = torch.randn(5, 2 * 64)[:, :64]  # rows 128 apart
+    w = torch.rand(64)
+    assert torch.equal(torch.ops.llmserve.rms_norm(x, w, 1e-6), torch.ops.llmserve.rms_norm(x.contiguous(), w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 40])  # 40: half of it is no multiple of 16, the scalar loop
+def test_rotary_on_the_fused_projection(dtype: torch.dtype, head_dim: int) -> None:
+    # q and k heads as the fused qkv projection leaves them: rows wider than q + k (v follows)
+    tokens, heads, kv_heads = 33, 9, 3
+    g = torch.Generator().manual_seed(head_dim)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, -1, head_dim)
+    rotary = RotaryEmbedding(head_dim, 2048, 10000.0)
+    positions = torch.randint(0, 2048, (tokens,), generator=g)
+    cos, sin = rotary.lookup(positions, dtype)
+    exact = qk.double() * cos.double() + qk.double().roll(head_dim // 2, dims=-1) * sin.double()
+    _close(apply_rotary(qk, cos, sin, native=True), apply_rotary(qk, cos, sin), exact)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 85])
+def test_silu_and_mul(dtype: torch.dtype, tokens: int) -> None:
+    g = torch.Generator().manual_seed(tokens)
+    gate_up = (torch.randn(tokens, 2 * 1536, generator=g) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's clamped ends and zero
+    gate, up = gate_up.split(1536, dim=-1)
+    exact = nn.functional.silu(gate.double()) * up.double()
+    _close(torch.ops.llmserve.silu_and_mul(gate_up), nn.functional.silu(gate) * up, exact)
+
+
+def test_bad_inputs_raise() -> None:
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.llmserve.rms_norm(torch.ones(2, 4, dtype=torch.float16), torch.ones(4), 1e-6)
+    with pytest.raises(RuntimeError, match="one weight per feature"):
+        torch.ops.llmserve.rms_norm(torch.ones(2, 4), torch.ones(3), 1e-6)
+    with pytest.raises(RuntimeError, match="2 \\* features"):
+        torch.ops.llmserve.silu_and_mul(torch.ones(2, 5))
+    with pytest.raises(RuntimeError, match="one cos and sin row per token"):
+        torch.ops.llmserve.rotary(torch.ones(3, 2, 8), torch.ones(2, 1, 8), torch.ones(2, 1, 8))
+
+
+@pytest.mark.parametrize("shape", [(1, 49152), (32, 49152), (3, 7), (5, 33)])
+def test_argmax_rows_is_torch_argmax(shape: tuple[int, int]) -> None:
+    g = torch.Generator().manual_seed(shape[0] * shape[1])
+    logits = torch.randn(shape, generator=g)
+    logits[0, :] = float("-inf")  # all -inf: index 0, as torch
+    if shape[0] > 1:
+        logits[1, 3] = logits[1, shape[1] - 2] = 1e9  # ties: the first maximum
+    if shape[0] > 2:
+        logits[2, -1] = float("inf")  # in the scalar tail
+    assert torch.equal(torch.ops.llmserve.argmax_rows(logits), logits.argmax(dim=-1))
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.llmserve.argmax_rows(logits.double())
