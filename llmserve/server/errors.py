@@ -57,9 +57,9 @@ class APIError(Exception):
         return JSONResponse(ErrorResponse(error=self.info()).model_dump(), status_code=self.status,
                             headers=self.headers)
 
-    def sse_event(self) -> str:
+    def sse_event(self) -> bytes:
         """The error as one SSE event, for failures after a stream's 200 header went out."""
-        return f"data: {json.dumps(ErrorResponse(error=self.info()).model_dump())}\n\n"
+        return f"data: {json.dumps(ErrorResponse(error=self.info()).model_dump())}\n\n".encode()
 
 
 def error_body(status: int, message: str, code: str | None = None) -> bytes:

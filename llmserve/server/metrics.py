@@ -80,17 +80,22 @@ class RequestTracker:
         self._last: float | None = None
 
     def observe(self, out: RequestOutput) -> None:
+        """Called on the event loop for every streamed token: the common case (a later token, not the
+        last) is one clock read and one histogram observation."""
         now = time.monotonic()  # the engine stamps its times with the same clock
+        last, self._last = self._last, now
+        if last is not None and not out.finished:
+            self._metrics.itl.observe(now - last)
+            return
         m = self._metrics
         arrival = out.metrics.get("arrival_time", now)
-        if self._last is None:
+        if last is None:
             m.ttft.observe(out.metrics.get("first_token_time", now) - arrival)
             scheduled = out.metrics.get("scheduled_time")
             if scheduled is not None:
                 m.queue.observe(max(0.0, scheduled - arrival))
         else:
-            m.itl.observe(now - self._last)
-        self._last = now
+            m.itl.observe(now - last)
         if out.finished and out.outputs[0].finish_reason in ("stop", "length"):
             m.e2e.observe(now - arrival)
             m.success(out.outputs[0].finish_reason)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator
+from functools import partial
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from jinja2 import TemplateError
 from starlette.responses import Response
 
@@ -22,12 +23,14 @@ from llmserve.server.protocol import (
     ChatStreamChoice,
     ChatTokenLogprob,
     TopLogprob,
+    UsageInfo,
 )
 from llmserve.server.serving_engine import (
-    SSE_HEADERS,
     Choice,
     ChoiceStreams,
     OpenAIServing,
+    SSEResponse,
+    TextChunk,
     new_request_id,
     primed,
     sse_events,
@@ -52,7 +55,7 @@ class OpenAIServingChat(OpenAIServing):
         streams = self.streams(request_id, choices)
         if request.stream:
             events = await primed(self._stream(streams, choices, request, request_id, model, num_logprobs))
-            return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+            return SSEResponse(events)
         return await unless_disconnected(raw, self._complete(streams, choices, request_id, model, num_logprobs))
 
     # --- request → prompt ---------------------------------------------------------------------
@@ -107,35 +110,43 @@ class OpenAIServingChat(OpenAIServing):
 
     # --- streaming ----------------------------------------------------------------------------
 
-    async def _stream(self, streams: ChoiceStreams, choices: list[Choice], request: ChatCompletionRequest,
-                      request_id: str, model: str, num_logprobs: int | None) -> AsyncIterator[str]:
+    def _stream(self, streams: ChoiceStreams, choices: list[Choice], request: ChatCompletionRequest,
+                request_id: str, model: str, num_logprobs: int | None) -> AsyncGenerator[bytes, None]:
         """SSE as OpenAI sends it: role chunk, content deltas, finish chunk, [usage chunk], [DONE]."""
         created = int(time.time())
-        include_usage = request.include_usage
+        exclude = None if request.include_usage else {"usage"}
 
-        def chunk(choice: ChatStreamChoice | None, usage_info=None) -> str:
+        def chunk(choice: ChatStreamChoice | None, usage_info: UsageInfo | None = None) -> bytes:
             body = ChatCompletionChunk(id=request_id, created=created, model=model,
                                        choices=[choice] if choice else [], usage=usage_info)
-            return f"data: {body.model_dump_json(exclude=None if include_usage else {'usage'})}\n\n"
+            return b"data: " + body.model_dump_json(exclude=exclude).encode() + b"\n\n"
 
-        sent_text = {c.index: 0 for c in choices}  # characters of each choice already sent
-        sent_tokens = dict.fromkeys(sent_text, 0)
+        def content_chunk(index: int, text: str) -> bytes:
+            return chunk(ChatStreamChoice(index=index, delta={"content": text}))
 
-        def render(index: int, out: RequestOutput) -> Iterator[str]:
+        content = {c.index: TextChunk(partial(content_chunk, c.index)) for c in choices}  # the per-token chunks
+        sent_text = dict.fromkeys(content, 0)  # characters of each choice already sent
+        sent_tokens = dict.fromkeys(content, 0)
+
+        def render(index: int, out: RequestOutput) -> bytes:
             completion = out.outputs[0]
             delta = completion.text[sent_text[index]:]
-            lps = _logprobs(out, sent_tokens[index], num_logprobs)
             sent_text[index] = len(completion.text)
-            sent_tokens[index] = len(completion.token_ids)
-            if delta or (lps and lps.content):
-                yield chunk(ChatStreamChoice(index=index, delta={"content": delta}, logprobs=lps))
+            if num_logprobs is None:
+                event = content[index](delta) if delta else b""
+            else:
+                lps = _logprobs(out, sent_tokens[index], num_logprobs)
+                sent_tokens[index] = len(completion.token_ids)
+                has_content = delta or lps.content
+                event = chunk(ChatStreamChoice(index=index, delta={"content": delta}, logprobs=lps)) if has_content \
+                    else b""
             if out.finished:
-                yield chunk(ChatStreamChoice(index=index, delta={}, finish_reason=completion.finish_reason))
+                event += chunk(ChatStreamChoice(index=index, delta={}, finish_reason=completion.finish_reason))
+            return event
 
         intro = (chunk(ChatStreamChoice(index=c.index, delta={"role": "assistant", "content": ""})) for c in choices)
-        usage_event = (lambda finals: chunk(None, usage(choices, finals))) if include_usage else None
-        async for event in sse_events(streams, request_id, intro, render, usage_event):
-            yield event
+        usage_event = (lambda finals: chunk(None, usage(choices, finals))) if request.include_usage else None
+        return sse_events(streams, request_id, intro, render, usage_event)
 
 
 def _logprobs(out: RequestOutput, start: int, k: int | None) -> ChatChoiceLogprobs | None:

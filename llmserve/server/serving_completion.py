@@ -3,20 +3,28 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator
+from functools import partial
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from llmserve.outputs import RequestOutput
 from llmserve.server.errors import APIError
-from llmserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from llmserve.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
 from llmserve.server.serving_engine import (
-    SSE_HEADERS,
     Choice,
     ChoiceStreams,
     OpenAIServing,
+    SSEResponse,
+    TextChunk,
     new_request_id,
     primed,
     sse_events,
@@ -51,7 +59,7 @@ class OpenAIServingCompletion(OpenAIServing):
         streams = self.streams(request_id, choices)
         if request.stream:
             events = await primed(self._stream(streams, choices, echoes, request, request_id, model))
-            return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+            return SSEResponse(events)
         return await unless_disconnected(raw, self._complete(streams, choices, echoes, request, request_id, model))
 
     # --- request → prompts --------------------------------------------------------------------
@@ -100,37 +108,43 @@ class OpenAIServingCompletion(OpenAIServing):
 
     # --- streaming ----------------------------------------------------------------------------
 
-    async def _stream(self, streams: ChoiceStreams, choices: list[Choice], echoes: list[str],
-                      request: CompletionRequest, request_id: str, model: str) -> AsyncIterator[str]:
+    def _stream(self, streams: ChoiceStreams, choices: list[Choice], echoes: list[str],
+                request: CompletionRequest, request_id: str, model: str) -> AsyncGenerator[bytes, None]:
         """SSE as OpenAI sends it: text deltas, finish_reason on each choice's last chunk, [usage], [DONE]."""
         created = int(time.time())
-        include_usage = request.include_usage
+        exclude = None if request.include_usage else {"usage"}
 
-        def chunk(choice: CompletionChoice | None, usage_info=None) -> str:
+        def chunk(choice: CompletionChoice | None, usage_info: UsageInfo | None = None) -> bytes:
             body = CompletionResponse(id=request_id, created=created, model=model,
                                       choices=[choice] if choice else [], usage=usage_info)
-            return f"data: {body.model_dump_json(exclude=None if include_usage else {'usage'})}\n\n"
+            return b"data: " + body.model_dump_json(exclude=exclude).encode() + b"\n\n"
 
-        sent_text = {c.index: 0 for c in choices}
-        sent_tokens = dict.fromkeys(sent_text, 0)
+        def text_chunk(index: int, text: str) -> bytes:
+            return chunk(CompletionChoice(index=index, text=text))
+
+        texts = {c.index: TextChunk(partial(text_chunk, c.index)) for c in choices}  # the per-token chunks
+        sent_text = dict.fromkeys(texts, 0)
+        sent_tokens = dict.fromkeys(texts, 0)
         offsets = {c.index: len(echoes[c.index]) for c in choices}  # text_offset of the next token
 
-        def render(index: int, out: RequestOutput) -> Iterator[str]:
+        def render(index: int, out: RequestOutput) -> bytes:
             completion = out.outputs[0]
             delta = completion.text[sent_text[index]:]
+            sent_text[index] = len(completion.text)
+            if request.logprobs is None and not out.finished:
+                return texts[index](delta) if delta else b""
             lps = _logprobs(out, sent_tokens[index], request.logprobs, offsets[index])
             if lps is not None:
                 offsets[index] += sum(len(t) for t in lps.tokens)
-            sent_text[index] = len(completion.text)
             sent_tokens[index] = len(completion.token_ids)
             if delta or (lps and lps.tokens) or out.finished:
-                yield chunk(CompletionChoice(index=index, text=delta, logprobs=lps,
-                                             finish_reason=completion.finish_reason))
+                return chunk(CompletionChoice(index=index, text=delta, logprobs=lps,
+                                              finish_reason=completion.finish_reason))
+            return b""
 
         intro = (chunk(CompletionChoice(index=c.index, text=echoes[c.index])) for c in choices if echoes[c.index])
-        usage_event = (lambda finals: chunk(None, usage(choices, finals))) if include_usage else None
-        async for event in sse_events(streams, request_id, intro, render, usage_event):
-            yield event
+        usage_event = (lambda finals: chunk(None, usage(choices, finals))) if request.include_usage else None
+        return sse_events(streams, request_id, intro, render, usage_event)
 
 
 def _logprobs(out: RequestOutput, start: int, k: int | None, offset: int) -> CompletionLogprobs | None:
