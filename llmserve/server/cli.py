@@ -69,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "VNNI), torch (PyTorch's), or auto: native where it builds vectorized; with --int8-activations, "
                      "not torch also runs the int8 products on llmserve's AMX kernel where the CPU has AMX "
                      "(default: %(default)s)")
+    eng.add_argument("--elementwise-kernels", default="auto", choices=list(KERNEL_CHOICES),
+                     help="the decoder layers' norms, rotary and SwiGLU gate in eager steps (prompts, mixed steps) "
+                     "and greedy sampling's argmax: native (llmserve's fused CPU kernels), torch (PyTorch's ops), "
+                     "or auto: native where they build (the layers in bfloat16 only) (default: %(default)s)")
     eng.add_argument("--max-model-len", type=int, default=None,
                      help="longest prompt + output in tokens (default: the model's context length)")
     eng.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch (default: %(default)s)")
@@ -105,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
             model=ModelConfig(model=args.model or args.model_flag, dtype=args.dtype, quantization=args.quantization,
                               int8_activations=args.int8_activations, compile=args.compile,
                               attention_backend=args.attention_backend, quantized_kernels=args.quantized_kernels,
+                              elementwise_kernels=args.elementwise_kernels,
                               max_model_len=args.max_model_len, seed=args.seed),
             cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
                               kv_cache_memory_fraction=args.kv_cache_memory_fraction,
