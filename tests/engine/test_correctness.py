@@ -69,24 +69,31 @@ def test_elementwise_kernels_match_transformers(elementwise_kernels, prompt_toke
     assert_greedy_equals(llm, prompt_token_ids, hf_reference, single=1)
 
 
-def test_elementwise_kernels_in_bfloat16_compute_what_pytorch_does(prompt_token_ids):
-    # bfloat16, where "auto" takes them: the same engine with its layers switched back to PyTorch's ops
-    # gives the same next tokens, and log-probabilities equal to bfloat16's rounding (the head rounds the
-    # logits to bfloat16: at |logit| 16-32, one step is 0.125; allowed: two)
+def test_elementwise_kernels_in_bfloat16_are_as_accurate_as_pytorch(llm_fp32: LLM, prompt_token_ids):
+    # bfloat16, where "auto" takes them: the same engine with its layers on the fused kernels and switched
+    # back to PyTorch's ops, each against float32. Both round differently from float32 (and from each
+    # other: the kernels once per op, PyTorch after every step of it), so neither matches it exactly; the
+    # kernels must pick float32's next tokens and stay as close to its log-probabilities as PyTorch does
+    # (measured: mean error 0.054 vs 0.046 nats over the top 5, worst 0.17 vs 0.27).
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    exact = llm_fp32.generate(prompt_token_ids, params, use_tqdm=False)
     llm = LLM(dtype="bfloat16", kv_cache_memory_gb=0.25, max_model_len=2048, enable_prefix_caching=False)
     layers = llm.engine.runner.model.layers
     assert all(layer.native_elementwise for layer in layers) and llm.engine.runner.native_argmax
-    params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
-    native = llm.generate(prompt_token_ids, params, use_tqdm=False)
+
+    def errors() -> list[float]:
+        outs = llm.generate(prompt_token_ids, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in exact]
+        return [abs(o.outputs[0].logprobs[0][token].logprob - lp.logprob)
+                for o, e in zip(outs, exact, strict=True) for token, lp in e.outputs[0].logprobs[0].items()
+                if token in o.outputs[0].logprobs[0]]
+
+    native = errors()
     for layer in layers:
         layer.native_elementwise = False
-    reference = llm.generate(prompt_token_ids, params, use_tqdm=False)
-    for ours, theirs in zip(native, reference, strict=True):
-        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
-        top_ours, top_theirs = ours.outputs[0].logprobs[0], theirs.outputs[0].logprobs[0]
-        for token, lp in top_theirs.items():
-            if lp.rank is not None and lp.rank <= 3:
-                assert abs(top_ours[token].logprob - lp.logprob) <= 0.25
+    pytorch = errors()
+    assert sum(native) / len(native) <= 2 * sum(pytorch) / len(pytorch) + 0.02
+    assert max(native) <= 0.5
 
 
 def test_bad_attention_backend_is_refused():
