@@ -9,6 +9,7 @@ the tests keep equal to the kernels on the same inputs.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -25,6 +26,10 @@ _SOURCES = [
     for name in ("paged_attention.cpp", "quantized_gemv.cpp", "activation_quant.cpp", "int8_gemm.cpp",
                  "fused_elementwise.cpp", "argmax.cpp")
 ]
+
+
+# included by the sources: torch's build cache versions sources and flags only, so their text goes into a flag
+_HEADERS = [Path(__file__).with_name("simd_exp.h")]
 
 
 def build_directory() -> Path:
@@ -45,7 +50,7 @@ def load_cpu_kernels() -> bool:
         cpp_extension.load(
             name="llmserve_cpu_kernels",
             sources=[str(s) for s in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp", f"-DLLMSERVE_HEADERS={_headers_digest()}"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_directory()),
             is_python_module=False,
@@ -71,6 +76,10 @@ def load_cpu_kernels() -> bool:
     register_quantized_gemv_fakes()
     register_int8_gemm_fakes()
     return True
+
+
+def _headers_digest() -> str:
+    return hashlib.sha256(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:16]
 
 
 def native_quantized_kernels() -> bool:

@@ -15,6 +15,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "simd_exp.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -46,22 +48,7 @@ inline void store16(at::BFloat16* p, __m512 v, __mmask16 m) {
   _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
 }
 
-// e^x to ~1 ulp (Cephes' expf polynomial; the power of two applied by scalef), as SiLU needs it
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f)), _mm512_set1_ps(88.3762626647949f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(y, n);
-}
+using llmserve::exp16;  // simd_exp.h
 #endif
 
 // One row of RMSNorm: out = w * x * rsqrt(mean(x^2) + eps); `sum_out`, when given, receives x itself
@@ -229,7 +216,8 @@ void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t n, int64_t ld) 
         const __m512 g = load16(gate + i, m);
         // g / (1 + e^-g), the division as a reciprocal estimate and one Newton step (~1 ulp): a 512-bit
         // division has 16-cycle throughput, which bound the whole op
-        const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+        const __m512 neg = _mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(88.f));  // no inf
+        const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(neg));
         __m512 inv = _mm512_rcp14_ps(den);
         inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.f)));
         const __m512 silu = _mm512_mul_ps(g, inv);

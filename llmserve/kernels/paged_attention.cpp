@@ -21,6 +21,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "simd_exp.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -212,23 +214,9 @@ struct ReduceIndex {
   }
 };
 
-// exp(x) of 16 floats (Cephes' expf: range reduction by ln 2, degree-6 polynomial; ~1 ulp). The scalar
-// std::exp loop it replaces was a third of the kernel at batch 32.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));  // below this exp is 0 for the softmax's purposes
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
+// exp(x) of 16 floats (simd_exp.h). The scalar std::exp loop it replaced was a third of the kernel at
+// batch 32.
+using llmserve::exp16;
 
 // exp_shifted, 16 scores at a time
 inline ExpSum exp_shifted16(float* s, int64_t n) {
