@@ -5,6 +5,8 @@
 // dispatch and OpenMP wake-ups. Each op here reads its inputs once and writes once, in float32 inside,
 // rounding to the tensor's dtype only at the end (as Inductor's fused loops do; eager rounds after every
 // op). The compiled decode graph does not use them: Inductor fuses the same ops there itself.
+// Measured (benchmarks/mixed_step.py, one engine, alternated): a mixed step of 31 decodes and a prompt
+// 57.8 -> 49.0 ms, an eager batch-31 decode step 38.2 -> 33.3 ms.
 //
 //   rms_norm(x, w, eps)            w * x / sqrt(mean(x^2) + eps), per row
 //   add_rms_norm(x, d, w, eps)     (x + d, rms_norm(x + d)): the residual add and the next norm in one pass
