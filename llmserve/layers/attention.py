@@ -107,17 +107,15 @@ def _paged_attention_eager(
     decodes = meta.decodes
     if isinstance(decodes, DecodeBatch):  # the native kernels are loaded: one op writes K and V
         torch.ops.llmserve.write_kv(k, v, k_cache, v_cache, meta.write_slots)
+        out = torch.empty_like(q)
+        if decodes.size:
+            out[: decodes.size] = _native_decode(q[: decodes.size], k_cache, v_cache, decodes, scale)
     else:
         head_dim = k.shape[-1]
         k_cache.view(-1, head_dim).index_copy_(0, meta.write_slots, k.reshape(-1, head_dim))
         v_cache.view(-1, head_dim).index_copy_(0, meta.write_slots, v.reshape(-1, head_dim))
-    if isinstance(decodes, DecodeBatch):
-        out = torch.empty_like(q)
-        if decodes.size:
-            out[: decodes.size] = _native_decode(q[: decodes.size], k_cache, v_cache, decodes, scale)
-    elif len(decodes) == 1 and not meta.prefills:  # the common decode-only step: no output copy
-        return _decode_attention(q, k_cache, v_cache, decodes[0], scale)
-    else:
+        if len(decodes) == 1 and not meta.prefills:  # the common decode-only step: no output copy
+            return _decode_attention(q, k_cache, v_cache, decodes[0], scale)
         out = torch.empty_like(q)
         for group in decodes:
             out[group.start : group.end] = _decode_attention(q[group.start : group.end], k_cache, v_cache, group, scale)

@@ -387,14 +387,7 @@ class SSEResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         writer = asyncio.ensure_future(self._write(send))
-        watcher = asyncio.ensure_future(_disconnected(receive))
-        try:
-            await asyncio.wait({writer, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-            if not writer.done():
-                writer.cancel()
-                await asyncio.gather(writer, return_exceptions=True)
+        await _cancel_on_disconnect(writer, receive)
         if not writer.cancelled():
             writer.result()  # a failure to send raises here, for the server to log
 
@@ -414,7 +407,16 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | Respo
     otherwise be noticed only after its whole generation.
     """
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request.receive))
+    await _cancel_on_disconnect(task, request.receive)
+    if task.cancelled() or not task.done():
+        logger.info("client disconnected from %s; request aborted", request.url.path)
+        return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
+    return task.result()
+
+
+async def _cancel_on_disconnect(task: asyncio.Future, receive: Receive) -> None:
+    """Wait for `task`; if the client goes away first, cancel it and wait for it to unwind."""
+    watcher = asyncio.ensure_future(_disconnected(receive))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -422,10 +424,6 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | Respo
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled() or not task.done():
-        logger.info("client disconnected from %s; request aborted", request.url.path)
-        return Response(status_code=499)  # nobody reads it; nginx's code for "client closed request"
-    return task.result()
 
 
 async def _disconnected(receive: Receive) -> None:
