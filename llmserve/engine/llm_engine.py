@@ -23,7 +23,7 @@ from llmserve.kernels import amx_int8_gemm, load_cpu_kernels, native_quantized_k
 from llmserve.kv_cache.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from llmserve.layers.linear import prepack_linears
 from llmserve.loader import build_model, load_checkpoint
-from llmserve.models.llama import compile_layers, use_native_elementwise
+from llmserve.models.llama import compile_layers, use_fused_decode, use_native_elementwise
 from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
 from llmserve.quantization.int8_activations import calibration_prompts, record_input_ranges
 from llmserve.quantization.weight_only import WeightOnlyLinear, quantize_model
@@ -75,7 +75,9 @@ class LLMEngine:
             num_blocks, block_size, num_blocks * block_size, self.kv_cache_bytes / 2**30, self.max_model_len,
         )
         if mc.int8_activations:
-            self._calibrate_int8_activations()
+            self._calibrate_int8_activations()  # may lower the token count the int4 kernel takes
+        if native_elementwise and native and (limit := use_fused_decode(model, self.runner.kv_caches)):
+            logger.info("decode steps of up to %d tokens: one native op per layer", limit)
         if mc.compile:
             self._warm_up()
 

@@ -74,7 +74,9 @@ class ModelRunner:
         meta = self._attention_metadata(block_table, row_of_token, positions, counts, starts, first_token.tolist())
         sample_rows = [i for i, r in enumerate(reqs) if starts[i] + counts[i] == r.num_tokens]
         decode_only = isinstance(meta.decodes, DecodeBatch) and not meta.prefills
-        forward = self.decode_graph if self.decode_graph and decode_only else self.model
+        # steps the model runs as one native call (LlamaForCausalLM.takes_fused_decode) need no graph
+        compiled = self.decode_graph and decode_only and not self.model.takes_fused_decode(meta, len(token_ids))
+        forward = self.decode_graph if compiled else self.model
         hidden = forward(torch.tensor(token_ids, device=dev), positions.to(dev), self.kv_caches, meta)
         results: list[SampledToken | None] = [None] * len(scheduled)
         if not sample_rows:

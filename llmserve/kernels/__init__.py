@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 _SOURCES = [
     Path(__file__).with_name(name)
     for name in ("paged_attention.cpp", "quantized_gemv.cpp", "activation_quant.cpp", "int8_gemm.cpp",
-                 "fused_elementwise.cpp", "argmax.cpp")
+                 "fused_elementwise.cpp", "argmax.cpp", "decode_layer.cpp")
 ]
 
 

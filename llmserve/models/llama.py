@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from llmserve.layers.attention import AttentionMetadata, paged_attention
+from llmserve.layers.attention import AttentionMetadata, DecodeBatch, paged_attention
 from llmserve.layers.layernorm import RMSNorm
 from llmserve.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from llmserve.quantization.weight_only import WeightOnlyLinear
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,32 @@ def use_native_elementwise(model: nn.Module) -> None:
         layer.native_elementwise = True
 
 
+def use_fused_decode(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """Decode-only steps small enough for every product to take the native int4 kernel run the decoder
+    layers as one native call (kernels/decode_layer.cpp): at batch 1 the Python between a layer's ~11
+    kernels cost ~1 ms of a ~4.3 ms step. Needs the native kernels loaded and the eager steps'
+    elementwise kernels in use (the call computes as they do). Returns the step sizes it takes (at most
+    that many tokens), 0 where the weights are not native int4."""
+    layers = list(model.layers)
+    linears = [lin for layer in layers for lin in (
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    if not all(isinstance(lin, WeightOnlyLinear) and lin.native and lin.method == "int4" for lin in linears):
+        return 0
+    cfg = model.config
+    model.fused_decode = torch.classes.llmserve.DecodeStack(
+        [layer.input_layernorm.weight for layer in layers],
+        [layer.self_attn.qkv_proj.qweight for layer in layers],
+        [layer.self_attn.o_proj.qweight for layer in layers],
+        [layer.post_attention_layernorm.weight for layer in layers],
+        [layer.mlp.gate_up_proj.qweight for layer in layers],
+        [layer.mlp.down_proj.qweight for layer in layers],
+        [k for k, _ in kv_caches], [v for _, v in kv_caches],
+        cfg.num_heads, cfg.intermediate_size, cfg.rms_norm_eps, layers[0].self_attn.scale,
+    )
+    model.fused_decode_max_tokens = min(lin.max_quantized_tokens for lin in linears)
+    return model.fused_decode_max_tokens
+
+
 def compile_layers(model: nn.Module) -> None:
     """torch.compile every decoder layer's forward, shapes dynamic in the token count.
 
@@ -133,6 +160,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:  # the embedding matrix is the output head: one shared parameter
             self.lm_head.weight = self.embed_tokens.weight
+        # decode-only steps of at most `fused_decode_max_tokens` tokens run the layers as this one native
+        # call (`use_fused_decode`)
+        self.fused_decode = None
+        self.fused_decode_max_tokens = 0
 
     def forward(
         self,
@@ -144,9 +175,18 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states after the final norm, [T, hidden]."""
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.lookup(positions, x.dtype)
+        if self.takes_fused_decode(meta, len(input_ids)):
+            decodes = meta.decodes
+            x = self.fused_decode.run(x, *cos_sin, meta.write_slots, decodes.block_table, decodes.context_lens)
+            return self.norm(x)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos_sin, kv_cache, meta)
         return self.norm(x)
+
+    def takes_fused_decode(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        """Whether this step runs on the fused native layers: decodes only, few enough of them."""
+        return (self.fused_decode is not None and isinstance(meta.decodes, DecodeBatch) and not meta.prefills
+                and num_tokens <= self.fused_decode_max_tokens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the rows that will be sampled."""

@@ -74,10 +74,14 @@ def test_bad_quantization_is_refused():
         ModelConfig(quantization="int4", device="cuda")
 
 
-@pytest.mark.parametrize("compile", [False, True])
-def test_int4_engine_matches_transformers_on_the_quantized_weights(hf_model, prompt_token_ids, compile):
+@pytest.mark.parametrize(("compile", "elementwise_kernels"), [(False, "auto"), (True, "auto"), (True, "native")])
+def test_int4_engine_matches_transformers_on_the_quantized_weights(hf_model, prompt_token_ids, compile,
+                                                                   elementwise_kernels):
     ref = quantized_reference(hf_model, "int4")
     expected = [reference_greedy(ref, ids, 32) for ids in prompt_token_ids]
-    llm = LLM(dtype="float32", quantization="int4", compile=compile, kv_cache_memory_gb=0.25, max_model_len=2048)
+    llm = LLM(dtype="float32", quantization="int4", compile=compile, elementwise_kernels=elementwise_kernels,
+              kv_cache_memory_gb=0.25, max_model_len=2048)
+    # "native": decode steps run the layers as one native call (kernels/decode_layer.cpp)
+    assert (llm.engine.runner.model.fused_decode is not None) == (elementwise_kernels == "native")
     # prompts prefill through the dequantized weights; 8 decodes a step, or one, through the int4 kernel
     assert_greedy_equals(llm, prompt_token_ids, expected, single=5)

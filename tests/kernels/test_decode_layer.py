@@ -1,0 +1,84 @@
+"""The fused decode stack (kernels/decode_layer.cpp) computes what the layer-by-layer native path does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve import LLM, SamplingParams
+from llmserve.kernels import native_quantized_kernels
+from llmserve.models.llama import use_fused_decode
+
+pytestmark = pytest.mark.skipif(not native_quantized_kernels(), reason="native int4 kernels not built here")
+
+
+def _generate_recording_path(llm: LLM, prompts: list[list[int]], params: SamplingParams):
+    """Outputs, and for every decode-only step whether it ran on the fused stack."""
+    model = llm.engine.runner.model
+    taken: list[bool] = []
+    decide = model.takes_fused_decode
+
+    def recording(meta, num_tokens):
+        result = decide(meta, num_tokens)
+        if not meta.prefills:
+            taken.append(result)
+        return result
+
+    model.takes_fused_decode = recording
+    try:
+        return llm.generate(prompts, params, use_tqdm=False), taken
+    finally:
+        del model.takes_fused_decode
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fused_decode_equals_the_layer_by_layer_native_ops(dtype, prompt_token_ids):
+    llm = LLM(dtype=dtype, quantization="int4", elementwise_kernels="native", kv_cache_memory_gb=0.25,
+              max_model_len=2048)
+    model = llm.engine.runner.model
+    assert model.fused_decode is not None and model.fused_decode_max_tokens == 16
+    prompts = prompt_token_ids[:3]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    fused, taken = _generate_recording_path(llm, prompts, params)
+    assert taken and all(taken)
+    model.fused_decode_max_tokens = 0  # every step layer by layer, eagerly, on the same native kernels
+    layered, taken = _generate_recording_path(llm, prompts, params)
+    assert taken and not any(taken)
+    for a, b in zip(fused, layered, strict=True):
+        # the same kernels in the same order: the same bits, so the same log-probabilities to the last digit
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
+
+
+def test_steps_larger_than_the_int4_kernel_takes_run_layer_by_layer():
+    llm = LLM(dtype="bfloat16", quantization="int4", kv_cache_memory_gb=0.25, max_model_len=512, max_num_seqs=32)
+    limit = llm.engine.runner.model.fused_decode_max_tokens
+    assert limit == 16
+    prompts = [[1, 2, 3, 4 + i] for i in range(limit + 1)]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    outs, taken = _generate_recording_path(llm, prompts, params)
+    assert taken and not any(taken)  # 17 decodes a step: past the limit
+    alone, taken = _generate_recording_path(llm, prompts[-1:], params)
+    assert taken and all(taken)
+    assert alone[0].outputs[0].token_ids == outs[-1].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("options", [dict(quantization="int8"), dict(quantization=None),
+                                     dict(quantization="int4", elementwise_kernels="torch")])
+def test_no_fused_stack_without_native_int4_weights_and_elementwise_kernels(options):
+    llm = LLM(dtype="bfloat16", kv_cache_memory_gb=0.05, max_model_len=256, **options)
+    model = llm.engine.runner.model
+    assert model.fused_decode is None and model.fused_decode_max_tokens == 0
+    assert use_fused_decode(model, llm.engine.runner.kv_caches) == (16 if options.get("quantization") == "int4" else 0)
+
+
+def test_the_stack_refuses_mismatched_layers():
+    weights = [torch.zeros(16)]
+    cache = torch.zeros(4, 3, 16, 64)
+    with pytest.raises(RuntimeError, match="one of each tensor per layer"):
+        torch.classes.llmserve.DecodeStack(weights, weights, weights, weights, weights, [], [cache], [cache],
+                                           9, 1536, 1e-5, 0.125)
+    with pytest.raises(RuntimeError, match="caches must be"):
+        torch.classes.llmserve.DecodeStack(weights, weights, weights, weights, weights, weights, [cache],
+                                           [torch.zeros(4, 3, 16)], 9, 1536, 1e-5, 0.125)
