@@ -74,7 +74,7 @@ def test_bad_quantization_is_refused():
         ModelConfig(quantization="int4", device="cuda")
 
 
-@pytest.mark.parametrize(("compile", "elementwise_kernels"), [(False, "auto"), (True, "auto"), (True, "native")])
+@pytest.mark.parametrize(("compile", "elementwise_kernels"), [(False, "auto"), (True, "auto"), (False, "native")])
 def test_int4_engine_matches_transformers_on_the_quantized_weights(hf_model, prompt_token_ids, compile,
                                                                    elementwise_kernels):
     ref = quantized_reference(hf_model, "int4")
