@@ -77,7 +77,7 @@ class LLMEngine:
         if mc.int8_activations:
             self._calibrate_int8_activations()  # may lower the token count the int4 kernel takes
         if native_elementwise and native and (limit := use_fused_decode(model, self.runner.kv_caches)):
-            logger.info("decode steps of up to %d tokens: one native op per layer", limit)
+            logger.info("decode steps of up to %d tokens: the decoder layers as one native call", limit)
         if mc.compile:
             self._warm_up()
 
