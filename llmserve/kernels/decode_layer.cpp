@@ -17,35 +17,35 @@
 #include <torch/library.h>
 
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace {
 
+// An op of ours called through the dispatcher's C++ path, its signature written once
 template <typename Signature>
-c10::TypedOperatorHandle<Signature> find_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
+struct Op;
+
+template <typename Return, typename... Args>
+struct Op<Return(Args...)> {
+  explicit Op(const char* name)
+      : handle(c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Return(Args...)>()) {}
+  Return call(Args... args) const { return handle.call(std::forward<Args>(args)...); }
+  c10::TypedOperatorHandle<Return(Args...)> handle;
+};
+
+using Tensor = at::Tensor;
 
 struct LayerOps {
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, double)> rms_norm =
-      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, double)>("llmserve::rms_norm");
-  c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                              const at::Tensor&, double)>
-      add_rms_norm = find_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
-                                                                const at::Tensor&, double)>("llmserve::add_rms_norm");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)> int4_gemv =
-      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>("llmserve::int4_gemv");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)> rotary =
-      find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&)>("llmserve::rotary");
-  c10::TypedOperatorHandle<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&)>
-      write_kv = find_op<void(const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&)>(
-          "llmserve::write_kv");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      const at::Tensor&, double)>
-      attention = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                     const at::Tensor&, double)>("llmserve::paged_decode_attention");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_and_mul =
-      find_op<at::Tensor(const at::Tensor&)>("llmserve::silu_and_mul");
+  Op<Tensor(const Tensor&, const Tensor&, double)> rms_norm{"llmserve::rms_norm"};
+  Op<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double)> add_rms_norm{
+      "llmserve::add_rms_norm"};
+  Op<Tensor(const Tensor&, const Tensor&, int64_t)> int4_gemv{"llmserve::int4_gemv"};
+  Op<Tensor(const Tensor&, const Tensor&, const Tensor&)> rotary{"llmserve::rotary"};
+  Op<void(const Tensor&, const Tensor&, Tensor&, Tensor&, const Tensor&)> write_kv{"llmserve::write_kv"};
+  Op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double)> attention{
+      "llmserve::paged_decode_attention"};
+  Op<Tensor(const Tensor&)> silu_and_mul{"llmserve::silu_and_mul"};
 };
 
 const LayerOps& layer_ops() {
