@@ -89,7 +89,7 @@ class LLM:
             for prompt, p in zip(prompt_list, param_list, strict=True):
                 ids = []
                 for i in range(p.n):
-                    child = p if p.n == 1 else replace(p, n=1, seed=None if p.seed is None else p.seed + i)
+                    child = p if p.n == 1 else p.for_choice(i)
                     rid = str(next(self._ids))
                     salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
                     self.engine.add_request(rid, _unwrap(prompt), child, cache_salt=salt)

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
+
+# Below this a temperature is greedy (as vLLM): dividing logits by it would overflow to inf and NaN.
+GREEDY_TEMPERATURE = 1e-5
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop. Invalid values raise `ValueError` naming the field.
 
-    temperature 0 means greedy. `seed` gives a request its own random stream, so its text is the
-    same alone or inside any batch.
+    temperature 0 (or below 1e-5) means greedy. `seed` gives a request its own random stream: its draws
+    do not depend on the other requests of a batch (when its text does too: README, "Reproducibility").
     """
 
     n: int = 1
@@ -40,7 +45,20 @@ class SamplingParams:
             self.top_k = -1
         self._validate()
 
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of choice `index` of n: one sequence, seeded with seed + index (wrapping past
+        the largest seed), so the n choices differ and each is reproducible."""
+        seed = self.seed
+        if seed is not None and index:
+            seed = seed + index if seed + index <= SEED_RANGE[1] else seed + index - 2**64
+        return replace(self, n=1, seed=seed)
+
     def _validate(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be in [-2**63, 2**64 - 1], got {self.seed}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if self.temperature < 0:
@@ -68,7 +86,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def uses_penalties(self) -> bool:

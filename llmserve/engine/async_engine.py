@@ -24,7 +24,9 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 from llmserve.config import EngineConfig
+from llmserve.engine.detokenizer import TokenBytes
 from llmserve.engine.llm_engine import LLMEngine
+from llmserve.engine.request import Request
 from llmserve.engine.stat_logger import StatLogger
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
@@ -42,6 +44,20 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """This request failed inside the engine; other requests are unaffected."""
+
+
+class NeverAdmittedError(ValueError):
+    """More sequences at once than the queue bound: this request could never be queued (HTTP 400, not 429)."""
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """One engine request to add: what `generate` takes, for adding several at once."""
+
+    prompt: str | list[int]
+    params: SamplingParams
+    request_id: str | None = None
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -97,6 +113,10 @@ class AsyncLLM:
         return self.engine.model_name
 
     @property
+    def token_bytes(self) -> TokenBytes:
+        return self.engine.token_bytes
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
@@ -136,33 +156,52 @@ class AsyncLLM:
         RequestFailedError mid-stream. Leaving the iteration early (a client that went away)
         aborts the request and frees its KV blocks before the next step.
         """
-        request_id = request_id or f"req-{next(self._ids)}"
-        queue: asyncio.Queue = asyncio.Queue()
+        [stream] = self.add_requests([NewRequest(prompt, params, request_id, cache_salt)])
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
+
+    def add_requests(self, requests: list[NewRequest]) -> list[RequestStream]:
+        """Admit several requests (one API request's prompts × n) all together or none of them.
+
+        Raises, with nothing queued: ValueError for a bad request, NeverAdmittedError when they are
+        more than the queue holds at all, QueueFullError when the queue has no room for all of them
+        now, EngineDeadError. Call from the event loop that reads the streams.
+        """
+        loop = asyncio.get_running_loop()
         with self._turn():
             if self._dead is not None:
                 raise EngineDeadError(f"engine stopped: {self._dead}")
             if self._stopping:
                 raise EngineDeadError("server is shutting down")
-            if self.max_queued_requests is not None and len(self.engine.scheduler.waiting) >= self.max_queued_requests:
-                raise QueueFullError(f"{self.max_queued_requests} requests are already waiting")
-            req = self.engine.add_request(request_id, prompt, params, cache_salt=cache_salt)
-            self._prompt_tokens += req.num_prompt_tokens
-            self._streams[request_id] = (asyncio.get_running_loop(), queue)
+            bound = self.max_queued_requests
+            if bound is not None:
+                if len(requests) > bound:
+                    raise NeverAdmittedError(
+                        f"this request needs {len(requests)} sequences (prompts × n), more than the {bound} the "
+                        "server queues at once (--max-queued-requests): it could never be admitted; lower n or "
+                        "send fewer prompts")
+                if len(self.engine.scheduler.waiting) + len(requests) > bound:
+                    raise QueueFullError(f"{len(self.engine.scheduler.waiting)} of {bound} queue places are taken")
+            added: list[Request] = []
+            try:
+                for r in requests:
+                    request_id = r.request_id or f"req-{next(self._ids)}"
+                    added.append(self.engine.add_request(request_id, r.prompt, r.params, cache_salt=r.cache_salt))
+            except BaseException:
+                for req in added:  # no step ran in between: as if none had been added
+                    self.engine.abort_request(req.request_id)
+                raise
+            streams = []
+            for req in added:
+                self._prompt_tokens += req.num_prompt_tokens
+                queue: asyncio.Queue = asyncio.Queue()
+                self._streams[req.request_id] = (loop, queue)
+                streams.append(RequestStream(self, req.request_id, queue))
             self._cond.notify()
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.abort(request_id)
+        return streams
 
     def abort(self, request_id: str) -> None:
         with self._turn():
@@ -175,12 +214,21 @@ class AsyncLLM:
             self._stopping = True
             self._cond.notify()
         self._thread.join(timeout)
+        self.abort_all("server shut down before the request finished")
         with self._cond:
+            self._dead = self._dead or EngineDeadError("shut down")
+
+    def abort_all(self, reason: str) -> int:
+        """Stop taking requests and end every open one now: each stream raises EngineDeadError(reason).
+        Returns how many were open."""
+        with self._turn():
+            self._stopping = True
             open_ids = list(self._streams)
-            self._deliver([(r, EngineDeadError("server shut down before the request finished")) for r in open_ids])
+            self._deliver([(r, EngineDeadError(reason)) for r in open_ids])
             for request_id in open_ids:
                 self.engine.abort_request(request_id)
-            self._dead = self._dead or EngineDeadError("shut down")
+            self._cond.notify()
+        return len(open_ids)
 
     @contextlib.contextmanager
     def _turn(self) -> Iterator[None]:
@@ -273,3 +321,35 @@ class AsyncLLM:
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
     for queue, item in items:
         queue.put_nowait(item)
+
+
+class RequestStream:
+    """One admitted request's outputs as an async iterator (cumulative outputs; the last is finished).
+
+    `aclose()` before the end aborts the request, freeing its KV blocks before the next step; unlike an
+    async generator's, it does so even when iteration never began.
+    """
+
+    def __init__(self, llm: AsyncLLM, request_id: str, queue: asyncio.Queue) -> None:
+        self.request_id = request_id
+        self._llm = llm
+        self._queue = queue
+        self._done = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        self._done = item.finished
+        return item
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            self._llm.abort(self.request_id)

@@ -10,6 +10,7 @@ never leaked to a streaming client before it is recognised and cut.
 from __future__ import annotations
 
 from tokenizers.decoders import DecodeStream
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 # A few prompt tokens give the decoder the context that decides a leading space (SentencePiece).
 _PROMPT_CONTEXT_TOKENS = 4
@@ -60,3 +61,38 @@ class IncrementalDetokenizer:
         if self.finished or not self._holdback:
             return self.text
         return self.text[: max(0, len(self.text) - self._holdback)]
+
+
+class TokenBytes:
+    """Each token's own bytes, for the `bytes` of OpenAI's chat logprobs.
+
+    A token can end inside a multi-byte UTF-8 character: its decoded text is then U+FFFD, and only the
+    bytes of consecutive tokens, joined, rebuild the text. The vocabulary's strings hold those bytes:
+    byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM) spells each byte as one printable character, and
+    SentencePiece vocabularies spell a lone byte `<0xHH>` and a space `▁`. Built on first use.
+    """
+
+    def __init__(self, tokenizer) -> None:  # a `tokenizers.Tokenizer`
+        self._tokenizer = tokenizer
+        self._table: list[bytes] | None = None
+
+    def __getitem__(self, token_id: int) -> bytes:
+        if self._table is None:
+            self._table = self._build()
+        return self._table[token_id]
+
+    def _build(self) -> list[bytes]:
+        tokenizer = self._tokenizer
+        if "ByteLevel" in str(tokenizer.decoder):
+            byte_of = {ch: b for b, ch in bytes_to_unicode().items()}  # GPT-2's byte alphabet
+            spell = lambda s: bytes(byte_of[ch] for ch in s) if all(ch in byte_of for ch in s) else s.encode()
+        else:
+            spell = _sentencepiece_bytes
+        size = tokenizer.get_vocab_size(with_added_tokens=True)
+        return [spell(tokenizer.id_to_token(i) or "") for i in range(size)]
+
+
+def _sentencepiece_bytes(piece: str) -> bytes:
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return bytes([int(piece[3:5], 16)])
+    return piece.replace("▁", " ").encode()

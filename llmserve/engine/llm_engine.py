@@ -15,13 +15,14 @@ import psutil
 import torch
 
 from llmserve.config import EngineConfig, resolve_dtype
-from llmserve.engine.detokenizer import IncrementalDetokenizer
+from llmserve.engine.detokenizer import IncrementalDetokenizer, TokenBytes
 from llmserve.engine.model_runner import ModelRunner
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.engine.scheduler import Scheduler
 from llmserve.kernels import amx_int8_gemm, load_cpu_kernels, native_quantized_kernels
 from llmserve.kv_cache.kv_cache_manager import KVCacheManager, PrefixCacheStats
 from llmserve.layers.linear import prepack_linears
+from llmserve.layers.sampler import SampledToken
 from llmserve.loader import build_model, load_checkpoint
 from llmserve.models.llama import compile_layers, use_fused_decode, use_native_elementwise
 from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -70,6 +71,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.requests: dict[str, Request] = {}
         self._backend_tokenizer = getattr(self.tokenizer, "backend_tokenizer", None) or self.tokenizer._tokenizer
+        self.token_bytes = TokenBytes(self._backend_tokenizer)  # for logprobs' `bytes`
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); max_model_len %d",
             num_blocks, block_size, num_blocks * block_size, self.kv_cache_bytes / 2**30, self.max_model_len,
@@ -147,7 +149,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = (prompt, self.tokenizer.encode(prompt)) if isinstance(prompt, str) else (None, prompt)
-        max_tokens = self._check_lengths(token_ids, params)
+        max_tokens = self._check_request(token_ids, params)
         detok = IncrementalDetokenizer(
             self._backend_tokenizer, token_ids, params.stop, params.include_stop_str_in_output,
             params.skip_special_tokens,
@@ -174,9 +176,11 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled.scheduled:
             return []
-        sampled = self.runner.execute(scheduled.scheduled, self.kv_cache)
-        outputs = []
+        sampled, failed = self._execute(scheduled.scheduled)
+        outputs = [self._fail(req, error) for req, error in failed]
         for (req, n), token in zip(scheduled.scheduled, sampled, strict=True):
+            if req.request_id not in self.requests:
+                continue  # failed above
             req.num_computed_tokens += n
             self.kv_cache.cache_blocks(
                 req.request_id, req.all_token_ids, req.block_hashes, req.num_computed_tokens, req.cache_salt
@@ -189,15 +193,40 @@ class LLMEngine:
                     self._record_logprobs(req, token)
             except Exception as e:  # one request's failure (e.g. detokenizing) is not the batch's
                 logger.exception("request %s failed", req.request_id)
-                failed = self.abort_request(req.request_id)
-                failed.error = f"{type(e).__name__}: {e}"
-                outputs.append(failed)
+                outputs.append(self._fail(req, e))
                 continue
             if req.status.finished:
                 self.scheduler.finish(req, req.status)
                 self.requests.pop(req.request_id, None)
             outputs.append(self._output(req))
         return outputs
+
+    def _execute(
+        self, entries: list[tuple[Request, int]]
+    ) -> tuple[list[SampledToken | None], list[tuple[Request, Exception]]]:
+        """Run a step; when it raises, run its halves apart, recursively, until each failure is pinned
+        on one request. One request's input (or a kernel bug only it reaches) then fails that request
+        alone, for a few extra forward passes, and the others' tokens are what a clean step gives:
+        re-running a step rewrites the same K/V slots. Returns the tokens (None for a failed entry) and
+        the failed requests with their errors."""
+        try:
+            return self.runner.execute(entries, self.kv_cache), []
+        except Exception as e:
+            if len(entries) == 1:
+                logger.error("request %s failed in the engine step", entries[0][0].request_id, exc_info=e)
+                return [None], [(entries[0][0], e)]
+            logger.warning("an engine step of %d requests failed (%s: %s); running its halves apart to find "
+                           "the request(s) that fail it", len(entries), type(e).__name__, e)
+        mid = len(entries) // 2
+        left, left_failed = self._execute(entries[:mid])
+        right, right_failed = self._execute(entries[mid:])
+        return left + right, left_failed + right_failed
+
+    def _fail(self, req: Request, error: Exception) -> RequestOutput:
+        """Abort a request that failed and return its last output, carrying the error."""
+        out = self.abort_request(req.request_id)
+        out.error = f"{type(error).__name__}: {error}"
+        return out
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -212,13 +241,16 @@ class LLMEngine:
 
     # --- internals --------------------------------------------------------------------------
 
-    def _check_lengths(self, token_ids: list[int], params: SamplingParams) -> int:
+    def _check_request(self, token_ids: list[int], params: SamplingParams) -> int:
+        """Everything a request is checked against the model for; returns its output budget."""
         n = len(token_ids)
         if n == 0:
             raise ValueError("prompt must not be empty")
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
         if n >= self.max_model_len:
             raise ValueError(
                 f"prompt is {n} tokens, but max_model_len is {self.max_model_len} "

@@ -153,12 +153,15 @@ class ModelRunner:
     def _sampling_metadata(self, reqs: list[Request], vocab_size: int) -> SamplingMetadata:
         params = [r.params for r in reqs]
         dev = self.device
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32,
+                                   device=dev)
         all_greedy = all(p.greedy for p in params)
         top_k = top_p = min_p = None
         if not all_greedy:
             if any(p.top_k > 0 for p in params):
-                top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], device=dev)
+                # top_k at or past the vocabulary keeps every token
+                top_k = torch.tensor([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params],
+                                     device=dev)
             if any(p.top_p < 1 for p in params):
                 top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
             if any(p.min_p > 0 for p in params):

@@ -10,35 +10,26 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from typing import Any
 
+import orjson
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from starlette.middleware.cors import CORSMiddleware
 
 from llmserve import __version__
-from llmserve.config import EngineConfig
 from llmserve.engine.async_engine import AsyncLLM, EngineStats
+from llmserve.server.config import ServerConfig
 from llmserve.server.errors import APIError, install_handlers
 from llmserve.server.metrics import CONTENT_TYPE, ServerMetrics
-from llmserve.server.middleware import BodyLimitMiddleware, GateMiddleware
+from llmserve.server.middleware import GateMiddleware, RequestBodyMiddleware
 from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from llmserve.server.serving_chat import OpenAIServingChat
 from llmserve.server.serving_completion import OpenAIServingCompletion
 from llmserve.server.serving_engine import ModelInfo
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    served_model_names: list[str] | None = None  # None: the engine's model name
-    max_queued_requests: int | None = None
-    api_key: str | None = field(default=None, repr=False)  # repr=False: a logged config never shows it
-    max_request_body_bytes: int = 1 << 20
-    shutdown_timeout: float = 30.0  # seconds the engine may take to finish running requests at exit
-    url: str | None = None  # where clients reach us, for the start-up log line
-    log_stats_interval: float = 10.0  # seconds between the engine's periodic stats lines
 
 
 class ServerState:
@@ -65,12 +56,23 @@ class ServerState:
             raise APIError(503, "the model failed to load" if self.load_error else "the model is still loading")
         return self.llm
 
+    async def end_open_requests(self) -> None:
+        """The stop signal's deadline: end every request still open, so each response ends properly
+        (a stream with an error event and [DONE], a waiting request with 503) before the server closes
+        its connections."""
+        self.draining = True
+        if self.llm is not None:
+            ended = await asyncio.to_thread(self.llm.abort_all, "server shut down before the request finished")
+            if ended:
+                logger.warning("shutdown timeout: %d request(s) still open were ended", ended)
+
     def serving(self, llm: AsyncLLM, config: ServerConfig) -> None:
         block_size = config.engine.cache.block_size
         self.info = ModelInfo(
             served_names=list(config.served_model_names or [llm.model_name]),
             max_model_len=llm.max_model_len,
             kv_cache_tokens=llm.stats().num_kv_blocks * block_size,
+            max_tokens_default=config.max_tokens_default,
         )
         self.metrics.bind(self.info.served_names[0])
         self.chat = OpenAIServingChat(llm, self.info, self.metrics)
@@ -98,9 +100,15 @@ def create_app(config: ServerConfig, on_load_failure: Callable[[BaseException], 
     app = FastAPI(title="llmserve", version=__version__, lifespan=lifespan)
     app.state.server = state
     install_handlers(app)
-    # Outermost first: draining and the API key are checked before a body is read.
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes)
+    # Each add_middleware wraps the ones before: the gate (capacity, draining, key) runs before a body
+    # is read, and CORS, outermost, answers browsers' preflights (which carry no key) and labels every
+    # answer, errors included.
+    app.add_middleware(RequestBodyMiddleware, max_bytes=config.max_request_body_bytes,
+                       timeout=config.request_timeout)
     app.add_middleware(GateMiddleware, api_key=config.api_key, is_draining=lambda: state.draining)
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "HEAD", "POST"],
+                           allow_headers=["*"], expose_headers=["Retry-After"])
     app.include_router(_open_routes(state))
     app.include_router(_api_routes(state), prefix="/v1")
     return app
@@ -109,7 +117,7 @@ def create_app(config: ServerConfig, on_load_failure: Callable[[BaseException], 
 def _open_routes(state: ServerState) -> APIRouter:
     router = APIRouter()
 
-    @router.get("/health")
+    @router.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with HEAD
     async def health() -> JSONResponse:
         if state.draining:
             return JSONResponse({"status": "shutting down"}, status_code=503)
@@ -120,12 +128,12 @@ def _open_routes(state: ServerState) -> APIRouter:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @router.get("/metrics")
+    @router.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics() -> Response:
         body = await asyncio.to_thread(state.metrics.render)  # stats() waits for the engine lock
         return Response(body, media_type=CONTENT_TYPE)
 
-    @router.get("/version")
+    @router.api_route("/version", methods=["GET", "HEAD"])
     async def version() -> JSONResponse:
         return JSONResponse({"version": __version__})
 
@@ -133,9 +141,11 @@ def _open_routes(state: ServerState) -> APIRouter:
 
 
 def _api_routes(state: ServerState) -> APIRouter:
-    router = APIRouter()
+    # strict_content_type=False: a body without a Content-Type is read as JSON (one with another type
+    # was already answered 415)
+    router = APIRouter(route_class=_StrictJSONRoute, strict_content_type=False)
 
-    @router.get("/models")
+    @router.api_route("/models", methods=["GET", "HEAD"])
     async def models() -> JSONResponse:
         state.ready()
         info = state.info
@@ -154,6 +164,28 @@ def _api_routes(state: ServerState) -> APIRouter:
         return await _guarded(state.completion.create(body, raw), "completion")
 
     return router
+
+
+class _StrictJSONRequest(Request):
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = orjson.loads(await self.body())
+        return self._json
+
+
+class _StrictJSONRoute(APIRoute):
+    """Request bodies parsed by orjson, which holds JSON to its standard where Python's `json` does not:
+    a lone UTF-16 surrogate (`"\\ud800"`, not valid Unicode, which made the tokenizer raise), NaN,
+    Infinity and numbers that overflow to infinity are refused as invalid JSON (400), before any field
+    is read. (orjson.JSONDecodeError is a json.JSONDecodeError, which FastAPI answers as such.)"""
+
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        handler = super().get_route_handler()
+
+        async def strict_json_handler(request: Request) -> Response:
+            return await handler(_StrictJSONRequest(request.scope, request.receive))
+
+        return strict_json_handler
 
 
 async def _guarded(work: Awaitable[Response], what: str) -> Response:

@@ -24,7 +24,9 @@ _TYPES = {
     401: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
@@ -104,15 +106,24 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if not errors:
         return APIError(400, "invalid request")
     first = errors[0]
-    if first.get("type") == "json_invalid":
-        return APIError(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "))
+    if first.get("type") == "json_invalid":  # loc: ("body", character position)
+        loc = first.get("loc", ())
+        where = f" at character {loc[-1]}" if loc and isinstance(loc[-1], int) else ""
+        reason = first.get("ctx", {}).get("error", "")
+        return APIError(400, f"request body is not valid JSON{where}" + (f": {reason}" if reason else ""))
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = loc[0] if loc else None
     if len(loc) > 1 and _is_union_tag(loc[1]):
         # a union (e.g. prompt: str | list[str] | list[int] | ...): pydantic reports each form it tried
         return APIError(400, f"{param}: the value matches none of the accepted forms", param=param)
     where = ".".join(loc) or "body"
-    return APIError(400, f"{where}: {first.get('msg', 'invalid value')}", param=param)
+    message = _MESSAGES.get(first.get("type"), first.get("msg", "invalid value"))
+    return APIError(400, f"{where}: {message}", param=param)
+
+
+# pydantic's words where they mislead: orjson reads an integer past 64 bits as a float, and pydantic
+# then speaks of parsing a string
+_MESSAGES = {"int_parsing_size": "must be an integer that fits in 64 bits"}
 
 
 def _is_union_tag(part: str) -> bool:

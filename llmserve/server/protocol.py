@@ -2,8 +2,8 @@
 
 Field names, defaults and shapes follow the OpenAI API (and vLLM's extensions: top_k, min_p,
 repetition_penalty, ignore_eos, min_tokens, stop_token_ids). Values the engine checks itself
-(ranges of temperature, top_p, penalties...) are validated by `SamplingParams`, so the rules live
-in one place; here only types and API-level limits.
+(finite floats, penalties, seeds, token ids...) are validated by `SamplingParams` and the engine, so
+the rules live in one place; here only types and OpenAI's own limits (temperature <= 2, n <= 128).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ class _SamplingRequest(BaseModel):
 
     model: str | None = None  # None: the first served model name
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = Field(default=1.0, ge=0, le=2)  # OpenAI's range
+    top_p: float = Field(default=1.0, le=1)
     top_k: int = -1
     min_p: float = 0.0
     seed: int | None = None

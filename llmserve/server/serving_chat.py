@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from jinja2 import TemplateError
 from starlette.responses import Response
 
+from llmserve.engine.detokenizer import TokenBytes
 from llmserve.outputs import Logprob, RequestOutput
 from llmserve.server.errors import APIError
 from llmserve.server.protocol import (
@@ -100,7 +101,7 @@ class OpenAIServingChat(OpenAIServing):
                 ChatCompletionChoice(
                     index=i,
                     message=ChatResponseMessage(content=finals[i].outputs[0].text),
-                    logprobs=_logprobs(finals[i], 0, num_logprobs),
+                    logprobs=_logprobs(finals[i], 0, num_logprobs, self.llm.token_bytes),
                     finish_reason=finals[i].outputs[0].finish_reason,
                 )
                 for i in sorted(finals)
@@ -135,7 +136,7 @@ class OpenAIServingChat(OpenAIServing):
             if num_logprobs is None:
                 event = content[index](delta) if delta else b""
             else:
-                lps = _logprobs(out, sent_tokens[index], num_logprobs)
+                lps = _logprobs(out, sent_tokens[index], num_logprobs, self.llm.token_bytes)
                 sent_tokens[index] = len(completion.token_ids)
                 has_content = delta or lps.content
                 event = chunk(ChatStreamChoice(index=index, delta={"content": delta}, logprobs=lps)) if has_content \
@@ -149,21 +150,21 @@ class OpenAIServingChat(OpenAIServing):
         return sse_events(streams, request_id, intro, render, usage_event)
 
 
-def _logprobs(out: RequestOutput, start: int, k: int | None) -> ChatChoiceLogprobs | None:
-    """OpenAI's chat logprobs of tokens from `start` on, or None when they were not asked for."""
+def _logprobs(out: RequestOutput, start: int, k: int | None, token_bytes: TokenBytes) -> ChatChoiceLogprobs | None:
+    """OpenAI's chat logprobs of tokens from `start` on, or None when they were not asked for.
+
+    `bytes` are each token's own bytes (joined, they rebuild the text, also where a token ends inside
+    a multi-byte character); `token` is its decoded text, U+FFFD for such a partial character."""
     if k is None:
         return None
-    return ChatChoiceLogprobs(content=[_token_logprob(entry, k) for entry in token_logprobs(out, start)])
+    return ChatChoiceLogprobs(content=[_token_logprob(entry, k, token_bytes)
+                                       for entry in token_logprobs(out, start)])
 
 
-def _token_logprob(entry: dict[int, Logprob], k: int) -> ChatTokenLogprob:
-    chosen = next(iter(entry.values()))  # the engine puts the sampled token first
+def _token_logprob(entry: dict[int, Logprob], k: int, token_bytes: TokenBytes) -> ChatTokenLogprob:
+    token_id, chosen = next(iter(entry.items()))  # the engine puts the sampled token first
     return ChatTokenLogprob(
-        token=chosen.decoded_token or "", logprob=chosen.logprob, bytes=_bytes(chosen.decoded_token),
-        top_logprobs=[TopLogprob(token=lp.decoded_token or "", logprob=lp.logprob, bytes=_bytes(lp.decoded_token))
-                      for _, lp in top_logprobs(entry, k)],
+        token=chosen.decoded_token or "", logprob=chosen.logprob, bytes=list(token_bytes[token_id]),
+        top_logprobs=[TopLogprob(token=lp.decoded_token or "", logprob=lp.logprob, bytes=list(token_bytes[tid]))
+                      for tid, lp in top_logprobs(entry, k)],
     )
-
-
-def _bytes(text: str | None) -> list[int] | None:
-    return list(text.encode("utf-8")) if text is not None else None

@@ -20,7 +20,15 @@ from fastapi import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from llmserve.engine.async_engine import AsyncLLM, EngineDeadError, QueueFullError, RequestFailedError
+from llmserve.engine.async_engine import (
+    AsyncLLM,
+    EngineDeadError,
+    NeverAdmittedError,
+    NewRequest,
+    QueueFullError,
+    RequestFailedError,
+    RequestStream,
+)
 from llmserve.outputs import Logprob, RequestOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.errors import APIError, bad_value
@@ -43,6 +51,7 @@ class ModelInfo:
     served_names: list[str]
     max_model_len: int
     kv_cache_tokens: int  # the whole KV cache, in tokens: no single sequence can be longer
+    max_tokens_default: int | None = None  # output cap of a request without max_tokens; None: the context's end
 
 
 @dataclass(frozen=True)
@@ -85,8 +94,8 @@ class OpenAIServing:
             raise APIError(400, f"the prompt is {prompt_len} tokens, but this model's maximum context length "
                            f"(max_model_len) is {limit} tokens, including at least one generated token",
                            param=prompt_param, code="context_length_exceeded")
-        if requested is None:
-            return limit - prompt_len  # as vLLM: whatever room the context leaves
+        if requested is None:  # whatever room the context leaves (as vLLM), up to the server's default cap
+            return min(limit - prompt_len, self.info.max_tokens_default or limit)
         if requested >= 1 and prompt_len + requested > limit:
             raise APIError(400, f"this model's maximum context length (max_model_len) is {limit} tokens, but "
                            f"{prompt_len + requested} were requested ({prompt_len} in the prompt, {requested} "
@@ -116,9 +125,7 @@ class OpenAIServing:
         out = []
         for p, (ids, base) in enumerate(zip(prompts, params, strict=True)):
             for i in range(n):
-                seed = None if base.seed is None else base.seed + i
-                params_i = base if i == 0 else SamplingParams(**{**vars(base), "seed": seed})
-                out.append(Choice(p * n + i, p, ids, params_i, cache_salt))
+                out.append(Choice(p * n + i, p, ids, base.for_choice(i), cache_salt))
         return out
 
     def streams(self, request_id: str, choices: list[Choice]) -> ChoiceStreams:
@@ -166,6 +173,8 @@ def engine_error(e: BaseException) -> APIError:
     """The HTTP answer to an exception from `AsyncLLM.generate`."""
     if isinstance(e, APIError):
         return e
+    if isinstance(e, NeverAdmittedError):
+        return APIError(400, str(e), param="n", code="too_many_sequences")
     if isinstance(e, ValueError):
         return bad_value(e)
     if isinstance(e, QueueFullError):
@@ -182,8 +191,9 @@ def engine_error(e: BaseException) -> APIError:
 class ChoiceStreams:
     """The engine requests of one API request, admitted together and merged into one output stream.
 
-    Use as `async with streams: async for index, out in streams.outputs(): ...`. Leaving the block
-    (finished, failed, or cancelled by a disconnect) aborts whatever still runs.
+    Use as `async with streams: async for index, out in streams.outputs(): ...`. Entering admits every
+    choice or none (a refusal raises `APIError` before any response byte); leaving the block (finished,
+    failed, or cancelled by a disconnect) aborts whatever still runs.
 
     A single choice (n=1, one prompt: nearly every request) is read straight from the engine's stream
     in the consumer's task; several are merged by one pump task per choice into a queue. The pump and
@@ -197,24 +207,20 @@ class ChoiceStreams:
         self._choices = choices
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
         self._pending = {c.index for c in choices}
+        self._streams: list[RequestStream] = []
         self._tasks: list[asyncio.Task] = []
-        self._refused: list[BaseException] = []
-        self._single: AsyncGenerator[RequestOutput, None] | None = None  # the engine stream of a lone choice
 
     async def __aenter__(self) -> ChoiceStreams:
-        if len(self._choices) == 1:
-            self._single = self._generate(self._choices[0])
-            self._tasks = [asyncio.create_task(self._first_output())]
-        else:
-            self._tasks = [asyncio.create_task(self._pump(c)) for c in self._choices]
-        # Each task runs up to its first await: `generate` adds the request (synchronously) or
-        # raises. After one turn of the loop every choice is queued or refused.
-        await asyncio.sleep(0)
-        if self._single is not None and self._tasks[0].done() and self._tasks[0].exception() is not None:
-            self._refused.append(self._tasks[0].exception())
-        if self._refused:
-            await self.aclose()
-            raise engine_error(self._refused[0])
+        try:
+            self._streams = self._llm.add_requests([
+                NewRequest(c.prompt_ids, c.params, f"{self._request_id}-{c.index}", c.cache_salt)
+                for c in self._choices
+            ])
+        except Exception as e:
+            raise engine_error(e) from None
+        if len(self._streams) > 1:
+            self._tasks = [asyncio.create_task(self._pump(c, stream))
+                           for c, stream in zip(self._choices, self._streams, strict=True)]
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -226,7 +232,7 @@ class ChoiceStreams:
         Several choices: outputs that queued up while the caller was busy are coalesced (outputs are
         cumulative, so only the newest of a choice matters): a slow client gets fewer, larger chunks.
         """
-        return self._lone() if self._single is not None else self._merged()
+        return self._lone() if len(self._streams) == 1 else self._merged()
 
     async def collect(self) -> dict[int, RequestOutput]:
         """The final output of every choice."""
@@ -237,30 +243,19 @@ class ChoiceStreams:
 
     async def aclose(self) -> None:
         for task in self._tasks:
-            task.cancel()  # closes that choice's `generate`, which aborts its engine request
+            task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._single is not None:
-            await self._single.aclose()  # aborts the engine request if it still runs
-
-    def _generate(self, choice: Choice) -> AsyncGenerator[RequestOutput, None]:
-        return self._llm.generate(choice.prompt_ids, choice.params, f"{self._request_id}-{choice.index}",
-                                  choice.cache_salt)
-
-    async def _first_output(self) -> RequestOutput:
-        return await anext(self._single)
+        for stream in self._streams:
+            await stream.aclose()  # aborts the engine request if it still runs
 
     async def _lone(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         index = self._choices[0].index
         tracker = self._metrics.track()
         try:
-            out = await self._tasks[0]
-            while True:
+            async for out in self._streams[0]:
                 tracker.observe(out)
                 yield index, out
-                if out.finished:
-                    return
-                out = await anext(self._single)
-        except Exception as e:  # from `generate`, as the pumps' consumer below answers it
+        except Exception as e:  # from the engine, as the pumps' consumer below answers it
             raise engine_error(e) from None
 
     async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -280,17 +275,13 @@ class ChoiceStreams:
             for index in sorted(batch):
                 yield index, batch[index]
 
-    async def _pump(self, choice: Choice) -> None:
+    async def _pump(self, choice: Choice, stream: RequestStream) -> None:
         tracker = self._metrics.track()
-        first = True
         try:
-            async for out in self._generate(choice):
-                first = False
+            async for out in stream:
                 tracker.observe(out)
                 self._queue.put_nowait((choice.index, out))
         except Exception as e:  # handed to the consumer, which answers with the matching status
-            if first:
-                self._refused.append(e)
             self._queue.put_nowait((choice.index, e))
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmserve.engine.detokenizer import IncrementalDetokenizer
+from llmserve.engine.detokenizer import IncrementalDetokenizer, TokenBytes
 
 TEXT = "Grüße aus Köln — 你好世界 🙂👍 naïve café"
 
@@ -22,6 +22,25 @@ def test_incremental_text_equals_full_decode_for_multibyte_utf8(llm_fp32):
         assert "\ufffd" not in detok.output_text  # never a half character
     assert detok.output_text == tok.decode(ids) == TEXT
     assert all(b.startswith(a) for a, b in zip(seen, seen[1:], strict=False))  # text only ever grows
+
+
+def test_token_bytes_rebuild_the_text_where_tokens_split_characters(llm_fp32):
+    tok = llm_fp32.get_tokenizer()
+    ids = tok.encode(TEXT + "<|im_end|>")
+    token_bytes = TokenBytes(_backend(llm_fp32))
+    pieces = [token_bytes[t] for t in ids]
+    assert b"".join(pieces).decode() == TEXT + "<|im_end|>"
+    split = [t for t, p in zip(ids, pieces, strict=True) if not _is_utf8(p)]
+    assert split, "the text must hold characters that tokens split"
+    assert "\ufffd" in tok.decode([split[0]])  # such a token's own text cannot say which bytes it holds
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def test_stop_string_across_tokens_is_cut_and_never_shown(llm_fp32):

@@ -123,6 +123,12 @@ def test_penalties_change_greedy_output_and_stop_repetition(llm_fp32: LLM):
         ({"min_p": 2.0}, "min_p"),
         ({"n": 0}, "n"),
         ({"logprobs": 50}, "logprobs"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty"),
+        ({"presence_penalty": float("nan")}, "presence_penalty"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
     ],
 )
 def test_bad_sampling_params_raise_naming_the_argument(kwargs, name):
@@ -150,3 +156,38 @@ def test_request_larger_than_the_whole_cache_is_refused():
         llm.generate(["hello"], SamplingParams(max_tokens=100), use_tqdm=False)
     [ok] = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert len(ok.outputs[0].token_ids) == 8
+
+
+def test_seeds_at_the_ends_of_their_range_work_and_choices_wrap(llm_fp32: LLM, prompt_token_ids):
+    params = SamplingParams(temperature=1.0, seed=2**64 - 1, n=2, max_tokens=4, ignore_eos=True)
+    assert params.for_choice(1).seed == 0 and params.for_choice(0).seed == 2**64 - 1
+    [out] = llm_fp32.generate([prompt_token_ids[1]], params, use_tqdm=False)
+    assert [len(c.token_ids) for c in out.outputs] == [4, 4]
+    [low] = llm_fp32.generate([prompt_token_ids[1]], SamplingParams(temperature=1.0, seed=-(2**63), max_tokens=4),
+                              use_tqdm=False)
+    assert len(low.outputs[0].token_ids) == 4
+
+
+def test_a_tiny_temperature_is_greedy(llm_fp32: LLM, prompt_token_ids):
+    """Dividing logits by 1e-30 overflows to inf and NaN probabilities; below 1e-5 sampling is greedy."""
+    greedy, tiny = (SamplingParams(temperature=t, max_tokens=12, ignore_eos=True) for t in (0, 1e-30))
+    outs = llm_fp32.generate([prompt_token_ids[2]] * 2, [greedy, tiny], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+
+
+def test_top_k_past_the_vocabulary_keeps_every_token(llm_fp32: LLM, prompt_token_ids):
+    vocab = llm_fp32.engine.model_config.vocab_size
+    outs = llm_fp32.generate(
+        [prompt_token_ids[3]] * 3,
+        [SamplingParams(temperature=1.0, seed=5, top_k=k, max_tokens=16, ignore_eos=True)
+         for k in (-1, vocab + 1, 10**9)],
+        use_tqdm=False,
+    )
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused(llm_fp32: LLM, prompt_token_ids):
+    vocab = llm_fp32.engine.model_config.vocab_size
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm_fp32.generate([prompt_token_ids[0]], SamplingParams(stop_token_ids=[vocab]), use_tqdm=False)
+    assert not llm_fp32.engine.has_unfinished_requests()

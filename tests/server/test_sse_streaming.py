@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from llmserve.engine.async_engine import QueueFullError, RequestFailedError
+from llmserve.engine.async_engine import NewRequest, QueueFullError, RequestFailedError
 from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
 from llmserve.server.errors import APIError
 from llmserve.server.metrics import ServerMetrics
@@ -36,7 +36,7 @@ TRICKY = ['plain', ' "quoted"', "back\\slash", "new\nline", "\r\n\t", "".join(ma
 
 
 class StubLLM:
-    """`AsyncLLM.generate` from a script: the texts of successive outputs, then finished ("length")."""
+    """`AsyncLLM.add_requests` from a script: the texts of successive outputs, then finished ("length")."""
 
     def __init__(self, pieces: list[str], refuse: BaseException | None = None, fail_after: int | None = None,
                  logprobs: bool = False) -> None:
@@ -45,16 +45,20 @@ class StubLLM:
         self.fail_after = fail_after
         self.logprobs = logprobs
         self.tokenizer = SimpleNamespace(encode=lambda text: [1, 2, 3])
+        # token i is pieces[i]; token i + 100 is the runner-up "x" (see the logprobs below)
+        self.token_bytes = {i: p.encode() for i, p in enumerate(pieces)} | {i + 100: b"x" for i in range(len(pieces))}
         self.aborted: list[str] = []
         self.finished: list[str] = []
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         return [1, 2, 3]
 
-    async def generate(self, prompt: list[int], params, request_id: str, cache_salt: str | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+    def add_requests(self, requests: list[NewRequest]) -> list[AsyncIterator[RequestOutput]]:
         if self.refuse is not None:
             raise self.refuse
+        return [self._generate(r.prompt, r.request_id) for r in requests]
+
+    async def _generate(self, prompt: list[int], request_id: str) -> AsyncIterator[RequestOutput]:
         done = False
         try:
             text, ids, lps = "", [], []
@@ -188,6 +192,7 @@ def test_several_choices_and_logprobs_keep_their_chunks() -> None:
         mine = [c["choices"][0] for c in got if c["choices"][0]["index"] == index]
         assert "".join(c["delta"].get("content", "") for c in mine) == "xy"
         assert [t["token"] for c in mine if c["logprobs"] for t in c["logprobs"]["content"]] == ["x", "y"]
+        assert [t["bytes"] for c in mine if c["logprobs"] for t in c["logprobs"]["content"]] == [[120], [121]]
         assert mine[-1]["finish_reason"] == "length"
     request = CompletionRequest(prompt="hi", stream=True, logprobs=1, echo=False)
     got = [json.loads(e) for e in events(asyncio.run(_run(completion.create(request, None)))[1])[:-1]]
