@@ -1,7 +1,7 @@
 """Offline decode-step time of engine configurations, A/B(/C...) in one process.
 
     .venv/bin/python benchmarks/decode_step_configs.py \
-        --config "torch-kernels=quantization=int4,compile=true,quantized_kernels=torch" \
+        --config "torch-kernels=quantization=int4,compile=true,kernels=torch" \
         --config "native-kernels=quantization=int4,compile=true"
 
 Each configuration is an `LLM(...)` of its own (keyword=value pairs; true/false/none and numbers are

@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmserve import LLM, SamplingParams  # noqa: E402
+from llmserve.models.llama import use_native_elementwise  # noqa: E402
 
 
 def main() -> None:
@@ -31,7 +32,6 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="timed stretches per setting (default: %(default)s)")
     args = ap.parse_args()
     engine = LLM(kv_cache_memory_gb=1.0, max_num_seqs=64, quantization="int4", int8_activations=True).engine
-    layers = engine.runner.model.layers
     tok = engine.tokenizer
     prefix = tok.encode("You are a helpful assistant. " * 40)[:205]
     params = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)
@@ -64,8 +64,7 @@ def main() -> None:
     results: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
     for _ in range(args.repeats):
         for native in (False, True):
-            for layer in layers:
-                layer.native_elementwise = native
+            use_native_elementwise(engine.runner.model, native)
             results[native].append((median_ms(mixed, 5), median_ms(engine.step, 5)))
     print(f"| layers' elementwise ops | mixed step ms ({args.decodes} decodes + a prompt) | "
           f"eager decode step ms (batch {args.decodes}) |")

@@ -1,69 +1,61 @@
 """Engine configuration: one frozen dataclass per concern, gathered in `EngineConfig`.
 
 Values are checked where they are made (bad ones raise `ValueError` naming the argument); anything
-derived from them is computed by a method, never written back, so a config can be shared freely.
+derived from them is computed by a method, never written back, so a config can be shared freely. Each
+field carries its help text: the command-line flags (`add_engine_arguments`), the offline API's
+keywords (`engine_config(**options)`) and `--help` are generated from these fields, so they agree by
+construction. What the engine then makes of a config on a given host is the build plan's business
+(engine/build_plan.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import torch
+import argparse
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
 
 # Names only: importing torch here would make every `--help` pay for it.
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, see quantization/weight_only.py
-# where the engine has a native CPU kernel beside a PyTorch path: attention_backend (layers/attention.py),
-# quantized_kernels (quantization/weight_only.py), elementwise_kernels (kernels/fused_elementwise.cpp)
 KERNEL_CHOICES = ("auto", "native", "torch")
+
+
+def _option(default: Any, help: str, **extra: Any) -> Any:
+    """A config field with its help (and, where given, `choices`, a `flag` name, or `cli=False`)."""
+    return field(default=default, metadata={"help": help, **extra})
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Which weights to run and in what precision.
+    """Which weights to run and in what precision."""
 
-    `model` is a registered name (see `loader.default_models`), a GGUF file or a Hugging Face
-    directory; None means the embedded default model.
-    """
-
-    model: str | None = None
-    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
-    max_model_len: int | None = None  # None: the model's own context length
-    seed: int = 0
-    device: str = "cpu"
-    # weight-only quantization of the linear layers: None, "int8" or "int4" (see quantization/)
-    quantization: str | None = None
-    # with quantization: steps of many tokens multiply int8 activations (one scale per token) by SmoothQuant-
-    # smoothed int8 weights, calibrated at load (quantization/int8_activations.py): ~1.4x faster batch
-    # decode steps and prompts, at +0.7 % perplexity over int4 on the default model
-    int8_activations: bool = False
-    # torch.compile: with native attention, each decode-only step as one graph of the whole model
-    # (engine/decode_graph.py); with torch attention, each decoder layer (attention eager). Paid for with
-    # ~1-2 min of compilation at start-up (the engine warms up before it serves)
-    compile: bool = False
-    # decode attention: "native" = the C++ kernel of llmserve/kernels (CPU), "torch" = batched PyTorch ops,
-    # "auto" = native where it builds and runs (CPU), else torch
-    attention_backend: str = "auto"
-    # with quantization, the small steps' kernels: "native" = llmserve/kernels/quantized_gemv.cpp (CPUs with
-    # AVX-512 VNNI), "torch" = PyTorch's weight-only kernels, "auto" = native where it builds vectorized.
-    # With int8_activations, anything but "torch" also runs the int8 x int8 products on
-    # llmserve/kernels/int8_gemm.cpp where the CPU has AMX (else oneDNN)
-    quantized_kernels: str = "auto"
-    # the decoder layer's norms, rotary and SwiGLU gate in steps that run eagerly (prompts, mixed steps), and
-    # greedy sampling's argmax: "native" = llmserve/kernels/fused_elementwise.cpp and argmax.cpp (CPU; one op
-    # each instead of ~25 small ones a layer; an argmax several times faster than PyTorch's),
-    # "torch" = PyTorch's ops, "auto" = native in bfloat16 where the kernels build (CPU; "native" also takes
-    # float32)
-    elementwise_kernels: str = "auto"
+    model: str | None = _option(None, "registered name, GGUF file or Hugging Face directory (None: the embedded "
+                                "default, smollm2-135m)", cli=False)
+    dtype: str = _option("auto", "weight and activation dtype; auto: bfloat16 where the CPU multiplies it natively "
+                         "(AVX512-BF16 or AMX), else float32", choices=("auto", *DTYPES))
+    max_model_len: int | None = _option(None, "longest prompt + output in tokens (default: the model's context "
+                                        "length)")
+    seed: int = _option(0, "engine random seed (requests without a seed of their own draw from it)")
+    device: str = _option("cpu", "torch device; only the CPU is tested (the native kernels and quantization "
+                          "are CPU-only)", cli=False)
+    quantization: str | None = _option(None, "weight-only quantization of the linear layers, used for steps of "
+                                       "few tokens (int4: groups of 32 on GGUF Q4_1's grid; output head int8); "
+                                       "default: the weights as loaded", choices=QUANTIZATION_METHODS, flag="-q")
+    int8_activations: bool = _option(False, "with --quantization: steps of many tokens (batches, prompts) multiply "
+                                     "per-token int8 activations by SmoothQuant-smoothed int8 weights, calibrated "
+                                     "at start: ~1.4x faster batch steps for +0.2-0.3 %% perplexity")
+    compile: bool = _option(False, "torch.compile each decode-only step as one graph (native attention) or each "
+                            "decoder layer (PyTorch attention): faster steps for ~1-2 min more start-up")
+    kernels: str = _option("auto", "llmserve's native CPU kernels (paged decode attention, quantized products, "
+                           "fused norm/rotary/SwiGLU, argmax): auto = where they build and pay (the fused "
+                           "elementwise ops in bfloat16 only), native = always (an error where they cannot run), "
+                           "torch = PyTorch's ops only", choices=KERNEL_CHOICES)
 
     def __post_init__(self) -> None:
-        for option in ("attention_backend", "quantized_kernels", "elementwise_kernels"):
-            if getattr(self, option) not in KERNEL_CHOICES:
-                raise ValueError(f"{option} must be one of {list(KERNEL_CHOICES)}, got {getattr(self, option)!r}")
-        if self.attention_backend == "native" and not self.device.startswith("cpu"):
-            raise ValueError(f"the native attention kernel is CPU-only, not {self.device!r}")
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels must be one of {list(KERNEL_CHOICES)}, got {self.kernels!r}")
+        if self.kernels == "native" and not self.device.startswith("cpu"):
+            raise ValueError(f"the native kernels are CPU-only, not {self.device!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {list(DTYPES)}, got {self.dtype!r}")
         if self.quantization not in (None, *QUANTIZATION_METHODS):
@@ -82,10 +74,11 @@ class ModelConfig:
 class CacheConfig:
     """Paged KV cache: block size and the memory budget the block count is derived from."""
 
-    block_size: int = 16
-    kv_cache_memory_gb: float | None = None  # explicit budget; wins over the fraction
-    kv_cache_memory_fraction: float = 0.1  # of the memory available when the engine starts
-    enable_prefix_caching: bool = True  # share the KV of common prompt prefixes across requests
+    block_size: int = _option(16, "tokens per KV cache block")
+    kv_cache_memory_gb: float | None = _option(None, "KV cache size in GiB (default: --kv-cache-memory-fraction of "
+                                               "the memory free at start)")
+    kv_cache_memory_fraction: float = _option(0.1, "KV cache size as a fraction of the memory available at start")
+    enable_prefix_caching: bool = _option(True, "reuse the KV blocks of shared prompt prefixes across requests")
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -102,17 +95,20 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous batching limits: how many sequences and tokens one step may carry."""
 
-    max_num_seqs: int = 64
+    max_num_seqs: int = _option(64, "sequences per batch")
     # A step's cost grows with its tokens; on a 2-core CPU 512 tokens take ~0.4-1 s (more when a chunk
     # attends to a long context), the most a running stream should wait for its next token while prompts
     # are prefilled. 256 lowered ITL p99 but doubled TTFT p50 (benchmarks/README.md).
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = _option(512, "tokens per engine step: decodes first, then prompt chunks")
     # A prompt longer than this is prefilled in several steps so running decodes keep flowing.
-    long_prefill_token_threshold: int = 256
+    long_prefill_token_threshold: int = _option(256, "largest prompt chunk one request runs per step; longer "
+                                                "prompts are prefilled over several steps so running streams "
+                                                "keep flowing")
     # How many such long prompts may be part-way through their prefill at once. Two chunks deep into
     # long prompts in one step double its attention cost (the step every running stream waits for);
     # with one, shorter prompts pass a waiting long one instead of queueing behind it (vLLM's name).
-    max_long_partial_prefills: int = 1
+    max_long_partial_prefills: int = _option(1, "prompts longer than the threshold prefilled at once; shorter "
+                                             "prompts pass the others")
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
@@ -128,22 +124,55 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
 
-def cpu_has_native_bf16() -> bool:
-    """True where the CPU multiplies bf16 natively (AVX512-BF16 or AMX), so bf16 is faster, not slower."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+_TYPES = {"int": int, "float": float, "str": str}
 
 
-def resolve_dtype(dtype: str, device: str) -> torch.dtype:
-    """The dtype 'auto' stands for: bfloat16 where the hardware has it natively, else float32."""
-    import torch
+def engine_options() -> dict[str, Any]:
+    """Every engine option by name, with its default: what `LLM(...)` and `engine_config` accept."""
+    return {f.name: f.default for cls in _SECTIONS.values() for f in fields(cls)}
 
-    if dtype != "auto":
-        return getattr(torch, dtype)
-    if device.startswith("cuda"):
-        return torch.bfloat16
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+def engine_config(**options: Any) -> EngineConfig:
+    """An `EngineConfig` from flat options (the offline API's keywords, the CLI's flags): each goes to the
+    sub-config with a field of its name. Unknown names raise TypeError; bad values ValueError."""
+    known = engine_options()
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise TypeError(f"unknown engine option(s) {unknown}; the options are {sorted(known)}")
+    parts = {section: cls(**{f.name: options[f.name] for f in fields(cls) if f.name in options})
+             for section, cls in _SECTIONS.items()}
+    return EngineConfig(**parts)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+                         defaults: dict[str, Any] | None = None, skip: tuple[str, ...] = ()) -> None:
+    """One flag per engine option (`--max-num-seqs` for max_num_seqs; a True boolean as `--no-...`), its
+    help from the field. `defaults` overrides a default for this command; `skip` leaves options out (a
+    command whose own flag has that name)."""
+    defaults = defaults or {}
+    for cls in _SECTIONS.values():
+        for f in fields(cls):
+            if not f.metadata.get("cli", True) or f.name in skip:
+                continue
+            default = defaults.get(f.name, f.default if f.default is not MISSING else None)
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f.metadata["help"]
+            if f.type == "bool":
+                if default:
+                    parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
+                                        help=f"do not: {help_text} (on by default)")
+                else:
+                    parser.add_argument(flag, dest=f.name, action="store_true", help=help_text)
+                continue
+            names = [flag] + ([f.metadata["flag"]] if "flag" in f.metadata else [])
+            if "default" not in help_text:
+                help_text += " (default: %(default)s)"
+            parser.add_argument(*names, dest=f.name, type=_TYPES[f.type.split(" |")[0]], default=default,
+                                choices=f.metadata.get("choices"), help=help_text)
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    """The `EngineConfig` of parsed `add_engine_arguments` flags (and `overrides`, e.g. the model)."""
+    options = {name: getattr(args, name) for name in engine_options() if hasattr(args, name)}
+    return engine_config(**{**options, **overrides})

@@ -6,10 +6,11 @@ import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 from tqdm import tqdm
 
-from llmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from llmserve.config import engine_config
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
@@ -20,49 +21,15 @@ logger = logging.getLogger(__name__)
 
 
 class LLM:
-    """Loads a model once and runs batches of prompts through the continuous-batching engine."""
+    """Loads a model once and runs batches of prompts through the continuous-batching engine.
 
-    def __init__(
-        self,
-        model: str | None = None,
-        *,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        kv_cache_memory_gb: float | None = None,
-        kv_cache_memory_fraction: float = 0.1,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
-        long_prefill_token_threshold: int = SchedulerConfig.long_prefill_token_threshold,
-        max_long_partial_prefills: int = SchedulerConfig.max_long_partial_prefills,
-        seed: int = 0,
-        device: str = "cpu",
-        quantization: str | None = None,
-        int8_activations: bool = False,
-        compile: bool = False,
-        attention_backend: str = "auto",
-        quantized_kernels: str = "auto",
-        elementwise_kernels: str = "auto",
-    ) -> None:
-        self.engine_config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, device=device,
-                              quantization=quantization, int8_activations=int8_activations,
-                              compile=compile, attention_backend=attention_backend,
-                              quantized_kernels=quantized_kernels, elementwise_kernels=elementwise_kernels),
-            cache=CacheConfig(
-                block_size=block_size,
-                kv_cache_memory_gb=kv_cache_memory_gb,
-                kv_cache_memory_fraction=kv_cache_memory_fraction,
-                enable_prefix_caching=enable_prefix_caching,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                long_prefill_token_threshold=long_prefill_token_threshold,
-                max_long_partial_prefills=max_long_partial_prefills,
-            ),
-        )
+    `LLM(model=None, **options)`: `model` is a registered name (`smollm2-135m`, the default), a `.gguf`
+    file or a Hugging Face directory; `options` are the engine options, the same names as
+    `llmserve serve`'s engine flags (`max_num_seqs=8` for `--max-num-seqs 8`; `engine_options()` lists
+    them with their defaults), plus `device`."""
+
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        self.engine_config = engine_config(model=model, **options)
         self.engine = LLMEngine(self.engine_config)
         self._ids = itertools.count()
 
@@ -111,12 +78,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; rendered with the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            {"prompt_token_ids": self.engine.tokenizer.encode(
-                self.engine.apply_chat_template(c, add_generation_prompt), add_special_tokens=False
-            )}
-            for c in conversations
-        ]
+        prompts = [{"prompt_token_ids": self.engine.processor.encode_chat(c, add_generation_prompt)}
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, children: list[list[str]], use_tqdm: bool) -> list[RequestOutput]:
@@ -124,10 +87,12 @@ class LLM:
         total = sum(len(c) for c in children)
         with tqdm(total=total, desc="Generating", unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
+                for out in self.engine.step():  # deltas, folded into each request's whole output
+                    if out.request_id in final:
+                        final[out.request_id].add(out)
+                    else:
                         final[out.request_id] = out
-                        bar.update(1)
+                    bar.update(out.finished)
         results = []
         for ids in children:
             first = final[ids[0]]

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 from llmserve.config import EngineConfig
 from llmserve.engine.detokenizer import TokenBytes
-from llmserve.engine.llm_engine import LLMEngine
+from llmserve.engine.input_processor import InputProcessor
+from llmserve.engine.llm_engine import EngineStats, LLMEngine
 from llmserve.engine.request import Request
 from llmserve.engine.stat_logger import StatLogger
 from llmserve.outputs import RequestOutput
@@ -61,18 +62,11 @@ class NewRequest:
 
 
 @dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_kv_blocks: int
-    num_free_kv_blocks: int
-    kv_cache_usage: float
-    num_preemptions: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int  # of which found there
-    num_cached_blocks: int  # blocks findable by hash (in use or free)
+class ServingStats(EngineStats):
+    """The engine's stats and what the serving loop counts: tokens admitted and generated."""
+
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
 
 
 class AsyncLLM:
@@ -120,26 +114,16 @@ class AsyncLLM:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        text = self.engine.apply_chat_template(messages, add_generation_prompt)
-        return self.engine.tokenizer.encode(text, add_special_tokens=False)
+    @property
+    def processor(self) -> InputProcessor:
+        """Tokenization and the length rule, shared with the engine (read-only: safe from any thread)."""
+        return self.engine.processor
 
-    def stats(self) -> EngineStats:
+    def stats(self) -> ServingStats:
         with self._turn():
-            sched, kv = self.engine.scheduler, self.engine.kv_cache
-            return EngineStats(
-                num_running=len(sched.running),
-                num_waiting=len(sched.waiting),
-                num_kv_blocks=kv.num_blocks,
-                num_free_kv_blocks=kv.num_free_blocks,
-                kv_cache_usage=kv.usage,
-                num_preemptions=sched.num_preemptions,
-                prompt_tokens_total=self._prompt_tokens,
-                generation_tokens_total=self._generation_tokens,
-                prefix_cache_queries=kv.stats.queries,
-                prefix_cache_hits=kv.stats.hits,
-                num_cached_blocks=kv.pool.num_cached_blocks,
-            )
+            stats = self.engine.stats()
+            return ServingStats(**vars(stats), prompt_tokens_total=self._prompt_tokens,
+                                generation_tokens_total=self._generation_tokens)
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -300,7 +284,7 @@ class AsyncLLM:
         self._deliver([
             (out.request_id, RequestFailedError(out.error) if out.error else out) for out in outputs
         ])
-        self._generation_tokens += sum(out.error is None for out in outputs)  # one new token each
+        self._generation_tokens += sum(len(out.outputs[0].token_ids) for out in outputs if out.error is None)
         self._stat_logger.maybe_log(self._prompt_tokens, self._generation_tokens)
 
     def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
@@ -324,7 +308,7 @@ def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
 
 
 class RequestStream:
-    """One admitted request's outputs as an async iterator (cumulative outputs; the last is finished).
+    """One admitted request's outputs as an async iterator (deltas; the last is finished).
 
     `aclose()` before the end aborts the request, freeing its KV blocks before the next step; unlike an
     async generator's, it does so even when iteration never began.

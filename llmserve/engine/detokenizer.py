@@ -34,6 +34,7 @@ class IncrementalDetokenizer:
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.finished = False
+        self._taken = 0  # characters of output_text already handed out by take_text
 
     def append(self, token_id: int, check_stop: bool = True) -> str | None:
         """Decode one more token; returns the stop string that ended the text, if one did."""
@@ -54,6 +55,13 @@ class IncrementalDetokenizer:
 
     def finish(self) -> None:
         self.finished = True
+
+    def take_text(self) -> str:
+        """The text safe to show that was not taken yet (outputs are deltas). A stop string only ever cuts
+        text that was held back, so what was taken stays a prefix of the final text."""
+        text = self.output_text
+        new, self._taken = text[self._taken :], len(text)
+        return new
 
     @property
     def output_text(self) -> str:

@@ -10,10 +10,7 @@ from __future__ import annotations
 import enum
 import time
 
-import torch
-
 from llmserve.engine.detokenizer import IncrementalDetokenizer
-from llmserve.outputs import Logprob
 from llmserve.sampling_params import SamplingParams
 
 
@@ -58,11 +55,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
-        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
-        self.cumulative_logprob = 0.0
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+        self.cumulative_logprob = 0.0  # of the sampled tokens, when logprobs were asked for
         self.arrival_time = time.monotonic()
         self.scheduled_time: float | None = None  # first admitted to the running batch (queue time ends)
         self.first_token_time: float | None = None

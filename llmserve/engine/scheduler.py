@@ -1,4 +1,4 @@
-"""Continuous batching under one token budget per step.
+"""Continuous batching under one token budget per step, and what a step's results change.
 
 There is no prefill or decode phase. Each step, every scheduled request closes part of the gap
 between `num_computed_tokens` and its token count: running requests first (a decode is one token,
@@ -7,28 +7,45 @@ sequence limit and the KV cache allow. Only `max_long_partial_prefills` prompts 
 chunk are prefilled at a time; shorter prompts may pass a long one that waits for its turn. When a
 running request cannot get a block, the newest running request is preempted: its blocks are freed
 and it goes back to the front of the queue to recompute. Nothing is dropped.
+
+`schedule()` says what runs (a `SchedulerOutput`, plain data for the runner); `update_from_output()`
+takes the runner's answer and owns everything it changes: computed-token counts, blocks registered in
+the prefix cache, new tokens and the stop checks, finished requests' blocks, and the KV tail of
+tokens that were run but not kept (rejected speculative tokens).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from llmserve.config import SchedulerConfig
 from llmserve.engine.request import Request, RequestStatus
+from llmserve.engine.step import (
+    ModelRunnerOutput,
+    NewRequestData,
+    RunningRequestData,
+    SchedulerOutput,
+    TokenLogprobs,
+)
 from llmserve.kv_cache.kv_cache_manager import KVCacheManager
 
 
 @dataclass
-class SchedulerOutput:
-    # (request, number of tokens to run now), running requests first
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+
+@dataclass
+class RequestUpdate:
+    """What one step did to a request: the tokens it gained (and their logprobs), and whether it ended."""
+
+    request: Request
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None
 
 
 class Scheduler:
@@ -38,9 +55,12 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.requests: dict[str, Request] = {}  # not finished yet (waiting or running), by id
+        self._finished_ids: set[str] = set()  # to tell the runner with the next step
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
+        self.requests[request.request_id] = request
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -53,11 +73,16 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv_cache.free(request.request_id)
+        self.requests.pop(request.request_id, None)
+        self._finished_ids.add(request.request_id)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = set()
         budget = self.config.max_num_batched_tokens
-
         long_prefills = 0  # scheduled requests with more than one chunk of prompt left
 
         # 1. Running requests, oldest first; preempt from the newest end when blocks run out.
@@ -66,13 +91,14 @@ class Scheduler:
             req = self.running[i]
             n = self._num_new_tokens(req.num_computed_tokens, req.num_tokens, budget)
             long_prefills += self._is_long(req.num_tokens - req.num_computed_tokens)
-            while not self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + n):
+            while (new_blocks := self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + n)) is None:
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 if victim is req:
                     break
             else:
-                out.scheduled.append((req, n))
+                out.running_requests.append(RunningRequestData(req.request_id, new_blocks, req.num_computed_tokens))
+                out.num_scheduled_tokens[req.request_id] = n
                 budget -= n
                 i += 1
                 continue
@@ -80,7 +106,7 @@ class Scheduler:
 
         # 2. Waiting requests in order, while nothing was preempted this step (no room then).
         passed: list[Request] = []  # long prompts that wait for a long prefill to finish
-        while self.waiting and budget > 0 and not out.preempted:
+        while self.waiting and budget > 0 and not out.preempted_request_ids:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             req = self.waiting[0]
@@ -91,7 +117,8 @@ class Scheduler:
                     continue
                 long_prefills += 1
             n = self._num_new_tokens(num_hit, req.num_tokens, budget)
-            if not self.kv_cache.allocate_slots(req.request_id, num_hit + n, hits):
+            block_ids = self.kv_cache.allocate_slots(req.request_id, num_hit + n, hits)
+            if block_ids is None:
                 break
             self.waiting.popleft()
             self.kv_cache.record_lookup(req.num_tokens, num_hit)
@@ -99,12 +126,49 @@ class Scheduler:
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = num_hit
                 req.scheduled_time = time.monotonic()
+            if req.status is RequestStatus.PREEMPTED:  # the runner still has its tokens and generator
+                out.running_requests.append(RunningRequestData(req.request_id, block_ids, num_hit, resumed=True))
+            else:
+                out.new_requests.append(NewRequestData(req.request_id, list(req.all_token_ids), req.params,
+                                                       block_ids, num_hit))
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append((req, n))
+            out.num_scheduled_tokens[req.request_id] = n
             budget -= n
         self.waiting.extendleft(reversed(passed))  # back in front, in their order
         return out
+
+    def update_from_output(self, scheduled: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
+        """Apply a step's results; returns an update for every request that gained tokens or finished.
+
+        Requests the runner did not answer for (failed and aborted by the caller) are skipped.
+        """
+        updates = []
+        for request_id, num_scheduled in scheduled.num_scheduled_tokens.items():
+            sampled = result.sampled_token_ids.get(request_id)
+            req = self.requests.get(request_id)
+            if sampled is None or req is None:
+                continue
+            # speculative tokens run but not kept: their K/V slots are given back
+            rejected = len(scheduled.spec_token_ids.get(request_id, ())) - max(len(sampled) - 1, 0)
+            req.num_computed_tokens += num_scheduled - rejected
+            if rejected:
+                self.kv_cache.trim(request_id, req.num_computed_tokens)
+            self.kv_cache.cache_blocks(request_id, req.all_token_ids, req.block_hashes, req.num_computed_tokens,
+                                       req.cache_salt)
+            if not sampled:
+                continue  # a prompt chunk that is not the last
+            kept = []
+            for token in sampled:
+                req.append_token(token)  # detokenizes, checks stops
+                kept.append(token)
+                if req.status.finished:
+                    break
+            logprobs = result.logprobs.get(request_id)
+            updates.append(RequestUpdate(req, kept, logprobs[: len(kept)] if logprobs is not None else None))
+            if req.status.finished:
+                self.finish(req, req.status)
+        return updates
 
     def _is_long(self, num_uncomputed: int) -> bool:
         return num_uncomputed > self.config.long_prefill_token_threshold
@@ -130,4 +194,4 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
-        out.preempted.append(req)  # victims come from the unscheduled tail, never from out.scheduled
+        out.preempted_request_ids.append(req.request_id)  # victims come from the unscheduled tail

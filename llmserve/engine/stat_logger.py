@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from llmserve.engine.llm_engine import LLMEngine
+from llmserve.engine.llm_engine import EngineStats, LLMEngine
 
 logger = logging.getLogger("llmserve.engine")
 
@@ -25,18 +25,19 @@ class StatLogger:
         elapsed = now - self._last_time
         if elapsed < self.interval_s:
             return None
-        line = self.line(prompt_tokens_total, generation_tokens_total, elapsed)
+        line = self.line(self.engine.stats(), prompt_tokens_total, generation_tokens_total, elapsed)
         self._last_time, self._last_prompt, self._last_generation = now, prompt_tokens_total, generation_tokens_total
         logger.info(line)
         return line
 
-    def line(self, prompt_tokens_total: int, generation_tokens_total: int, elapsed: float) -> str:
-        sched, kv = self.engine.scheduler, self.engine.kv_cache
+    def line(self, stats: EngineStats, prompt_tokens_total: int, generation_tokens_total: int,
+             elapsed: float) -> str:
         prompt_rate = (prompt_tokens_total - self._last_prompt) / elapsed
         gen_rate = (generation_tokens_total - self._last_generation) / elapsed
+        hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
         return (
-            f"prompt {prompt_rate:.1f} tok/s, generation {gen_rate:.1f} tok/s | running {len(sched.running)}, "
-            f"waiting {len(sched.waiting)} | KV cache {kv.usage:.1%} used, {kv.pool.num_cached_blocks} cached "
-            f"blocks | prefix cache hit rate {kv.stats.hit_rate:.1%} ({kv.stats.hits}/{kv.stats.queries} tokens)"
-            f" | preemptions {sched.num_preemptions}"
+            f"prompt {prompt_rate:.1f} tok/s, generation {gen_rate:.1f} tok/s | running {stats.num_running}, "
+            f"waiting {stats.num_waiting} | KV cache {stats.kv_cache_usage:.1%} used, {stats.num_cached_blocks} "
+            f"cached blocks | prefix cache hit rate {hit_rate:.1%} ({stats.prefix_cache_hits}/"
+            f"{stats.prefix_cache_queries} tokens) | preemptions {stats.num_preemptions}"
         )

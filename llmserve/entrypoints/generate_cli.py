@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from llmserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from llmserve.config import add_engine_arguments, engine_config_from_args
 from llmserve.sampling_params import SamplingParams
 
 
@@ -16,15 +16,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: the embedded smollm2-135m)")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt with the model's chat template")
     parser.add_argument("--system", default=None, help="system message (with --chat)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--seed", dest="request_seed", type=int, default=None,
+                        help="the request's sampling seed (the same text for the same seed)")
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--kv-cache-memory-gb", type=float, default=0.5)
+    # one prompt: a short context, a small cache, one sequence
+    # (--seed above is the request's own; the engine keeps its default)
+    add_engine_arguments(parser.add_argument_group("engine"),
+                         defaults={"max_model_len": 4096, "kv_cache_memory_gb": 0.5, "max_num_seqs": 1},
+                         skip=("seed",))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,31 +36,24 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         params = SamplingParams(
-            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.request_seed,
             max_tokens=args.max_tokens, stop=args.stop,
         )
-        engine = LLMEngine(EngineConfig(
-            model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len),
-            cache=CacheConfig(kv_cache_memory_gb=args.kv_cache_memory_gb),
-            scheduler=SchedulerConfig(max_num_seqs=1),
-        ))
+        engine = LLMEngine(engine_config_from_args(args, model=args.model))
         prompt: str | list[int] = args.prompt
         if args.chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else [])
             messages.append({"role": "user", "content": args.prompt})
-            prompt = engine.tokenizer.encode(engine.apply_chat_template(messages), add_special_tokens=False)
+            prompt = engine.processor.encode_chat(messages)
         engine.add_request("cli", prompt, params)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    shown = 0
     finish = None
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            text = out.outputs[0].text
-            sys.stdout.write(text[shown:])
+        for out in engine.step():  # deltas: the text each step added
+            sys.stdout.write(out.outputs[0].text)
             sys.stdout.flush()
-            shown = len(text)
             finish = out.outputs[0].finish_reason
     sys.stdout.write("\n")
     print(f"[finish_reason={finish}]", file=sys.stderr)

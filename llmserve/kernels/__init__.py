@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from llmserve.host import cpu_flags
 from llmserve.kernels.int8_gemm import register_fakes as register_int8_gemm_fakes
 from llmserve.kernels.quantized_gemv import register_fakes as register_quantized_gemv_fakes
 
@@ -32,12 +33,27 @@ _SOURCES = [
 _HEADERS = [Path(__file__).with_name("simd_exp.h")]
 
 
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+
+
 def build_directory() -> Path:
-    """Where the compiled library lives: per torch version, so an upgrade rebuilds instead of crashing."""
+    """Where the compiled library lives: one per torch version, CPU feature set and kernel sources. A cache
+    shared between hosts (a home directory on several machines, an image built on another CPU) must never
+    hand a library built with `-march=native` for AMX or AVX-512 to a CPU without them: it would die on
+    its first instruction. An upgrade or an edited kernel gets a directory of its own too."""
     root = Path(os.environ.get("LLMSERVE_KERNEL_CACHE", Path.home() / ".cache" / "llmserve" / "kernels"))
-    path = root / f"torch-{torch.__version__}"
+    path = root / f"torch-{torch.__version__}-{_build_key()}"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def _build_key() -> str:
+    """A digest of what the build depends on beside torch: the CPU's features, the sources, the flags."""
+    digest = hashlib.sha256(" ".join(sorted(cpu_flags())).encode())
+    for source in (*_SOURCES, *_HEADERS):
+        digest.update(source.read_bytes())
+    digest.update(" ".join(_CFLAGS).encode())
+    return digest.hexdigest()[:16]
 
 
 @functools.cache
@@ -50,7 +66,8 @@ def load_cpu_kernels() -> bool:
         cpp_extension.load(
             name="llmserve_cpu_kernels",
             sources=[str(s) for s in _SOURCES],
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp", f"-DLLMSERVE_HEADERS={_headers_digest()}"],
+            # the headers' digest: torch's build cache versions sources and flags only
+            extra_cflags=[*_CFLAGS, f"-DLLMSERVE_HEADERS={_headers_digest()}"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_directory()),
             is_python_module=False,

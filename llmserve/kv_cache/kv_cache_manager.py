@@ -3,8 +3,9 @@
 The scheduler asks which leading blocks of a request are already cached (`get_computed_blocks`),
 then for room for the tokens it is about to run (`allocate_slots`): yes (hits and new blocks
 appended to the request's table) or no (nothing changed; the caller preempts or waits). After a
-step, `cache_blocks` registers the blocks that became full. Finished and aborted requests give every
-block back through `free`.
+step, `cache_blocks` registers the blocks that became full and `trim` gives back the tail of tokens
+that were run but not kept. Finished and aborted requests give every block back through `free`.
+The scheduler is this manager's only user.
 """
 
 from __future__ import annotations
@@ -29,6 +30,16 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+@dataclass
+class KVCacheStats:
+    num_blocks: int
+    num_free_blocks: int
+    usage: float  # fraction of blocks held by requests
+    num_cached_blocks: int  # findable by hash, in use or free
+    prefix_queries: int
+    prefix_hits: int
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
@@ -49,6 +60,14 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.pool.usage
+
+    def stats_snapshot(self) -> KVCacheStats:
+        return KVCacheStats(self.num_blocks, self.num_free_blocks, self.usage, self.pool.num_cached_blocks,
+                            self.stats.queries, self.stats.hits)
+
+    def reset_stats(self) -> None:
+        """Forget the prefix-cache counts (the engine's own warm-up and calibration are nobody's traffic)."""
+        self.stats = PrefixCacheStats()
 
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -82,25 +101,33 @@ class KVCacheManager:
 
     def allocate_slots(
         self, request_id: str, num_total_tokens: int, computed_blocks: list[KVBlock] | None = None
-    ) -> bool:
-        """Grow the request's table (cache hits first) to hold num_total_tokens tokens.
-
-        Returns False, changing nothing, when the free blocks do not suffice.
-        """
+    ) -> list[int] | None:
+        """Grow the request's table (cache hits first) to hold num_total_tokens tokens; returns the ids of
+        the blocks it gained, or None, changing nothing, when the free blocks do not suffice."""
         computed_blocks = computed_blocks or []
         table = self._tables.get(request_id, [])
         missing = self.blocks_needed(num_total_tokens) - len(table) - len(computed_blocks)
         hits_on_free = sum(1 for b in computed_blocks if b.ref_cnt == 0)  # these leave the free queue
         if max(missing, 0) + hits_on_free > self.pool.num_free_blocks:
-            return False
+            return None
         self.pool.touch(computed_blocks)
         table = self._tables.setdefault(request_id, [])
+        start = len(table)
         table.extend(computed_blocks)
         if computed_blocks:
             self._num_cached[request_id] = len(table)
         if missing > 0:
             table.extend(self.pool.allocate(missing))
-        return True
+        return [b.block_id for b in table[start:]]
+
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Give back the blocks past the first `num_tokens` tokens' (the tail of tokens run but not kept)."""
+        table = self._tables.get(request_id)
+        keep = self.blocks_needed(num_tokens)
+        if table and len(table) > keep:
+            tail, table[keep:] = table[keep:], []
+            self._num_cached[request_id] = min(self._num_cached.get(request_id, 0), keep)
+            self.pool.free(list(reversed(tail)))
 
     def cache_blocks(self, request_id: str, token_ids: list[int], block_hashes: list[BlockHash],
                      num_computed_tokens: int, extra: str | None = None) -> None:

@@ -1,6 +1,6 @@
 """Attention over the paged KV cache.
 
-KV cache layout, per layer (one tensor for K, one for V):
+KV cache layout, per layer (one tensor for K, one for V; kv_cache/kv_cache_spec.py):
 
     [num_blocks, num_kv_heads, block_size, head_dim]
      └─ block id                └─ offset of a token in its block
@@ -11,15 +11,16 @@ gathering a request's context for one KV head is a gather of whole rows of
 `cache.view(num_blocks * num_kv_heads, block_size, head_dim)`: the result is already laid out
 `[kv_heads, context, head_dim]`, ready for a batched matmul, with no transpose copy.
 
-Index tensors are built once per step by the model runner (`AttentionMetadata`) and shared by all
-layers. The flat token batch is ordered decodes first (one query token each, shortest context first), then
-prefill chunks. On CPU, decodes go to the native kernel (`llmserve/kernels/paged_attention.cpp`), which
-reads each request's blocks in place through its block table: no gathered copy, no padding, one call per
-layer. The PyTorch path (other devices, or no compiler) runs decodes as padded batches with two batched
-matmuls each, several times faster on CPU than SDPA for a one-token query. They are split into a few
-groups of similar context length, so one long request does not pad every short one to its length (16
-decodes at 200 tokens beside one at 2,000 would otherwise gather 5x the KV they need).
-Each prefill chunk runs on its own through SDPA (a step carries few of them).
+Index tensors are built once per step (`attention_metadata`, called by the model runner) and shared by
+all layers. The flat token batch is ordered decodes first (one query token each, shortest context first),
+then prefill chunks. Two backends, one chosen by the build plan: on CPU, `NativeAttention` sends decodes
+to the C++ kernel (`llmserve/kernels/paged_attention.cpp`), which reads each request's blocks in place
+through its block table: no gathered copy, no padding, one call per layer. `TorchAttention` (other
+devices, or no compiler) runs decodes as padded batches with two batched matmuls each, several times
+faster on CPU than SDPA for a one-token query. They are split into a few groups of similar context
+length, so one long request does not pad every short one to its length (16 decodes at 200 tokens
+beside one at 2,000 would otherwise gather 5x the KV they need). Each prefill chunk runs on its own
+through SDPA (a step carries few of them).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from llmserve.kv_cache.kv_cache_spec import KVCacheSpec
 
 
 @dataclass
@@ -73,61 +76,177 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
 
 
-def paged_attention(
-    q: torch.Tensor,  # [T, num_heads, head_dim]
-    k: torch.Tensor,  # [T, num_kv_heads, head_dim]
-    v: torch.Tensor,
-    k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend. Returns [T, num_heads, head_dim].
+class AttentionBackend:
+    """How attention runs over the paged cache: the decodes' metadata the runner builds for it (once per
+    step, shared by every layer), and the layer's attention. Chosen once, by the build plan; every layer
+    holds the same one."""
 
-    A decode-only step on the native kernels is two custom ops, which torch.compile keeps inside a
-    compiled layer's graph; every other step runs eagerly (a graph break)."""
-    if isinstance(meta.decodes, DecodeBatch) and not meta.prefills:
+    name = ""
+
+    def kv_cache_spec(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                      dtype: torch.dtype) -> KVCacheSpec:
+        """The cache this backend reads and writes (both backends here: the model dtype, the layout above)."""
+        return KVCacheSpec(num_layers, num_kv_heads, head_dim, block_size, dtype)
+
+    def decode_metadata(self, block_table: torch.Tensor, head_rows: torch.Tensor, context_starts: list[int],
+                        block_size: int, num_heads: int, dtype: torch.dtype,
+                        device: torch.device) -> DecodeBatch | list[DecodeGroup]:
+        """The decodes' part of a step's metadata. block_table [rows, max_blocks] (decodes first, sorted by
+        context), head_rows its rows of the (block, kv head) cache view [rows, kv_heads, max_blocks],
+        context_starts the decodes' computed tokens."""
+        raise NotImplementedError
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Write this step's K/V into the cache, then attend. q [T, heads, head_dim], k and v
+        [T, kv_heads, head_dim]; returns [T, heads, head_dim]."""
+        raise NotImplementedError
+
+
+class NativeAttention(AttentionBackend):
+    """Decodes on llmserve's C++ kernel (CPU): each request's blocks read in place through its block table.
+
+    A decode-only step is two custom ops, which torch.compile keeps inside a compiled graph; a step with
+    prompt tokens runs eagerly (a graph break)."""
+
+    name = "native"
+
+    def decode_metadata(self, block_table, head_rows, context_starts, block_size, num_heads, dtype,
+                        device) -> DecodeBatch:
+        num_decodes = len(context_starts)
+        # at least 2 columns: a compiled graph specialises on a size of 1, and short contexts would
+        # otherwise need a variant of their own
+        table = block_table[:num_decodes]
+        if table.shape[1] < 2:
+            table = F.pad(table, (0, 2 - table.shape[1]))
+        return DecodeBatch(num_decodes, table.to(device=device, dtype=torch.int32),
+                           torch.tensor(context_starts, dtype=torch.int32, device=device) + 1)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale) -> torch.Tensor:
         torch.ops.llmserve.write_kv(k, v, k_cache, v_cache, meta.write_slots)
-        return _native_decode(q, k_cache, v_cache, meta.decodes, scale)
-    return _paged_attention_eager(q, k, v, k_cache, v_cache, meta, scale)
+        if not meta.prefills:
+            return _native_decode(q, k_cache, v_cache, meta.decodes, scale)
+        return _native_mixed(q, k, v, k_cache, v_cache, meta, scale)
 
 
-# Data-dependent Python (a loop over this step's decode groups and prefill spans): torch.compile
-# would re-trace it for every batch shape, so a compiled layer calls it as an opaque eager function.
-@torch.compiler.disable
-def _paged_attention_eager(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    decodes = meta.decodes
-    if isinstance(decodes, DecodeBatch):  # the native kernels are loaded: one op writes K and V
-        torch.ops.llmserve.write_kv(k, v, k_cache, v_cache, meta.write_slots)
-        out = torch.empty_like(q)
-        if decodes.size:
-            out[: decodes.size] = _native_decode(q[: decodes.size], k_cache, v_cache, decodes, scale)
-    else:
+class TorchAttention(AttentionBackend):
+    """PyTorch ops only (other devices, or no compiler): decodes as a few padded batches of similar context
+    length, two batched matmuls each, several times faster on CPU than SDPA for a one-token query."""
+
+    name = "torch"
+
+    def decode_metadata(self, block_table, head_rows, context_starts, block_size, num_heads, dtype,
+                        device) -> list[DecodeGroup]:
+        groups = []
+        for start, end in decode_groups([-(-(c + 1) // block_size) for c in context_starts]):
+            ctx = torch.tensor(context_starts[start:end]) + 1
+            max_blocks = -(-int(ctx[-1]) // block_size)  # sorted: the last is the longest
+            rows = head_rows[start:end, :, :max_blocks].flatten().to(device)
+            padding = torch.arange(max_blocks * block_size) >= ctx.unsqueeze(1)  # [B, max_blocks * bs]
+            bias = torch.zeros(padding.shape, dtype=dtype).masked_fill_(padding, float("-inf"))
+            bias = bias.unsqueeze(1).expand(-1, num_heads, -1).contiguous().to(device)
+            groups.append(DecodeGroup(start, end, rows, bias))
+        return groups
+
+    @torch.compiler.disable  # a loop over this step's groups and spans: re-traced for every batch shape
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale) -> torch.Tensor:
         head_dim = k.shape[-1]
         k_cache.view(-1, head_dim).index_copy_(0, meta.write_slots, k.reshape(-1, head_dim))
         v_cache.view(-1, head_dim).index_copy_(0, meta.write_slots, v.reshape(-1, head_dim))
-        if len(decodes) == 1 and not meta.prefills:  # the common decode-only step: no output copy
-            return _decode_attention(q, k_cache, v_cache, decodes[0], scale)
+        if len(meta.decodes) == 1 and not meta.prefills:  # the common decode-only step: no output copy
+            return _decode_attention(q, k_cache, v_cache, meta.decodes[0], scale)
         out = torch.empty_like(q)
-        for group in decodes:
-            out[group.start : group.end] = _decode_attention(q[group.start : group.end], k_cache, v_cache, group, scale)
+        for group in meta.decodes:
+            out[group.start : group.end] = _decode_attention(q[group.start : group.end], k_cache, v_cache, group,
+                                                             scale)
+        _prefills_into(out, q, k, v, k_cache, v_cache, meta, scale)
+        return out
+
+
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {"native": NativeAttention, "torch": TorchAttention}
+
+
+@torch.compiler.disable  # data-dependent Python: a compiled graph calls it as an opaque eager function
+def _native_mixed(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """A step with prompt tokens on the native path: the decodes on the kernel, each prompt chunk on SDPA."""
+    out = torch.empty_like(q)
+    if meta.decodes.size:
+        out[: meta.decodes.size] = _native_decode(q[: meta.decodes.size], k_cache, v_cache, meta.decodes, scale)
+    _prefills_into(out, q, k, v, k_cache, v_cache, meta, scale)
+    return out
+
+
+def _prefills_into(out, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> None:
     for span in meta.prefills:
         out[span.start : span.end] = _prefill_attention(q, k, v, k_cache, v_cache, span, scale)
-    return out
 
 
 def _native_decode(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch, scale: float
 ) -> torch.Tensor:
     return torch.ops.llmserve.paged_decode_attention(q, k_cache, v_cache, batch.block_table, batch.context_lens, scale)
+
+
+# What one more decode group costs beyond the KV it gathers (the per-call overhead of its ~6 ops in every
+# layer), in units of one request's block: measured on CPU, a group's overhead is about the gather of 64.
+GROUP_OVERHEAD_BLOCKS = 64
+
+
+def decode_groups(num_blocks: list[int]) -> list[tuple[int, int]]:
+    """Split decodes sorted by context length into contiguous groups `[start, end)` that minimise the
+    gathered blocks (each padded to its group's longest) plus a fixed cost per group: an exact
+    O(B^2) dynamic programme over at most max_num_seqs decodes."""
+    n = len(num_blocks)
+    best = [0] + [0x7FFFFFFF] * n  # best[j]: cost of grouping the first j decodes
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):  # last group is [i, j), padded to num_blocks[j - 1]
+            cost = best[i] + GROUP_OVERHEAD_BLOCKS + (j - i) * num_blocks[j - 1]
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups = []
+    while n:
+        groups.append((cut[n], n))
+        n = cut[n]
+    return groups[::-1]
+
+
+def attention_metadata(
+    backend: AttentionBackend,
+    block_table: torch.Tensor,  # [rows, max_blocks], padded with block 0; decodes first, by context length
+    row_of_token: torch.Tensor,  # [T] the row of each token of the flat batch
+    positions: torch.Tensor,  # [T]
+    counts: list[int],  # tokens each row runs now
+    starts: list[int],  # tokens each row has computed
+    first_token: list[int],  # each row's first token in the flat batch
+    block_size: int,
+    num_kv_heads: int,
+    num_heads: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> AttentionMetadata:
+    """A step's attention indices, built once with batched tensor ops and shared by every layer."""
+    bs = block_size
+    write_blocks = block_table[row_of_token, positions // bs]
+    write_slots = ((write_blocks * num_kv_heads).unsqueeze(1) + torch.arange(num_kv_heads)) * bs + (
+        positions % bs
+    ).unsqueeze(1)  # [T, kv_heads]
+    # rows of the (block, kv head) view of the cache, per request: [rows, kv_heads, max_blocks]
+    head_rows = block_table.unsqueeze(1) * num_kv_heads + torch.arange(num_kv_heads).view(1, -1, 1)
+    num_decodes = sum(1 for n in counts if n == 1)
+    decodes = backend.decode_metadata(block_table, head_rows, starts[:num_decodes], bs, num_heads, dtype, device)
+    prefills = []
+    for row in range(num_decodes, len(counts)):
+        start, n, first = starts[row], counts[row], first_token[row]
+        if start == 0:
+            prefills.append(PrefillSpan(first, first + n, None, n, None))
+            continue
+        ctx = start + n
+        rows = head_rows[row, :, : -(-ctx // bs)].flatten().to(device)
+        # bottom-right causal: query i (position start + i) sees keys 0 .. start + i
+        mask = torch.arange(ctx).unsqueeze(0) <= (torch.arange(n) + start).unsqueeze(1)
+        prefills.append(PrefillSpan(first, first + n, rows, ctx, mask.to(device)))
+    return AttentionMetadata(write_slots.flatten().to(device), decodes, prefills)
 
 
 def _rows(cache: torch.Tensor) -> torch.Tensor:

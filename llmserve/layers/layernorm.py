@@ -1,7 +1,8 @@
 """RMSNorm, computed in float32 as the reference Llama implementation does (bit-for-bit order).
 
-`native=True` (eager steps on CPU, see kernels/fused_elementwise.cpp): one op instead of five, and
-`add_forward` folds the residual add in; rounded once at the end instead of after each op.
+`native` (chosen by the build plan; eager steps on CPU, see kernels/fused_elementwise.cpp): one op
+instead of five, and `add_forward` folds the residual add in; rounded once at the end instead of after
+each op. Compiled code keeps PyTorch's ops, which Inductor fuses itself.
 """
 
 from __future__ import annotations
@@ -11,23 +12,22 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, native: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.native = native
 
-    def forward(self, x: torch.Tensor, native: bool = False) -> torch.Tensor:
-        if native:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native and not torch.compiler.is_compiling():
             return torch.ops.llmserve.rms_norm(x, self.weight, self.eps)
         # x * rsqrt(mean(x^2) + eps) in float32 (one call instead of five), rounded back, then the weight
         normed = nn.functional.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
-    def add_forward(
-        self, x: torch.Tensor, delta: torch.Tensor, native: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, the norm of it): a residual add and the norm that reads its result."""
-        if native:
+        if self.native and not torch.compiler.is_compiling():
             return torch.ops.llmserve.add_rms_norm(x, delta, self.weight, self.eps)
         x = x + delta
         return x, self.forward(x)

@@ -11,6 +11,7 @@ from torch import nn
 
 from llmserve.loader.checkpoint import Checkpoint
 from llmserve.loader.default_models import resolve_model_path
+from llmserve.models.llama import LayerMethods
 from llmserve.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,9 @@ def load_checkpoint(model: str | None) -> Checkpoint:
     return ckpt
 
 
-def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: str) -> nn.Module:
-    model = model_class(ckpt.config)(ckpt.config)
+def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: str, methods: LayerMethods | None = None) -> nn.Module:
+    """The model of this checkpoint, its weights loaded; `methods`: how its layers compute (the build
+    plan's choice; default PyTorch's attention and ops)."""
+    model = model_class(ckpt.config)(ckpt.config, methods)
     model.load_weights(ckpt.weights)
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)

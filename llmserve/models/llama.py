@@ -7,12 +7,12 @@ q/k/v and gate/up are fused into single matmuls at load time (fewer, larger GEMM
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from llmserve.layers.attention import AttentionMetadata, DecodeBatch, paged_attention
+from llmserve.layers.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from llmserve.layers.layernorm import RMSNorm
 from llmserve.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from llmserve.quantization.weight_only import WeightOnlyLinear
@@ -41,10 +41,21 @@ class LlamaConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
 
+@dataclass(frozen=True)
+class LayerMethods:
+    """How a decoder layer computes, chosen once by the build plan and held by every layer: the attention
+    backend, and whether eager steps run the norms, rotary and SwiGLU gate on llmserve's fused CPU kernels
+    (kernels/fused_elementwise.cpp: ~5 ops a layer instead of ~25). Compiled code keeps PyTorch's ops,
+    which Inductor fuses itself."""
+
+    attention: AttentionBackend = field(default_factory=TorchAttention)
+    native_elementwise: bool = False
+
+
 class LlamaAttention(nn.Module):
     """The attention block's weights and its projections; the decoder layer runs the attention itself."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, methods: LayerMethods) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
@@ -52,14 +63,17 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
+        self.backend = methods.attention
+        self.native_rotary = methods.native_elementwise
 
     def project(
-        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], native: bool = False  # x: [T, hidden]
+        self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]  # x: [T, hidden]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, heads, head_dim] and k, v [T, kv_heads, head_dim], rotary applied to q and k."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         # q and k heads are adjacent columns of the fused projection: one rotary pass covers both
+        native = self.native_rotary and not torch.compiler.is_compiling()
         qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), *cos_sin, native)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
@@ -67,62 +81,61 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, methods: LayerMethods) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.native = methods.native_elementwise
 
-    def forward(self, x: torch.Tensor, native: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if native:
+        if self.native and not torch.compiler.is_compiling():
             return self.down_proj(torch.ops.llmserve.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, methods: LayerMethods) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
-        # eager steps run the norms, rotary and gate on kernels/fused_elementwise.cpp (`use_native_elementwise`)
-        self.native_elementwise = False
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, methods.native_elementwise)
+        self.self_attn = LlamaAttention(cfg, methods)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, methods.native_elementwise)
+        self.mlp = LlamaMLP(cfg, methods)
 
     def forward(self, x, cos_sin, kv_cache, meta) -> torch.Tensor:
-        # self_attn's steps, spelled out here: paged attention is a compiled layer's one graph break,
+        # self_attn's steps, spelled out here: eager attention is a compiled layer's one graph break,
         # and a break inside a nested call would split the layer into four compiled regions, not two.
-        # Compiled code keeps PyTorch's ops: Inductor fuses them itself.
-        native = self.native_elementwise and not torch.compiler.is_compiling()
         attn = self.self_attn
-        q, k, v = attn.project(self.input_layernorm(x, native), cos_sin, native)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, attn.scale)
-        x, h = self.post_attention_layernorm.add_forward(x, attn.o_proj(o.flatten(1)), native)
-        return x + self.mlp(h, native)
+        q, k, v = attn.project(self.input_layernorm(x), cos_sin)
+        o = attn.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, attn.scale)
+        x, h = self.post_attention_layernorm.add_forward(x, attn.o_proj(o.flatten(1)))
+        return x + self.mlp(h)
 
 
-def use_native_elementwise(model: nn.Module) -> None:
-    """Eager steps from now on run each decoder layer's norms, rotary and SwiGLU gate on the native kernels
-    (the caller has loaded them): ~5 ops a layer instead of ~25, the dispatch of a step with prompt tokens."""
-    for layer in model.layers:
-        layer.native_elementwise = True
+def use_native_elementwise(model: nn.Module, native: bool = True) -> None:
+    """Switch the layers' norms, rotary and gate (and the final norm) between the native kernels (the
+    caller has loaded them) and PyTorch's ops. The build plan decides; benchmarks and tests switch."""
+    for module in model.modules():
+        if isinstance(module, RMSNorm | LlamaMLP):
+            module.native = native
+        elif isinstance(module, LlamaAttention):
+            module.native_rotary = native
 
 
-def use_fused_decode(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> int:
-    """Decode-only steps small enough for every product to take the native int4 kernel run the decoder
-    layers as one native call (kernels/decode_layer.cpp): at batch 1 the Python between a layer's ~11
-    kernels cost ~1 ms of a ~4.3 ms step. Needs the native kernels loaded and the eager steps'
-    elementwise kernels in use (the call computes as they do). Returns the step sizes it takes (at most
-    that many tokens), 0 where the weights are not native int4."""
+def fused_decode_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
+    """The decoder layers as one native call for small decode-only steps (kernels/decode_layer.cpp): at
+    batch 1 the Python between a layer's ~11 kernels cost ~1 ms of a ~4.3 ms step. Built from the layers'
+    native int4 weights, norms and KV caches (shared, not copied); it computes as the layers do on the
+    native kernels, bit for bit. Raises ValueError where a layer's weights are not native int4."""
     layers = list(model.layers)
     linears = [lin for layer in layers for lin in (
         layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
     if not all(isinstance(lin, WeightOnlyLinear) and lin.native and lin.method == "int4" for lin in linears):
-        return 0
+        raise ValueError("the fused decode stack needs every decoder linear on the native int4 kernel")
     cfg = model.config
-    model.fused_decode = torch.classes.llmserve.DecodeStack(
+    return torch.classes.llmserve.DecodeStack(
         [layer.input_layernorm.weight for layer in layers],
         [layer.self_attn.qkv_proj.qweight for layer in layers],
         [layer.self_attn.o_proj.qweight for layer in layers],
@@ -132,8 +145,6 @@ def use_fused_decode(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch
         [k for k, _ in kv_caches], [v for _, v in kv_caches],
         cfg.num_heads, cfg.intermediate_size, cfg.rms_norm_eps, layers[0].self_attn.scale,
     )
-    model.fused_decode_max_tokens = min(lin.max_quantized_tokens for lin in linears)
-    return model.fused_decode_max_tokens
 
 
 def compile_layers(model: nn.Module) -> None:
@@ -148,22 +159,19 @@ def compile_layers(model: nn.Module) -> None:
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, methods: LayerMethods | None = None) -> None:
         super().__init__()
+        methods = methods or LayerMethods()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, methods) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, methods.native_elementwise)
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:  # the embedding matrix is the output head: one shared parameter
             self.lm_head.weight = self.embed_tokens.weight
-        # decode-only steps of at most `fused_decode_max_tokens` tokens run the layers as this one native
-        # call (`use_fused_decode`)
-        self.fused_decode = None
-        self.fused_decode_max_tokens = 0
 
     def forward(
         self,
@@ -172,22 +180,21 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """Hidden states after the final norm, [T, hidden]."""
+        """Hidden states after the final norm, [T, hidden], layer by layer."""
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.lookup(positions, x.dtype)
-        if self.takes_fused_decode(meta, len(input_ids)):
-            decodes = meta.decodes
-            x = self.fused_decode.run(x, *cos_sin, meta.write_slots, decodes.block_table, decodes.context_lens)
-        else:
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                x = layer(x, cos_sin, kv_cache, meta)
-        # the final norm as the layers' (torch's at batch 1 took ~90 us, the native one ~3)
-        return self.norm(x, self.layers[0].native_elementwise and not torch.compiler.is_compiling())
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos_sin, kv_cache, meta)
+        return self.norm(x)
 
-    def takes_fused_decode(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        """Whether this step runs on the fused native layers: decodes only, few enough of them."""
-        return (self.fused_decode is not None and isinstance(meta.decodes, DecodeBatch) and not meta.prefills
-                and num_tokens <= self.fused_decode_max_tokens)
+    def forward_fused(self, stack, input_ids: torch.Tensor, positions: torch.Tensor,
+                      meta: AttentionMetadata) -> torch.Tensor:
+        """The same, for a decode-only step, with the decoder layers as one call of `fused_decode_stack`."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.lookup(positions, x.dtype)
+        decodes = meta.decodes
+        x = stack.run(x, cos, sin, meta.write_slots, decodes.block_table, decodes.context_lens)
+        return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the rows that will be sampled."""

@@ -37,16 +37,21 @@ AMX_MIN_TOKENS = 9
 
 
 class WeightOnlyLinear(nn.Module):
-    """A bias-free linear layer `y = x W^T` over a quantized W."""
+    """A bias-free linear layer `y = x W^T` over a quantized W.
 
-    def __init__(self, weight: torch.Tensor, method: str, native_kernels: bool = False) -> None:
+    Two products, chosen once when the layer is built: the small-step kernel (steps of at most
+    `max_quantized_tokens` tokens) and the large-step product (the exact dequantized weight, or int8 x int8
+    once `use_int8_activations` ran). A call only picks between the two by its token count."""
+
+    def __init__(self, weight: torch.Tensor, method: str, native_kernels: bool = False,
+                 max_quantized_tokens: int | None = None) -> None:
         """`native_kernels`: small steps through `torch.ops.llmserve` (the caller has loaded them), which
         keep a weight copy of their own layout instead of PyTorch's."""
         super().__init__()
         if method not in METHODS:
             raise ValueError(f"quantization must be one of {list(METHODS)}, got {method!r}")
         self.method = method
-        self.max_quantized_tokens = QUANTIZED_MAX_TOKENS[method]
+        self.max_quantized_tokens = max_quantized_tokens or QUANTIZED_MAX_TOKENS[method]
         dtype = weight.dtype
         out_features, in_features = weight.shape
         packs = int4_packs if method == "int4" else int8_packs
@@ -64,9 +69,11 @@ class WeightOnlyLinear(nn.Module):
         self.register_buffer("qweight", kernel_weights[0])
         self.register_buffer("scales", kernel_weights[1])
         self.out_features = out_features
+        self._small_step = _SMALL_STEP_KERNELS[method, self.native]
         # the large-step path: the quantized values themselves, in the model dtype
         self.register_buffer("weight", dequantized.to(dtype))
         self.packed: torch.Tensor | None = None  # its oneDNN-packed copy, once `prepack_linears` made one
+        self._large_step = dense_linear
         # or, once `use_int8_activations` ran, the large-step path is int8 x int8 (see int8_activations.py)
         self.register_buffer("int8_weight", None)
         self.register_buffer("int8_scales", None)
@@ -80,7 +87,7 @@ class WeightOnlyLinear(nn.Module):
         """Large steps from now on: SmoothQuant-smoothed int8 weights x per-token int8 activations, given
         the largest |input| seen per channel. The dense weight and its packed copy are released.
         `amx`: the product runs on our AMX kernel (`kernels/int8_gemm.cpp`, loaded by the caller) where
-        the shape packs; it is fast enough to take int4's steps of more than AMX_MIN_TOKENS - 1 tokens."""
+        the shape packs."""
         with torch.no_grad():
             smooth = smoothing_scales(act_absmax, self.weight)
             qweight, scales, _ = _quantize_int8(self.weight.float() * smooth)
@@ -88,10 +95,10 @@ class WeightOnlyLinear(nn.Module):
         self.int8_zeros = torch.zeros(len(scales), dtype=torch.int64)
         if amx and int8_gemm_packs(*qweight.shape):
             self.int8_amx_packed, self.int8_compensation = pack_int8_for_amx(qweight)
-            self.max_quantized_tokens = min(self.max_quantized_tokens, AMX_MIN_TOKENS - 1)
         else:
             self.int8_weight, self.int8_packed = qweight, pack_int8_weight(qweight)
         self.weight, self.packed = None, None
+        self._large_step = WeightOnlyLinear.int8_forward
 
     @property
     def uses_int8_activations(self) -> bool:
@@ -104,17 +111,30 @@ class WeightOnlyLinear(nn.Module):
                            self.int8_packed, native_quantize=self.native or amx is not None, amx=amx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.max_quantized_tokens:
-            if self.uses_int8_activations:
-                return self.int8_forward(x)
-            return dense_linear(self, x)
-        if self.native:
-            if self.method == "int8":
-                return torch.ops.llmserve.int8_gemv(x, self.qweight, self.scales, self.out_features)
-            return torch.ops.llmserve.int4_gemv(x, self.qweight, self.out_features)
-        if self.method == "int8":
-            return torch._weight_int8pack_mm(x, self.qweight, self.scales)
-        return torch._weight_int4pack_mm_for_cpu(x, self.qweight, INT4_GROUP_SIZE, self.scales)
+        if x.shape[0] <= self.max_quantized_tokens:
+            return self._small_step(self, x)
+        return self._large_step(self, x)
+
+
+def _native_int4(layer: WeightOnlyLinear, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.llmserve.int4_gemv(x, layer.qweight, layer.out_features)
+
+
+def _native_int8(layer: WeightOnlyLinear, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.llmserve.int8_gemv(x, layer.qweight, layer.scales, layer.out_features)
+
+
+def _torch_int4(layer: WeightOnlyLinear, x: torch.Tensor) -> torch.Tensor:
+    return torch._weight_int4pack_mm_for_cpu(x, layer.qweight, INT4_GROUP_SIZE, layer.scales)
+
+
+def _torch_int8(layer: WeightOnlyLinear, x: torch.Tensor) -> torch.Tensor:
+    return torch._weight_int8pack_mm(x, layer.qweight, layer.scales)
+
+
+# (method, native) -> the small-step product
+_SMALL_STEP_KERNELS = {("int4", True): _native_int4, ("int8", True): _native_int8,
+                       ("int4", False): _torch_int4, ("int8", False): _torch_int8}
 
 
 def _quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -147,13 +167,16 @@ def _torch_int4_pack(
     return torch._convert_weight_to_int4pack_for_cpu(q, 1), scales_and_zeros
 
 
-def quantize_model(model: nn.Module, method: str, native_kernels: bool = False) -> nn.Module:
+def quantize_model(model: nn.Module, method: str, native_kernels: bool = False,
+                   max_quantized_tokens: int | None = None) -> nn.Module:
     """Replace every bias-free `nn.Linear` of the decoder layers by a `WeightOnlyLinear`, and give the
     output head int8 weights (a tied embedding stays as it is: a lookup reads one row).
-    `native_kernels`: the caller has loaded `llmserve.kernels`; small steps use them."""
+    `native_kernels`: the caller has loaded `llmserve.kernels`; small steps use them.
+    `max_quantized_tokens`: the largest step the small-step kernels take (default: the method's)."""
     for module in list(model.layers.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and child.bias is None:
-                setattr(module, child_name, WeightOnlyLinear(child.weight, method, native_kernels))
+                setattr(module, child_name, WeightOnlyLinear(child.weight, method, native_kernels,
+                                                             max_quantized_tokens))
     model.lm_head = WeightOnlyLinear(model.lm_head.weight, "int8", native_kernels)
     return model

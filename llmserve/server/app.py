@@ -19,7 +19,7 @@ from fastapi.routing import APIRoute
 from starlette.middleware.cors import CORSMiddleware
 
 from llmserve import __version__
-from llmserve.engine.async_engine import AsyncLLM, EngineStats
+from llmserve.engine.async_engine import AsyncLLM, ServingStats
 from llmserve.server.config import ServerConfig
 from llmserve.server.errors import APIError, install_handlers
 from llmserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -45,7 +45,7 @@ class ServerState:
         self.draining = False
         self.metrics = ServerMetrics(self.stats)
 
-    def stats(self) -> EngineStats | None:
+    def stats(self) -> ServingStats | None:
         return self.llm.stats() if self.llm is not None else None
 
     def ready(self) -> AsyncLLM:
@@ -67,11 +67,9 @@ class ServerState:
                 logger.warning("shutdown timeout: %d request(s) still open were ended", ended)
 
     def serving(self, llm: AsyncLLM, config: ServerConfig) -> None:
-        block_size = config.engine.cache.block_size
         self.info = ModelInfo(
             served_names=list(config.served_model_names or [llm.model_name]),
             max_model_len=llm.max_model_len,
-            kv_cache_tokens=llm.stats().num_kv_blocks * block_size,
             max_tokens_default=config.max_tokens_default,
         )
         self.metrics.bind(self.info.served_names[0])
@@ -218,6 +216,6 @@ async def _load(state: ServerState, config: ServerConfig,
     logger.info(
         "serving %s as %s: dtype %s, max_model_len %d, KV cache %d blocks (%d tokens)%s",
         llm.model_name, ", ".join(info.served_names), str(llm.engine.dtype).removeprefix("torch."),
-        info.max_model_len, stats.num_kv_blocks, info.kv_cache_tokens,
+        info.max_model_len, stats.num_kv_blocks, llm.processor.kv_cache_tokens,
         f" at {config.url}" if config.url else "",
     )

@@ -20,7 +20,7 @@ from types import FrameType
 
 import uvicorn
 
-from llmserve.config import KERNEL_CHOICES, QUANTIZATION_METHODS, SchedulerConfig
+from llmserve.config import add_engine_arguments, engine_config_from_args
 from llmserve.server.config import ServerConfig
 
 API_KEY_ENV = "LLMSERVE_API_KEY"
@@ -69,75 +69,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--log-stats-interval", type=float, default=10.0,
                      help="seconds between engine stats lines: throughput, queue, KV usage, prefix-cache hit "
                      "rate, preemptions (default: %(default)s)")
-    eng = parser.add_argument_group("engine")
-    eng.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                     help="weight and activation dtype (default: auto: bfloat16 where the CPU has it natively)")
-    eng.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
-                     help="weight-only quantization of the linear layers, used for steps of few tokens "
-                          "(CPU; default: none, the weights as loaded)")
-    eng.add_argument("--int8-activations", action="store_true",
-                     help="with --quantization: steps of many tokens (batches, prompts) multiply int8 activations "
-                     "by SmoothQuant-smoothed int8 weights, calibrated at start: ~1.7x faster matmuls there")
-    eng.add_argument("--compile", action="store_true",
-                     help="torch.compile decode steps as one graph (native attention) or each decoder layer (torch "
-                     "attention): faster steps for ~1-2 min more start-up")
-    eng.add_argument("--attention-backend", default="auto", choices=list(KERNEL_CHOICES),
-                     help="decode attention: native (the C++ CPU kernel), torch (PyTorch ops), or auto: native "
-                     "on CPU where it builds (default: %(default)s)")
-    eng.add_argument("--quantized-kernels", default="auto", choices=list(KERNEL_CHOICES),
-                     help="with --quantization, the kernels of steps of few tokens: native (llmserve's, AVX-512 "
-                     "VNNI), torch (PyTorch's), or auto: native where it builds vectorized; with --int8-activations, "
-                     "not torch also runs the int8 products on llmserve's AMX kernel where the CPU has AMX "
-                     "(default: %(default)s)")
-    eng.add_argument("--elementwise-kernels", default="auto", choices=list(KERNEL_CHOICES),
-                     help="the decoder layers' norms, rotary and SwiGLU gate in eager steps (prompts, mixed steps) "
-                     "and greedy sampling's argmax: native (llmserve's fused CPU kernels), torch (PyTorch's ops), "
-                     "or auto: native where they build (the layers in bfloat16 only) (default: %(default)s)")
-    eng.add_argument("--max-model-len", type=int, default=None,
-                     help="longest prompt + output in tokens (default: the model's context length)")
-    eng.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch (default: %(default)s)")
-    eng.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
-                     help="tokens per engine step: decodes first, then prompt chunks (default: %(default)s)")
-    eng.add_argument("--long-prefill-token-threshold", type=int,
-                     default=SchedulerConfig.long_prefill_token_threshold,
-                     help="largest prompt chunk one request runs per step; longer prompts are prefilled over "
-                     "several steps so running streams keep flowing (default: %(default)s)")
-    eng.add_argument("--max-long-partial-prefills", type=int, default=SchedulerConfig.max_long_partial_prefills,
-                     help="prompts longer than the threshold prefilled at once; shorter prompts pass the others "
-                     "(default: %(default)s)")
-    eng.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                     help="do not reuse the KV blocks of shared prompt prefixes (on by default)")
-    eng.add_argument("--kv-cache-memory-gb", type=float, default=None,
-                     help="KV cache size in GiB (default: --kv-cache-memory-fraction of free memory)")
-    eng.add_argument("--kv-cache-memory-fraction", type=float, default=0.1,
-                     help="KV cache size as a fraction of the memory free at start (default: %(default)s)")
-    eng.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default: %(default)s)")
-    eng.add_argument("--seed", type=int, default=0, help="engine random seed (default: %(default)s)")
+    add_engine_arguments(parser.add_argument_group("engine (also the keywords of LLM(...))"))
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    from llmserve.config import CacheConfig, EngineConfig, ModelConfig
-
     if args.model is not None and args.model_flag is not None and args.model != args.model_flag:
         print(f"error: two models given: {args.model!r} and --model {args.model_flag!r}", file=sys.stderr)
         return 2
     try:
-        engine = EngineConfig(
-            model=ModelConfig(model=args.model or args.model_flag, dtype=args.dtype, quantization=args.quantization,
-                              int8_activations=args.int8_activations, compile=args.compile,
-                              attention_backend=args.attention_backend, quantized_kernels=args.quantized_kernels,
-                              elementwise_kernels=args.elementwise_kernels,
-                              max_model_len=args.max_model_len, seed=args.seed),
-            cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
-                              kv_cache_memory_fraction=args.kv_cache_memory_fraction,
-                              enable_prefix_caching=args.enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                      max_num_batched_tokens=args.max_num_batched_tokens,
-                                      long_prefill_token_threshold=args.long_prefill_token_threshold,
-                                      max_long_partial_prefills=args.max_long_partial_prefills),
-        )
+        engine = engine_config_from_args(args, model=args.model or args.model_flag)
         if args.max_tokens_default < 0:
             raise ValueError(f"max_tokens_default must be >= 0 (0: no cap), got {args.max_tokens_default}")
         config = ServerConfig(

@@ -73,10 +73,12 @@ _FIELD = re.compile(r"^(prompt|[a-z_]+ must)\b")
 
 
 def bad_value(e: ValueError, param: str | None = None) -> APIError:
-    """400 for a value the engine refused; its message starts with the field's name when it has one."""
+    """400 for a value the engine refused: the field it names (its `param`, or the start of its message)
+    and its `code`, where it has them."""
     message = str(e)
     match = _FIELD.match(message)
-    return APIError(400, message, param=param or (match.group(1).removesuffix(" must") if match else None))
+    param = param or getattr(e, "param", None) or (match.group(1).removesuffix(" must") if match else None)
+    return APIError(400, message, param=param, code=getattr(e, "code", None))
 
 
 def install_handlers(app: FastAPI) -> None:

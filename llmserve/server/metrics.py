@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from llmserve.engine.async_engine import EngineStats
+from llmserve.engine.async_engine import ServingStats
 from llmserve.outputs import RequestOutput
 
 PREFIX = "llmserve:"
@@ -33,7 +33,7 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 class ServerMetrics:
     """The app's metrics. `bind(model_name)` once the engine is loaded; `render()` for /metrics."""
 
-    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, stats: Callable[[], ServingStats | None]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._model_name: str | None = None
         labels = ["model_name"]
@@ -104,7 +104,7 @@ class RequestTracker:
 class _EngineCollector(Collector):
     """Engine gauges and totals, read from `stats()` at scrape time (nothing while loading)."""
 
-    def __init__(self, stats: Callable[[], EngineStats | None], model_name: Callable[[], str | None]) -> None:
+    def __init__(self, stats: Callable[[], ServingStats | None], model_name: Callable[[], str | None]) -> None:
         self._stats = stats
         self._model_name = model_name
 

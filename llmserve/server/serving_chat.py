@@ -35,7 +35,6 @@ from llmserve.server.serving_engine import (
     new_request_id,
     primed,
     sse_events,
-    token_logprobs,
     top_logprobs,
     unless_disconnected,
     usage,
@@ -79,7 +78,7 @@ class OpenAIServingChat(OpenAIServing):
             role = "system" if m.role == "developer" else m.role  # templates predate the 'developer' role
             messages.append({"role": role, "content": content})
         try:
-            return self.llm.apply_chat_template(messages, add_generation_prompt=request.add_generation_prompt)
+            return self.llm.processor.encode_chat(messages, add_generation_prompt=request.add_generation_prompt)
         except (ValueError, TemplateError) as e:
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
 
@@ -101,7 +100,7 @@ class OpenAIServingChat(OpenAIServing):
                 ChatCompletionChoice(
                     index=i,
                     message=ChatResponseMessage(content=finals[i].outputs[0].text),
-                    logprobs=_logprobs(finals[i], 0, num_logprobs, self.llm.token_bytes),
+                    logprobs=_logprobs(finals[i], num_logprobs, self.llm.token_bytes),
                     finish_reason=finals[i].outputs[0].finish_reason,
                 )
                 for i in sorted(finals)
@@ -126,18 +125,14 @@ class OpenAIServingChat(OpenAIServing):
             return chunk(ChatStreamChoice(index=index, delta={"content": text}))
 
         content = {c.index: TextChunk(partial(content_chunk, c.index)) for c in choices}  # the per-token chunks
-        sent_text = dict.fromkeys(content, 0)  # characters of each choice already sent
-        sent_tokens = dict.fromkeys(content, 0)
 
-        def render(index: int, out: RequestOutput) -> bytes:
+        def render(index: int, out: RequestOutput) -> bytes:  # out: a delta
             completion = out.outputs[0]
-            delta = completion.text[sent_text[index]:]
-            sent_text[index] = len(completion.text)
+            delta = completion.text
             if num_logprobs is None:
                 event = content[index](delta) if delta else b""
             else:
-                lps = _logprobs(out, sent_tokens[index], num_logprobs, self.llm.token_bytes)
-                sent_tokens[index] = len(completion.token_ids)
+                lps = _logprobs(out, num_logprobs, self.llm.token_bytes)
                 has_content = delta or lps.content
                 event = chunk(ChatStreamChoice(index=index, delta={"content": delta}, logprobs=lps)) if has_content \
                     else b""
@@ -146,19 +141,20 @@ class OpenAIServingChat(OpenAIServing):
             return event
 
         intro = (chunk(ChatStreamChoice(index=c.index, delta={"role": "assistant", "content": ""})) for c in choices)
-        usage_event = (lambda finals: chunk(None, usage(choices, finals))) if request.include_usage else None
+        usage_event = (lambda finals, generated: chunk(None, usage(choices, finals, generated))) \
+            if request.include_usage else None
         return sse_events(streams, request_id, intro, render, usage_event)
 
 
-def _logprobs(out: RequestOutput, start: int, k: int | None, token_bytes: TokenBytes) -> ChatChoiceLogprobs | None:
-    """OpenAI's chat logprobs of tokens from `start` on, or None when they were not asked for.
+def _logprobs(out: RequestOutput, k: int | None, token_bytes: TokenBytes) -> ChatChoiceLogprobs | None:
+    """OpenAI's chat logprobs of this output's tokens, or None when they were not asked for.
 
     `bytes` are each token's own bytes (joined, they rebuild the text, also where a token ends inside
     a multi-byte character); `token` is its decoded text, U+FFFD for such a partial character."""
     if k is None:
         return None
     return ChatChoiceLogprobs(content=[_token_logprob(entry, k, token_bytes)
-                                       for entry in token_logprobs(out, start)])
+                                       for entry in out.outputs[0].logprobs or []])
 
 
 def _token_logprob(entry: dict[int, Logprob], k: int, token_bytes: TokenBytes) -> ChatTokenLogprob:

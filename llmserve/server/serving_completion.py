@@ -28,7 +28,6 @@ from llmserve.server.serving_engine import (
     new_request_id,
     primed,
     sse_events,
-    token_logprobs,
     top_logprobs,
     unless_disconnected,
     usage,
@@ -73,7 +72,7 @@ class OpenAIServingCompletion(OpenAIServing):
             prompt = [prompt]  # one prompt of token ids
         out = []
         for p in prompt:
-            ids = self.llm.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            ids = self.llm.processor.encode(p) if isinstance(p, str) else list(p)
             if not ids:
                 raise APIError(400, "prompt must not be empty", param="prompt")
             out.append(ids)
@@ -98,7 +97,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 CompletionChoice(
                     index=i,
                     text=echoes[i] + finals[i].outputs[0].text,
-                    logprobs=_logprobs(finals[i], 0, request.logprobs, 0),
+                    logprobs=_logprobs(finals[i], request.logprobs, 0),
                     finish_reason=finals[i].outputs[0].finish_reason,
                 )
                 for i in sorted(finals)
@@ -123,36 +122,33 @@ class OpenAIServingCompletion(OpenAIServing):
             return chunk(CompletionChoice(index=index, text=text))
 
         texts = {c.index: TextChunk(partial(text_chunk, c.index)) for c in choices}  # the per-token chunks
-        sent_text = dict.fromkeys(texts, 0)
-        sent_tokens = dict.fromkeys(texts, 0)
         offsets = {c.index: len(echoes[c.index]) for c in choices}  # text_offset of the next token
 
         def render(index: int, out: RequestOutput) -> bytes:
-            completion = out.outputs[0]
-            delta = completion.text[sent_text[index]:]
-            sent_text[index] = len(completion.text)
+            completion = out.outputs[0]  # a delta
+            delta = completion.text
             if request.logprobs is None and not out.finished:
                 return texts[index](delta) if delta else b""
-            lps = _logprobs(out, sent_tokens[index], request.logprobs, offsets[index])
+            lps = _logprobs(out, request.logprobs, offsets[index])
             if lps is not None:
                 offsets[index] += sum(len(t) for t in lps.tokens)
-            sent_tokens[index] = len(completion.token_ids)
             if delta or (lps and lps.tokens) or out.finished:
                 return chunk(CompletionChoice(index=index, text=delta, logprobs=lps,
                                               finish_reason=completion.finish_reason))
             return b""
 
         intro = (chunk(CompletionChoice(index=c.index, text=echoes[c.index])) for c in choices if echoes[c.index])
-        usage_event = (lambda finals: chunk(None, usage(choices, finals))) if request.include_usage else None
+        usage_event = (lambda finals, generated: chunk(None, usage(choices, finals, generated))) \
+            if request.include_usage else None
         return sse_events(streams, request_id, intro, render, usage_event)
 
 
-def _logprobs(out: RequestOutput, start: int, k: int | None, offset: int) -> CompletionLogprobs | None:
-    """The legacy logprobs of tokens from `start` on: the chosen token and the k most likely ones."""
+def _logprobs(out: RequestOutput, k: int | None, offset: int) -> CompletionLogprobs | None:
+    """The legacy logprobs of this output's tokens: the chosen token and the k most likely ones."""
     if k is None:
         return None
     result = CompletionLogprobs()
-    for entry in token_logprobs(out, start):
+    for entry in out.outputs[0].logprobs or []:
         chosen = next(iter(entry.values()))  # the engine puts the sampled token first
         token = chosen.decoded_token or ""
         top = {lp.decoded_token or "": lp.logprob for _, lp in top_logprobs(entry, k)}

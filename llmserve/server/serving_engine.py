@@ -29,6 +29,7 @@ from llmserve.engine.async_engine import (
     RequestFailedError,
     RequestStream,
 )
+from llmserve.engine.input_processor import ContextLengthError
 from llmserve.outputs import Logprob, RequestOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.server.errors import APIError, bad_value
@@ -50,7 +51,6 @@ class ModelInfo:
 
     served_names: list[str]
     max_model_len: int
-    kv_cache_tokens: int  # the whole KV cache, in tokens: no single sequence can be longer
     max_tokens_default: int | None = None  # output cap of a request without max_tokens; None: the context's end
 
 
@@ -88,20 +88,13 @@ class OpenAIServing:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
 
     def max_tokens(self, requested: int | None, prompt_len: int, prompt_param: str) -> int:
-        """The output budget of one prompt; 400 naming the limit when the prompt leaves no room for it."""
-        limit = min(self.info.max_model_len, self.info.kv_cache_tokens)
-        if prompt_len >= limit:
-            raise APIError(400, f"the prompt is {prompt_len} tokens, but this model's maximum context length "
-                           f"(max_model_len) is {limit} tokens, including at least one generated token",
-                           param=prompt_param, code="context_length_exceeded")
-        if requested is None:  # whatever room the context leaves (as vLLM), up to the server's default cap
-            return min(limit - prompt_len, self.info.max_tokens_default or limit)
-        if requested >= 1 and prompt_len + requested > limit:
-            raise APIError(400, f"this model's maximum context length (max_model_len) is {limit} tokens, but "
-                           f"{prompt_len + requested} were requested ({prompt_len} in the prompt, {requested} "
-                           "for the completion); reduce the prompt or max_tokens",
-                           param="max_tokens", code="context_length_exceeded")
-        return requested
+        """The output budget of one prompt (the engine's rule, with the server's default cap); 400 naming
+        the limit when the prompt leaves no room for it."""
+        try:
+            return self.llm.processor.output_budget(prompt_len, requested, self.info.max_tokens_default,
+                                                    prompt_param)
+        except ContextLengthError as e:
+            raise bad_value(e) from None
 
     def sampling_params(self, request: _SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Parameters for choice 0; `for_choice` derives the others. Engine range checks → 400."""
@@ -132,8 +125,10 @@ class OpenAIServing:
         return ChoiceStreams(self.llm, self.metrics, request_id, choices)
 
 
-def usage(choices: list[Choice], finals: dict[int, RequestOutput]) -> UsageInfo:
-    """Prompt tokens once per prompt (not per choice), completion tokens summed over choices."""
+def usage(choices: list[Choice], finals: dict[int, RequestOutput], completion_tokens: int | None = None
+          ) -> UsageInfo:
+    """Prompt tokens once per prompt (not per choice), completion tokens summed over choices: those of
+    `finals` (whole outputs), or `completion_tokens` where a stream counted them delta by delta."""
     prompt_tokens = cached = 0
     seen: set[int] = set()
     for choice in choices:
@@ -143,7 +138,8 @@ def usage(choices: list[Choice], finals: dict[int, RequestOutput]) -> UsageInfo:
         prompt_tokens += len(choice.prompt_ids)
         if choice.index in finals:
             cached += finals[choice.index].num_cached_tokens
-    completion = sum(len(out.outputs[0].token_ids) for out in finals.values())
+    completion = completion_tokens if completion_tokens is not None else \
+        sum(len(out.outputs[0].token_ids) for out in finals.values())
     return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion,
                      total_tokens=prompt_tokens + completion,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
@@ -151,16 +147,6 @@ def usage(choices: list[Choice], finals: dict[int, RequestOutput]) -> UsageInfo:
 
 def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def token_logprobs(out: RequestOutput, start: int) -> list[dict[int, Logprob]]:
-    """Logprob entries of tokens [start, len(token_ids)) of this output.
-
-    The engine keeps appending to the list it handed out, so the snapshot is cut at this output's
-    token count: entries below it never change.
-    """
-    completion = out.outputs[0]
-    return (completion.logprobs or [])[start:len(completion.token_ids)]
 
 
 def top_logprobs(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
@@ -227,18 +213,21 @@ class ChoiceStreams:
         await self.aclose()
 
     def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(choice index, latest cumulative output) as they arrive; engine failures raise `APIError`.
+        """(choice index, output delta) as they arrive; engine failures raise `APIError`.
 
-        Several choices: outputs that queued up while the caller was busy are coalesced (outputs are
-        cumulative, so only the newest of a choice matters): a slow client gets fewer, larger chunks.
+        Several choices: deltas that queued up while the caller was busy are folded together per choice:
+        a slow client gets fewer, larger chunks.
         """
         return self._lone() if len(self._streams) == 1 else self._merged()
 
     async def collect(self) -> dict[int, RequestOutput]:
-        """The final output of every choice."""
+        """The whole output of every choice, its deltas folded together."""
         finals: dict[int, RequestOutput] = {}
         async for index, out in self.outputs():
-            finals[index] = out
+            if index in finals:
+                finals[index].add(out)
+            else:
+                finals[index] = out
         return finals
 
     async def aclose(self) -> None:
@@ -266,7 +255,10 @@ class ChoiceStreams:
                 index, out = item
                 if isinstance(out, BaseException):
                     raise engine_error(out)
-                batch[index] = out
+                if index in batch:
+                    batch[index].add(out)
+                else:
+                    batch[index] = out
                 if out.finished:
                     self._pending.discard(index)
                 if self._queue.empty():
@@ -317,13 +309,14 @@ async def sse_events(
     request_id: str,
     intro: Iterable[bytes],
     render: Callable[[int, RequestOutput], bytes],
-    usage_event: Callable[[dict[int, RequestOutput]], bytes] | None,
+    usage_event: Callable[[dict[int, RequestOutput], int], bytes] | None,
 ) -> AsyncGenerator[bytes, None]:
     """The SSE life of one API request, whatever the endpoint: admission (a refusal raises before the 200
-    goes out), ADMITTED, the endpoint's intro events, `render(choice index, output)` for every engine
-    output in order (b"": nothing to send), the usage event if asked for, [DONE]. A failure after the
+    goes out), ADMITTED, the endpoint's intro events, `render(choice index, output delta)` for every
+    engine output in order (b"": nothing to send), the usage event if asked for, [DONE]. A failure after the
     headers goes in-band and ends this stream alone; a disconnect aborts the choices still running."""
-    finals: dict[int, RequestOutput] = {}
+    finals: dict[int, RequestOutput] = {}  # each choice's last delta
+    generated = 0  # tokens, over every choice's deltas
     await streams.__aenter__()
     try:
         try:
@@ -332,6 +325,7 @@ async def sse_events(
             if head:
                 yield head
             async for index, out in streams.outputs():
+                generated += len(out.outputs[0].token_ids)
                 if out.finished:
                     finals[index] = out
                 event = render(index, out)
@@ -340,7 +334,7 @@ async def sse_events(
         finally:
             await streams.aclose()  # a no-op when all finished; aborts the rest on disconnect
         if usage_event is not None:
-            yield usage_event(finals)
+            yield usage_event(finals, generated)
     except APIError as e:
         yield e.sse_event()
     except Exception as e:

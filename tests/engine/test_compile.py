@@ -11,14 +11,14 @@ from llmserve import LLM
 from tests.greedy import assert_greedy_equals
 
 
-@pytest.mark.parametrize("attention_backend", ["native", "torch"])
-def test_compiled_engine_matches_transformers(attention_backend, prompt_token_ids, hf_reference):
-    llm = LLM(dtype="float32", compile=True, attention_backend=attention_backend, kv_cache_memory_gb=0.25,
-              max_model_len=2048)
-    assert (llm.engine.runner.decode_graph is not None) == (attention_backend == "native")
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_compiled_engine_matches_transformers(kernels, prompt_token_ids, hf_reference):
+    llm = LLM(dtype="float32", compile=True, kernels=kernels, kv_cache_memory_gb=0.25, max_model_len=2048)
+    assert (llm.engine.runner.decode_graph is not None) == (kernels == "native")
+    assert llm.engine.plan.compile == ("graph" if kernels == "native" else "layers")
     # the warm-up ran before serving and left nothing behind
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
     assert llm.engine.kv_cache.stats.queries == 0
     assert_greedy_equals(llm, prompt_token_ids, hf_reference, single=2)
-    if attention_backend == "native":  # after warm-up, decode steps called the compiled code directly
+    if kernels == "native":  # after warm-up, decode steps called the compiled code directly
         assert {1, len(prompt_token_ids)} <= llm.engine.runner.decode_graph.direct_batch_sizes

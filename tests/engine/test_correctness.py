@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llmserve import LLM, SamplingParams
+from llmserve.models.llama import use_native_elementwise
 from tests.greedy import assert_greedy_equals
 
 GREEDY_64 = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
@@ -54,18 +55,17 @@ def test_small_token_budget_chunks_prompts_and_keeps_outputs(prompt_token_ids, h
 
 def test_torch_attention_path_matches_transformers(prompt_token_ids, hf_reference):
     # the fallback of the native kernel (other devices, no compiler) owes the same tokens
-    llm = LLM(dtype="float32", attention_backend="torch", kv_cache_memory_gb=0.25, max_model_len=2048)
-    assert not llm.engine.runner.native_attention
+    llm = LLM(dtype="float32", kernels="torch", kv_cache_memory_gb=0.25, max_model_len=2048)
+    assert llm.engine.plan.attention == "torch"
     assert_greedy_equals(llm, prompt_token_ids, hf_reference, single=1)
 
 
-@pytest.mark.parametrize("elementwise_kernels", ["native", "torch"])
-def test_elementwise_kernels_match_transformers(elementwise_kernels, prompt_token_ids, hf_reference):
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_elementwise_kernels_match_transformers(kernels, prompt_token_ids, hf_reference):
     # the layers' norms, rotary and gate (and greedy's argmax) on the fused kernels or on PyTorch's ops
-    llm = LLM(dtype="float32", elementwise_kernels=elementwise_kernels, kv_cache_memory_gb=0.25, max_model_len=2048)
-    native = elementwise_kernels == "native"
-    assert all(layer.native_elementwise == native for layer in llm.engine.runner.model.layers)
-    assert llm.engine.runner.native_argmax == native
+    llm = LLM(dtype="float32", kernels=kernels, kv_cache_memory_gb=0.25, max_model_len=2048)
+    assert llm.engine.plan.elementwise == llm.engine.plan.argmax == kernels
+    assert all(layer.input_layernorm.native == (kernels == "native") for layer in llm.engine.runner.model.layers)
     assert_greedy_equals(llm, prompt_token_ids, hf_reference, single=1)
 
 
@@ -78,8 +78,7 @@ def test_elementwise_kernels_in_bfloat16_are_as_accurate_as_pytorch(llm_fp32: LL
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
     exact = llm_fp32.generate(prompt_token_ids, params, use_tqdm=False)
     llm = LLM(dtype="bfloat16", kv_cache_memory_gb=0.25, max_model_len=2048, enable_prefix_caching=False)
-    layers = llm.engine.runner.model.layers
-    assert all(layer.native_elementwise for layer in layers) and llm.engine.runner.native_argmax
+    assert llm.engine.plan.elementwise == llm.engine.plan.argmax == "native"
 
     def errors() -> list[float]:
         outs = llm.generate(prompt_token_ids, params, use_tqdm=False)
@@ -89,15 +88,14 @@ def test_elementwise_kernels_in_bfloat16_are_as_accurate_as_pytorch(llm_fp32: LL
                 if token in o.outputs[0].logprobs[0]]
 
     native = errors()
-    for layer in layers:
-        layer.native_elementwise = False
+    use_native_elementwise(llm.engine.runner.model, False)
     pytorch = errors()
     assert sum(native) / len(native) <= 2 * sum(pytorch) / len(pytorch) + 0.02
     assert max(native) <= 0.5
 
 
-def test_bad_attention_backend_is_refused():
-    with pytest.raises(ValueError, match="attention_backend"):
-        LLM(attention_backend="flash")
-    with pytest.raises(ValueError, match="elementwise_kernels"):
-        LLM(elementwise_kernels="fused")
+def test_bad_kernel_choice_and_unknown_options_are_refused():
+    with pytest.raises(ValueError, match="kernels"):
+        LLM(kernels="flash")
+    with pytest.raises(TypeError, match="attention_backend"):
+        LLM(attention_backend="native")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from llmserve.config import SchedulerConfig
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.engine.scheduler import Scheduler
+from llmserve.engine.step import ModelRunnerOutput
 from llmserve.kv_cache.kv_cache_manager import KVCacheManager
 from llmserve.sampling_params import SamplingParams
 
@@ -22,20 +23,21 @@ class _NoText:
 
 
 def make_request(rid: str, prompt_len: int, max_tokens: int = 8) -> Request:
-    return Request(rid, None, list(range(3, 3 + prompt_len)), SamplingParams(max_tokens=max_tokens),
+    """Prompts of distinct tokens per request: these tests are about budgets, not prefix-cache hits."""
+    first = 3 + 1000 * (ord(rid[0]) - ord("a"))
+    return Request(rid, None, list(range(first, first + prompt_len)), SamplingParams(max_tokens=max_tokens),
                    max_tokens, [2], _NoText())
 
 
 def run_step(sched: Scheduler) -> dict[str, int]:
-    """Schedule, then pretend the model ran: computed tokens advance, finished prompts gain a token."""
+    """Schedule, then pretend the model ran: a request whose tokens are all computed samples token 7."""
     out = sched.schedule()
-    for req, n in out.scheduled:
-        req.num_computed_tokens += n
-        if req.num_computed_tokens == req.num_tokens:
-            req.append_token(7)
-            if req.status.finished:
-                sched.finish(req, req.status)
-    return {r.request_id: n for r, n in out.scheduled}
+    sampled = {}
+    for request_id, n in out.num_scheduled_tokens.items():
+        req = sched.requests[request_id]
+        sampled[request_id] = [7] if req.num_computed_tokens + n == req.num_tokens else []
+    sched.update_from_output(out, ModelRunnerOutput(sampled))
+    return dict(out.num_scheduled_tokens)
 
 
 def test_decodes_first_then_prompt_chunks_within_the_token_budget():
@@ -99,3 +101,58 @@ def test_preemption_takes_the_newest_and_requeues_it_first():
     assert reqs["a"].num_preemptions == 0  # the oldest is never the victim
     assert all(r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 12 for r in reqs.values())
     assert kv.num_free_blocks == 6
+
+
+def test_the_runner_is_told_what_changed_and_nothing_else():
+    """New requests come whole (tokens, blocks), running ones as new blocks and counts, finished ids once."""
+    kv = KVCacheManager(100, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100), kv)
+    sched.add_request(make_request("a", 6, max_tokens=3))
+    out = sched.schedule()
+    [new] = out.new_requests
+    assert (new.request_id, new.token_ids, new.block_ids, new.num_computed_tokens) == ("a", [*range(3, 9)], [0, 1], 0)
+    assert not out.running_requests and out.num_scheduled_tokens == {"a": 6}
+    sched.update_from_output(out, ModelRunnerOutput({"a": [7]}))
+    assert sched.requests["a"].num_computed_tokens == 6 and sched.requests["a"].output_token_ids == [7]
+    out = sched.schedule()  # the 7th token: still in block 1
+    assert not out.new_requests and [(r.request_id, r.new_block_ids, r.num_computed_tokens)
+                                      for r in out.running_requests] == [("a", [], 6)]
+    sched.update_from_output(out, ModelRunnerOutput({"a": [7]}))
+    out = sched.schedule()  # the 8th token: still block 1; then the request ends at max_tokens
+    updates = sched.update_from_output(out, ModelRunnerOutput({"a": [7]}))
+    assert [u.new_token_ids for u in updates] == [[7]] and updates[0].request.status is RequestStatus.FINISHED_LENGTH
+    assert sched.schedule().finished_request_ids == {"a"}  # told once, on the next step
+    assert sched.schedule().finished_request_ids == set()
+    assert kv.num_free_blocks == 100
+
+
+def test_full_blocks_are_registered_only_when_computed():
+    kv = KVCacheManager(100, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=6, long_prefill_token_threshold=6), kv)
+    sched.add_request(make_request("a", 10))
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a": 4}  # a chunk, cut back to a block boundary
+    assert kv.pool.num_cached_blocks == 0
+    sched.update_from_output(out, ModelRunnerOutput({"a": []}))
+    assert kv.pool.num_cached_blocks == 1 and sched.requests["a"].num_computed_tokens == 4
+
+
+def test_rejected_speculative_tokens_give_their_blocks_back():
+    """A request runs its last token and 5 proposed ones; the runner keeps 2 of them plus one of its own:
+    computed tokens count only what was kept, and blocks past them go back to the pool."""
+    kv = KVCacheManager(100, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100), kv)
+    sched.add_request(make_request("a", 8, max_tokens=20))
+    sched.update_from_output(out := sched.schedule(), ModelRunnerOutput({"a": [7]}))  # 9 tokens, 8 computed
+    assert kv.block_ids("a") == [0, 1]
+    req = sched.requests["a"]
+    req.all_token_ids.extend([50, 51, 52, 53, 54])  # what a proposer would append to run now
+    free_before = kv.num_free_blocks
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a": 6} and kv.block_ids("a") == [0, 1, 2, 3]
+    del req.all_token_ids[-5:]
+    out.spec_token_ids["a"] = [50, 51, 52, 53, 54]
+    sched.update_from_output(out, ModelRunnerOutput({"a": [50, 51, 60]}))
+    assert req.num_computed_tokens == 8 + 1 + 2  # the last token and the two accepted ones
+    assert req.output_token_ids == [7, 50, 51, 60]
+    assert kv.block_ids("a") == [0, 1, 2] and kv.num_free_blocks == free_before - 1  # block 3 went back

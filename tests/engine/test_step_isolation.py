@@ -20,8 +20,10 @@ def test_a_request_that_breaks_the_step_fails_alone(llm_fp32: LLM, prompt_token_
     broken.params.stop_token_ids = [engine.model_config.vocab_size + 7]
     finals, errors = {}, {}
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
+        for out in engine.step():  # deltas, folded into whole outputs
+            if out.request_id in finals:
+                finals[out.request_id].add(out)
+            else:
                 finals[out.request_id] = out
             if out.error:
                 errors[out.request_id] = out.error

@@ -2,46 +2,47 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
+from llmserve.engine.build_plan import BuildPlan
 from llmserve.kernels import native_quantized_kernels
-from llmserve.models.llama import use_fused_decode
+from llmserve.models.llama import fused_decode_stack
 
-pytestmark = pytest.mark.skipif(not native_quantized_kernels(), reason="native int4 kernels not built here")
+pytestmark = pytest.mark.skipif(not native_quantized_kernels(),
+                                reason="the native int4 kernels need AVX-512 VNNI, which this CPU lacks")
 
 
 def _generate_recording_path(llm: LLM, prompts: list[list[int]], params: SamplingParams):
     """Outputs, and for every decode-only step whether it ran on the fused stack."""
-    model = llm.engine.runner.model
     taken: list[bool] = []
-    decide = model.takes_fused_decode
+    decide = BuildPlan.step_route
 
-    def recording(meta, num_tokens):
-        result = decide(meta, num_tokens)
-        if not meta.prefills:
-            taken.append(result)
-        return result
+    def recording(plan, decode_only, num_tokens, has_graph):
+        route = decide(plan, decode_only, num_tokens, has_graph)
+        if decode_only:
+            taken.append(route == "fused")
+        return route
 
-    model.takes_fused_decode = recording
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(BuildPlan, "step_route", recording)
         return llm.generate(prompts, params, use_tqdm=False), taken
-    finally:
-        del model.takes_fused_decode
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_fused_decode_equals_the_layer_by_layer_native_ops(dtype, prompt_token_ids):
-    llm = LLM(dtype=dtype, quantization="int4", elementwise_kernels="native", kv_cache_memory_gb=0.25,
-              max_model_len=2048)
-    model = llm.engine.runner.model
-    assert model.fused_decode is not None and model.fused_decode_max_tokens == 16
+    llm = LLM(dtype=dtype, quantization="int4", kernels="native", kv_cache_memory_gb=0.25, max_model_len=2048)
+    runner = llm.engine.runner
+    assert runner.fused_stack is not None and runner.plan.fused_decode_max_tokens == 16
     prompts = prompt_token_ids[:3]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
     fused, taken = _generate_recording_path(llm, prompts, params)
     assert taken and all(taken)
-    model.fused_decode_max_tokens = 0  # every step layer by layer, eagerly, on the same native kernels
+    # every step layer by layer, eagerly, on the same native kernels
+    runner.plan = dataclasses.replace(runner.plan, fused_decode_max_tokens=0)
     layered, taken = _generate_recording_path(llm, prompts, params)
     assert taken and not any(taken)
     for a, b in zip(fused, layered, strict=True):
@@ -53,7 +54,7 @@ def test_fused_decode_equals_the_layer_by_layer_native_ops(dtype, prompt_token_i
 
 def test_steps_larger_than_the_int4_kernel_takes_run_layer_by_layer():
     llm = LLM(dtype="bfloat16", quantization="int4", kv_cache_memory_gb=0.25, max_model_len=512, max_num_seqs=32)
-    limit = llm.engine.runner.model.fused_decode_max_tokens
+    limit = llm.engine.plan.fused_decode_max_tokens
     assert limit == 16
     prompts = [[1, 2, 3, 4 + i] for i in range(limit + 1)]
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
@@ -65,12 +66,13 @@ def test_steps_larger_than_the_int4_kernel_takes_run_layer_by_layer():
 
 
 @pytest.mark.parametrize("options", [dict(quantization="int8"), dict(quantization=None),
-                                     dict(quantization="int4", elementwise_kernels="torch")])
+                                     dict(quantization="int4", kernels="torch")])
 def test_no_fused_stack_without_native_int4_weights_and_elementwise_kernels(options):
     llm = LLM(dtype="bfloat16", kv_cache_memory_gb=0.05, max_model_len=256, **options)
-    model = llm.engine.runner.model
-    assert model.fused_decode is None and model.fused_decode_max_tokens == 0
-    assert use_fused_decode(model, llm.engine.runner.kv_caches) == (16 if options.get("quantization") == "int4" else 0)
+    runner = llm.engine.runner
+    assert runner.fused_stack is None and runner.plan.fused_decode_max_tokens == 0
+    with pytest.raises(ValueError, match="native int4"):
+        fused_decode_stack(runner.model, runner.kv_caches)
 
 
 def test_the_stack_refuses_mismatched_layers():

@@ -42,14 +42,15 @@ def _rms_exact(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 @pytest.mark.parametrize("hidden", [576, 100])  # 100: a width that is no multiple of the vector length
 def test_rms_norm_and_add(dtype: torch.dtype, tokens: int, hidden: int) -> None:
     g = torch.Generator().manual_seed(tokens * hidden)
-    norm = RMSNorm(hidden, 1e-5).to(dtype)
+    norm, native = RMSNorm(hidden, 1e-5).to(dtype), RMSNorm(hidden, 1e-5, native=True).to(dtype)
     with torch.no_grad():
         norm.weight.copy_(torch.rand(hidden, generator=g) + 0.5)
+        native.weight.copy_(norm.weight)
     x = (torch.randn(tokens, hidden, generator=g) * 3).to(dtype)
     delta = torch.randn(tokens, hidden, generator=g).to(dtype)
     with torch.no_grad():
-        _close(norm(x, native=True), norm(x), _rms_exact(x, norm.weight, 1e-5))
-        total, normed = norm.add_forward(x, delta, native=True)
+        _close(native(x), norm(x), _rms_exact(x, norm.weight, 1e-5))
+        total, normed = native.add_forward(x, delta)
         ref_total, ref_normed = norm.add_forward(x, delta)
     assert torch.equal(total, ref_total)  # one rounded add either way: the residual stream is unchanged
     _close(normed, ref_normed, _rms_exact(total, norm.weight, 1e-5))

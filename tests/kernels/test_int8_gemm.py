@@ -48,7 +48,7 @@ def test_portable_loops_equal_onednn_bit_for_bit(n, k, dtype):
         assert torch.equal(out, _onednn(q, scales, xu, row_scales, dtype)), (m, n, k)
 
 
-@pytest.mark.skipif(not amx_int8_gemm(), reason="no AMX here: the portable loops are the whole kernel")
+@pytest.mark.skipif(not amx_int8_gemm(), reason="this CPU has no AMX (its portable loops are tested above)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_amx_tiles_equal_onednn_bit_for_bit(n, k, dtype):
@@ -82,7 +82,7 @@ def test_bad_shapes_raise():
         gemm(xu.to(torch.int8), row_scales, packed, scales, comp, torch.float32)
 
 
-@pytest.mark.skipif(not amx_int8_gemm(), reason="no AMX here")
+@pytest.mark.skipif(not amx_int8_gemm(), reason="this CPU has no AMX")
 def test_amx_kernels_leave_pytorchs_own_amx_users_correct():
     # Our kernels load and release the tile configuration on every thread they run on; PyTorch's bf16
     # flash attention (prompt steps) and oneDNN (the bf16 head) configure tiles their own way. Interleaved

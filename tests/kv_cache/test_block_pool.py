@@ -34,15 +34,15 @@ def test_ref_counts_keep_shared_blocks_until_the_last_holder_frees():
 
 def test_manager_grows_tables_by_block_and_refuses_without_side_effects():
     kv = KVCacheManager(num_blocks=5, block_size=4)
-    assert kv.allocate_slots("a", 5)  # 2 blocks
+    assert kv.allocate_slots("a", 5) is not None  # 2 blocks
     assert kv.block_ids("a") == [0, 1]
-    assert kv.allocate_slots("a", 8)  # still 2
+    assert kv.allocate_slots("a", 8) is not None  # still 2
     assert kv.block_ids("a") == [0, 1]
-    assert kv.allocate_slots("a", 9)
+    assert kv.allocate_slots("a", 9) is not None
     assert kv.block_ids("a") == [0, 1, 2]
-    assert not kv.allocate_slots("b", 12)  # needs 3, 2 free
+    assert kv.allocate_slots("b", 12) is None  # needs 3, 2 free
     assert kv.block_ids("b") == [] and kv.num_free_blocks == 2
-    assert kv.allocate_slots("b", 8)
+    assert kv.allocate_slots("b", 8) is not None
     kv.free("a")
     assert kv.num_free_blocks == 3 and kv.block_ids("a") == []
     kv.free("b")

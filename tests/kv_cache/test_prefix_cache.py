@@ -13,7 +13,7 @@ def admit(kv: KVCacheManager, rid: str, tokens: list[int], salt: str | None = No
     """Look the prompt up, allocate it whole, mark it computed; returns (block ids, cached tokens)."""
     hashes: list[int] = []
     hits, num_hit = kv.get_computed_blocks(tokens, hashes, salt)
-    assert kv.allocate_slots(rid, len(tokens), hits)
+    assert kv.allocate_slots(rid, len(tokens), hits) is not None
     kv.cache_blocks(rid, tokens, hashes, len(tokens), salt)
     return kv.block_ids(rid), num_hit
 
@@ -57,17 +57,17 @@ def test_freed_blocks_stay_findable_until_reused_lru_and_deepest_first():
     admit(kv, "a", prompt)  # blocks 0, 1, 2 full and cached, 3 partial
     kv.free("a")  # tail first: the free queue is now 4, 5, 3, 2, 1, 0
     assert kv.pool.num_cached_blocks == 3
-    assert kv.allocate_slots("b", 8) and kv.block_ids("b") == [4, 5]  # never-used blocks first
+    assert kv.allocate_slots("b", 8) == [4, 5] and kv.block_ids("b") == [4, 5]  # never-used blocks first
     assert kv.pool.num_cached_blocks == 3
-    assert kv.allocate_slots("c", 8) and kv.block_ids("c") == [3, 2]  # then a's deepest block
+    assert kv.allocate_slots("c", 8) == [3, 2] and kv.block_ids("c") == [3, 2]  # then a's deepest block
     assert kv.pool.num_cached_blocks == 2
     hits, num_hit = kv.get_computed_blocks(prompt, [])
     assert [b.block_id for b in hits] == [0, 1] and num_hit == 8
     # the hits are free blocks themselves: 2 hits + 2 new blocks do not fit in 2 free blocks
-    assert not kv.allocate_slots("d", 13, hits)
+    assert kv.allocate_slots("d", 13, hits) is None
     assert kv.block_ids("d") == [] and kv.num_free_blocks == 2 and kv.pool.num_cached_blocks == 2
     kv.free("b")
-    assert kv.allocate_slots("d", 13, hits) and kv.block_ids("d") == [0, 1, 5, 4]
+    assert kv.allocate_slots("d", 13, hits) == [0, 1, 5, 4] and kv.block_ids("d") == [0, 1, 5, 4]
     assert kv.num_free_blocks == 0
 
 

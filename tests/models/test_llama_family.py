@@ -33,12 +33,12 @@ def test_tiny_hf_directory_matches_transformers(kind, tmp_path, llm_fp32, prompt
     torch.manual_seed(0)
     config = _tiny_configs()[kind]
     reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # larger weights than the default init, so tokens vary
-        for p in reference.parameters():
+    with torch.no_grad():  # larger weights than the default init, so tokens vary; biases not zero
+        for name, p in reference.named_parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.08)
-            elif "bias" in str(p):
-                p.normal_(0, 0.1)
+            elif name.endswith(".bias"):
+                p.normal_(0, 0.5)
     reference.save_pretrained(tmp_path)
     llm_fp32.get_tokenizer().save_pretrained(tmp_path)
 
@@ -50,3 +50,9 @@ def test_tiny_hf_directory_matches_transformers(kind, tmp_path, llm_fp32, prompt
     expected = [reference_greedy(reference, ids, 24) for ids in prompts]
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert len({tuple(e) for e in expected}) > 1  # the check is not vacuous
+    if kind == "qwen2":  # nor for the biases: without them the reference's tokens differ, so ours would fail
+        with torch.no_grad():
+            for name, p in reference.named_parameters():
+                if name.endswith(".bias"):
+                    p.zero_()
+        assert [reference_greedy(reference, ids, 24) for ids in prompts] != expected

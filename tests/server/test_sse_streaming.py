@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from llmserve.engine.async_engine import NewRequest, QueueFullError, RequestFailedError
+from llmserve.engine.input_processor import InputProcessor
 from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
 from llmserve.server.errors import APIError
 from llmserve.server.metrics import ServerMetrics
@@ -44,14 +45,14 @@ class StubLLM:
         self.refuse = refuse
         self.fail_after = fail_after
         self.logprobs = logprobs
-        self.tokenizer = SimpleNamespace(encode=lambda text: [1, 2, 3])
+        self.tokenizer = SimpleNamespace(encode=lambda text, add_special_tokens=True: [1, 2, 3],
+                                         apply_chat_template=lambda messages, **kwargs: "chat")
+        self.processor = InputProcessor(self.tokenizer, "template", vocab_size=1000, max_model_len=1000,
+                                        kv_cache_tokens=10000)
         # token i is pieces[i]; token i + 100 is the runner-up "x" (see the logprobs below)
         self.token_bytes = {i: p.encode() for i, p in enumerate(pieces)} | {i + 100: b"x" for i in range(len(pieces))}
         self.aborted: list[str] = []
         self.finished: list[str] = []
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return [1, 2, 3]
 
     def add_requests(self, requests: list[NewRequest]) -> list[AsyncIterator[RequestOutput]]:
         if self.refuse is not None:
@@ -61,20 +62,17 @@ class StubLLM:
     async def _generate(self, prompt: list[int], request_id: str) -> AsyncIterator[RequestOutput]:
         done = False
         try:
-            text, ids, lps = "", [], []
-            for i, piece in enumerate(self.pieces):
+            for i, piece in enumerate(self.pieces):  # one token a step, as output deltas
                 await asyncio.sleep(0)
                 if self.fail_after is not None and i == self.fail_after:
                     done = True
                     raise RequestFailedError("step failed")
-                text += piece
-                ids.append(i)
-                lps.append({i: Logprob(-0.5, 1, piece), i + 100: Logprob(-1.5, 2, "x")})
+                lps = [{i: Logprob(-0.5, 1, piece), i + 100: Logprob(-1.5, 2, "x")}]
                 last = done = i == len(self.pieces) - 1
                 if last:
                     self.finished.append(request_id)
                 yield RequestOutput(request_id, None, prompt, [CompletionOutput(
-                    0, text, list(ids), logprobs=list(lps) if self.logprobs else None,
+                    0, piece, [i], logprobs=lps if self.logprobs else None,
                     finish_reason="length" if last else None)], last)
         finally:
             if not done:
@@ -84,7 +82,7 @@ class StubLLM:
 def servers(llm: StubLLM) -> tuple[OpenAIServingChat, OpenAIServingCompletion]:
     metrics = ServerMetrics(lambda: None)
     metrics.bind("m")
-    info = ModelInfo(served_names=["m"], max_model_len=1000, kv_cache_tokens=10000)
+    info = ModelInfo(served_names=["m"], max_model_len=1000)
     return OpenAIServingChat(llm, info, metrics), OpenAIServingCompletion(llm, info, metrics)
 
 

@@ -1,23 +1,23 @@
-"""Decode grouping: which decodes share one padded attention batch."""
+"""Decode grouping of the PyTorch attention path: which decodes share one padded attention batch."""
 
 from __future__ import annotations
 
-from llmserve.engine.model_runner import GROUP_OVERHEAD_BLOCKS, _decode_groups
+from llmserve.layers.attention import GROUP_OVERHEAD_BLOCKS, decode_groups
 
 
 def test_similar_lengths_share_one_group():
-    assert _decode_groups([3, 3, 4, 5, 6]) == [(0, 5)]
-    assert _decode_groups([]) == []
+    assert decode_groups([3, 3, 4, 5, 6]) == [(0, 5)]
+    assert decode_groups([]) == []
 
 
 def test_one_long_context_gets_its_own_group():
     # 16 decodes at 13 blocks beside one at 125: one padded group would gather 17 * 125 blocks
-    assert _decode_groups([13] * 16 + [125]) == [(0, 16), (16, 17)]
+    assert decode_groups([13] * 16 + [125]) == [(0, 16), (16, 17)]
 
 
 def test_groups_minimise_padding_plus_overhead():
     lengths = [1, 2, 2, 40, 41, 200]
-    groups = _decode_groups(lengths)
+    groups = decode_groups(lengths)
     assert groups == [(0, 3), (3, 5), (5, 6)]
 
     def cost(gs):
@@ -36,4 +36,4 @@ def test_groups_minimise_padding_plus_overhead():
 def test_batched_correctness_prompts_span_several_groups(prompt_token_ids):
     # tests/engine/test_correctness.py's batched run must exercise more than one decode group
     blocks = sorted(-(-(len(ids) + 1) // 16) for ids in prompt_token_ids)
-    assert len(_decode_groups(blocks)) > 1
+    assert len(decode_groups(blocks)) > 1

@@ -1,0 +1,185 @@
+"""The build plan: every choice about how the model runs, made once, from the config, the model and this
+host, before anything is built, and logged as one block that says what was chosen and why.
+
+Why one plan: the engine has a native and a PyTorch way of doing most things (attention, the layers'
+elementwise ops, quantized products, argmax), two ways of running a step (a compiled graph, one native
+call for the whole decoder) and several weight formats. Deciding each where it is used spread the
+decisions over every layer call and let them disagree. Here they are resolved together (the fused
+decode stack, for one, needs native attention, native elementwise ops and native int4 products), the
+model is built from the plan in one pass, and each layer holds the method it was given.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+
+from llmserve.config import EngineConfig
+from llmserve.host import cpu_has_native_bf16
+from llmserve.kernels import amx_int8_gemm, load_cpu_kernels, native_quantized_kernels
+from llmserve.kernels.quantized_gemv import int4_packs
+from llmserve.kv_cache.kv_cache_spec import KVCacheSpec
+from llmserve.layers.attention import ATTENTION_BACKENDS
+from llmserve.models.llama import LlamaConfig
+from llmserve.quantization.weight_only import AMX_MIN_TOKENS, QUANTIZED_MAX_TOKENS
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    device: str
+    dtype: torch.dtype
+    weights: str  # "as loaded" | "int8" | "int4" (linear layers; a quantized model's output head is int8)
+    small_step_kernels: str  # quantized weights: "native" (llmserve's) | "torch" (PyTorch's) | "" (dense)
+    small_step_max_tokens: int  # steps up to this many tokens take the small-step kernel (0: dense weights)
+    int8_activations: bool  # quantized weights: large steps multiply int8 x int8 (SmoothQuant)
+    int8_products: str  # with int8 activations: "amx" (llmserve's AMX kernel) | "onednn" | ""
+    attention: str  # "native" (the C++ paged kernel) | "torch"
+    elementwise: str  # the layers' norms, rotary and SwiGLU gate in eager steps: "native" | "torch"
+    argmax: str  # greedy sampling: "native" | "torch"
+    compile: str  # "graph" (each decode-only step one compiled graph) | "layers" | "off"
+    fused_decode_max_tokens: int  # decode-only steps up to this many tokens run as one native call (0: never)
+    kv_cache: KVCacheSpec
+    num_kv_blocks: int
+    max_model_len: int
+    reasons: dict[str, str] = field(default_factory=dict, compare=False)  # why, per choice
+
+    def step_route(self, decode_only: bool, num_tokens: int, has_graph: bool) -> str:
+        """How a step runs: "fused" (the decoder as one native call), "graph" (the compiled decode graph) or
+        "eager" (layer by layer). The one place this is decided."""
+        if decode_only and num_tokens <= self.fused_decode_max_tokens:
+            return "fused"
+        if decode_only and has_graph:
+            return "graph"
+        return "eager"
+
+    def describe(self) -> str:
+        rows = [
+            ("dtype", str(self.dtype).removeprefix("torch.")),
+            ("weights", self.weights),
+            ("small steps", f"{self.small_step_kernels} kernels, <= {self.small_step_max_tokens} tokens"
+             if self.small_step_max_tokens else "-"),
+            ("large steps", f"int8 x int8 ({self.int8_products})" if self.int8_activations else "dense products"),
+            ("attention", self.attention),
+            ("elementwise", self.elementwise),
+            ("argmax", self.argmax),
+            ("decode steps", self._routes()),
+            ("KV cache", f"{self.num_kv_blocks} blocks x {self.kv_cache.block_size} tokens "
+             f"({self.num_kv_blocks * self.kv_cache.block_size} tokens, "
+             f"{self.num_kv_blocks * self.kv_cache.bytes_per_block / 2**30:.2f} GiB, "
+             f"{str(self.kv_cache.dtype).removeprefix('torch.')}), max_model_len {self.max_model_len}"),
+        ]
+        width = max(len(name) for name, _ in rows)
+        lines = [f"  {name:<{width}}  {value}" + (f"  ({self.reasons[name]})" if name in self.reasons else "")
+                 for name, value in rows]
+        return "build plan:\n" + "\n".join(lines)
+
+    def _routes(self) -> str:
+        parts = []
+        if self.fused_decode_max_tokens:
+            parts.append(f"one native call up to {self.fused_decode_max_tokens} tokens")
+        if self.compile == "graph":
+            parts.append("a compiled graph" + (" above" if parts else ""))
+        elif self.compile == "layers":
+            parts.append("compiled layers, attention eager")
+        parts.append("eager with prompt tokens" if parts else "eager")
+        return "; ".join(parts)
+
+
+def resolve_plan(config: EngineConfig, model: LlamaConfig) -> BuildPlan:
+    """The plan for this config, model and host. Raises ValueError (or RuntimeError, for kernels asked
+    for by name that cannot run here) before anything is built."""
+    mc = config.model
+    reasons: dict[str, str] = {}
+    on_cpu = mc.device.startswith("cpu")
+    dtype = _dtype(mc.dtype, mc.device, reasons)
+    # native kernels: CPU only; "torch" never; "native" wherever asked (an error where they cannot run)
+    wanted = on_cpu and mc.kernels != "torch"
+    built = wanted and load_cpu_kernels()
+    if mc.kernels == "native" and not built:
+        raise RuntimeError("kernels='native' but llmserve's native CPU kernels cannot run here (see the log)")
+
+    attention = "native" if built else "torch"
+    argmax = "native" if built else "torch"
+    # in float32 (the dtype held to transformers' rounding) only when asked for by name: the kernels sum
+    # RMSNorm's squares in another order, and a last-bit difference can move an int8 activation's level
+    elementwise = "native" if built and (dtype == torch.bfloat16 or mc.kernels == "native") else "torch"
+    if built and elementwise == "torch":
+        reasons["elementwise"] = "the native ones are used in bfloat16, or with kernels='native'"
+
+    weights = mc.quantization or "as loaded"
+    small, small_max, products = "", 0, ""
+    if mc.quantization:
+        vectorized = built and native_quantized_kernels()
+        if mc.kernels == "native" and not vectorized:
+            raise RuntimeError("kernels='native' but the native quantized kernels need AVX-512 VNNI")
+        small = "native" if vectorized else "torch"
+        if built and not vectorized:
+            reasons["small steps"] = "llmserve's need AVX-512 VNNI"
+        small_max = QUANTIZED_MAX_TOKENS[mc.quantization]
+        if mc.int8_activations:
+            products = "amx" if wanted and amx_int8_gemm() else "onednn"
+            if products == "amx":
+                small_max = min(small_max, AMX_MIN_TOKENS - 1)
+                reasons["large steps"] = f"AMX takes steps from {AMX_MIN_TOKENS} tokens"
+
+    compile_mode = "off"
+    if mc.compile:
+        compile_mode = "graph" if attention == "native" else "layers"
+    fused = (weights == "int4" and small == "native" and elementwise == "native" and attention == "native"
+             and all(int4_packs(*shape) for shape in _linear_shapes(model)))
+    if fused:
+        reasons["decode steps"] = "native int4 products, attention and elementwise ops: one call for all layers"
+
+    max_model_len = min(mc.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
+    spec = ATTENTION_BACKENDS[attention]().kv_cache_spec(model.num_layers, model.num_kv_heads, model.head_dim,
+                                                         config.cache.block_size, dtype)
+    num_blocks = _num_kv_blocks(config, spec, max_model_len, reasons)
+    return BuildPlan(
+        device=mc.device, dtype=dtype, weights=weights, small_step_kernels=small, small_step_max_tokens=small_max,
+        int8_activations=mc.int8_activations, int8_products=products, attention=attention,
+        elementwise=elementwise, argmax=argmax, compile=compile_mode,
+        fused_decode_max_tokens=small_max if fused else 0, kv_cache=spec, num_kv_blocks=num_blocks,
+        max_model_len=max_model_len, reasons=reasons,
+    )
+
+
+def _dtype(name: str, device: str, reasons: dict[str, str]) -> torch.dtype:
+    if name != "auto":
+        reasons["dtype"] = "as asked"
+        return getattr(torch, name)
+    if device.startswith("cuda"):
+        reasons["dtype"] = "auto: CUDA"
+        return torch.bfloat16
+    if cpu_has_native_bf16():
+        reasons["dtype"] = "auto: this CPU multiplies bfloat16 natively"
+        return torch.bfloat16
+    reasons["dtype"] = "auto: no native bfloat16 on this CPU"
+    return torch.float32
+
+
+def _num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, max_model_len: int, reasons: dict[str, str]) -> int:
+    cache = config.cache
+    if cache.kv_cache_memory_gb is not None:
+        budget = cache.kv_cache_memory_gb * 2**30
+        reasons["KV cache"] = "kv_cache_memory_gb"
+    else:
+        budget = cache.kv_cache_memory_fraction * psutil.virtual_memory().available
+        reasons["KV cache"] = f"{cache.kv_cache_memory_fraction:.0%} of the memory available at start"
+    # never more than every sequence at full length could use
+    ceiling = -(-config.scheduler.max_num_seqs * max_model_len // spec.block_size)
+    blocks = min(int(budget // spec.bytes_per_block), ceiling)
+    if blocks < 1:
+        raise ValueError(f"KV cache budget of {budget / 2**30:.4f} GiB holds not even one block")
+    return blocks
+
+
+def _linear_shapes(model: LlamaConfig) -> list[tuple[int, int]]:
+    """(out, in) of a decoder layer's fused linears: q/k/v, o, gate/up, down."""
+    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    return [(q + 2 * kv, model.hidden_size), (model.hidden_size, q), (2 * model.intermediate_size, model.hidden_size),
+            (model.hidden_size, model.intermediate_size)]

@@ -1,0 +1,40 @@
+"""What one layer's KV cache looks like, as its attention backend declares it: the block count follows
+from a memory budget and `bytes_per_block`, and the runner allocates exactly `shape(num_blocks)`.
+
+Layout, per layer (one tensor for K, one for V; see layers/attention.py):
+
+    [num_blocks, num_kv_heads, block_size, head_dim]
+     └─ block id                └─ offset of a token in its block
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        """One block's K and V in every layer."""
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * element
+
+    def shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+        return (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+
+    def allocate(self, num_blocks: int, device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(K, V) per layer. Zero-filled, not empty: padded decode gathers read arbitrary slots, which must
+        be finite."""
+        shape = self.shape(num_blocks)
+        return [(torch.zeros(shape, dtype=self.dtype, device=device), torch.zeros(shape, dtype=self.dtype,
+                                                                                   device=device))
+                for _ in range(self.num_layers)]
