@@ -81,8 +81,6 @@ class AttentionBackend:
     step, shared by every layer), and the layer's attention. Chosen once, by the build plan; every layer
     holds the same one."""
 
-    name = ""
-
     def kv_cache_spec(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                       dtype: torch.dtype) -> KVCacheSpec:
         """The cache this backend reads and writes (both backends here: the model dtype, the layout above)."""
@@ -109,8 +107,6 @@ class NativeAttention(AttentionBackend):
     A decode-only step is two custom ops, which torch.compile keeps inside a compiled graph; a step with
     prompt tokens runs eagerly (a graph break)."""
 
-    name = "native"
-
     def decode_metadata(self, block_table, head_rows, context_starts, block_size, num_heads, dtype,
                         device) -> DecodeBatch:
         num_decodes = len(context_starts)
@@ -132,8 +128,6 @@ class NativeAttention(AttentionBackend):
 class TorchAttention(AttentionBackend):
     """PyTorch ops only (other devices, or no compiler): decodes as a few padded batches of similar context
     length, two batched matmuls each, several times faster on CPU than SDPA for a one-token query."""
-
-    name = "torch"
 
     def decode_metadata(self, block_table, head_rows, context_starts, block_size, num_heads, dtype,
                         device) -> list[DecodeGroup]:
