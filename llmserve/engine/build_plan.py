@@ -130,8 +130,9 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig) -> BuildPlan:
     compile_mode = "off"
     if mc.compile:
         compile_mode = "graph" if attention == "native" else "layers"
+    # (the native call has no q/k/v bias: Qwen2's decode steps run layer by layer)
     fused = (weights == "int4" and small == "native" and elementwise == "native" and attention == "native"
-             and all(int4_packs(*shape) for shape in _linear_shapes(model)))
+             and not model.attention_bias and all(int4_packs(*shape) for shape in _linear_shapes(model)))
     if fused:
         reasons["decode steps"] = "native int4 products, attention and elementwise ops: one call for all layers"
 

