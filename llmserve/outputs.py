@@ -42,6 +42,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None  # set when this request failed inside the engine (finished is then True)
+    # with SamplingParams.prompt_logprobs: one entry per prompt token (None for the first, which has no
+    # context), in the first output that carries tokens
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def add(self, delta: RequestOutput) -> None:
         """Fold a later delta of the same request in: text, tokens and logprobs appended, the rest replaced."""
@@ -54,3 +57,4 @@ class RequestOutput:
             mine.finish_reason, mine.stop_reason = new.finish_reason, new.stop_reason
         self.finished, self.metrics, self.error = delta.finished, delta.metrics, delta.error
         self.num_cached_tokens = delta.num_cached_tokens
+        self.prompt_logprobs = self.prompt_logprobs or delta.prompt_logprobs

@@ -185,7 +185,12 @@ class LLMEngine:
             logprobs = [self._logprob_entry(token, lp) for token, lp in zip(update.new_token_ids, update.new_logprobs,
                                                                              strict=True)]
             req.cumulative_logprob += sum(lp.logprob for lp in update.new_logprobs)
-        return self._output(req, update.new_token_ids, logprobs)
+        out = self._output(req, update.new_token_ids, logprobs)
+        if update.prompt_logprobs is not None:
+            prompt = req.prompt_token_ids
+            out.prompt_logprobs = [None] + [self._logprob_entry(token, lp)
+                                            for token, lp in zip(prompt[1:], update.prompt_logprobs, strict=True)]
+        return out
 
     def _logprob_entry(self, token_id: int, lp: TokenLogprobs) -> dict[int, Logprob]:
         """The sampled token first, then the top ones (as vLLM's entries are ordered)."""

@@ -131,6 +131,11 @@ class ModelRunner:
             forward = self.decode_graph if route == "graph" else self.model
             hidden = forward(input_ids, positions, self.kv_caches, meta)
         result = ModelRunnerOutput({ids[i]: [] for i in order})
+        for row, r in enumerate(reqs):
+            if r.params.prompt_logprobs is not None and starts[row] + 1 < r.num_prompt_tokens:
+                first = int(first_token[row])
+                result.prompt_logprobs[ids[order[row]]] = self._prompt_logprobs(
+                    r, starts[row], hidden[first : first + counts[row]])
         if not sample_rows:
             return result
         if len(sample_rows) < len(token_ids):  # else every token samples (decodes only): all of hidden
@@ -145,6 +150,21 @@ class ModelRunner:
             if token.logprob is not None:
                 result.logprobs[request_id] = [TokenLogprobs(token.logprob, token.rank, token.top)]
         return result
+
+    def _prompt_logprobs(self, r: _RequestState, start: int, hidden: torch.Tensor) -> list[TokenLogprobs]:
+        """The logprob of each prompt token after `start` given those before it, from the hidden states of
+        positions start .. start + len(hidden) - 1 (each scores the next token; the last prompt position
+        scores what is sampled, not a prompt token)."""
+        end = min(start + len(hidden), r.num_prompt_tokens - 1)  # positions whose next token is a prompt token
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden[: end - start]), dim=-1)
+        targets = torch.tensor(r.token_ids[start + 1 : end + 1], device=logprobs.device)
+        chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
+        ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
+        k = r.params.prompt_logprobs
+        top = logprobs.topk(k, dim=-1) if k else None
+        return [TokenLogprobs(lp, rank, list(zip(top.indices[i].tolist(), top.values[i].tolist(), strict=True))
+                              if top is not None else [])
+                for i, (lp, rank) in enumerate(zip(chosen.tolist(), ranks.tolist(), strict=True))]
 
     def _sampling_metadata(self, reqs: list[_RequestState], vocab_size: int) -> SamplingMetadata:
         params = [r.params for r in reqs]

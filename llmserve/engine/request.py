@@ -56,6 +56,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.cumulative_logprob = 0.0  # of the sampled tokens, when logprobs were asked for
+        self.prompt_logprobs: list = []  # TokenLogprobs of prompt tokens 1.., as steps score them
         self.arrival_time = time.monotonic()
         self.scheduled_time: float | None = None  # first admitted to the running batch (queue time ends)
         self.first_token_time: float | None = None

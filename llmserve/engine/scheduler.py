@@ -46,6 +46,7 @@ class RequestUpdate:
     request: Request
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None
+    prompt_logprobs: list[TokenLogprobs] | None = None  # the whole prompt's, with the first new token
 
 
 class Scheduler:
@@ -110,7 +111,8 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             req = self.waiting[0]
-            hits, num_hit = self.kv_cache.get_computed_blocks(req.all_token_ids, req.block_hashes, req.cache_salt)
+            hits, num_hit = ([], 0) if req.params.prompt_logprobs is not None else \
+                self.kv_cache.get_computed_blocks(req.all_token_ids, req.block_hashes, req.cache_salt)
             if self._is_long(req.num_tokens - num_hit):
                 if long_prefills >= self.config.max_long_partial_prefills:
                     passed.append(self.waiting.popleft())
@@ -156,6 +158,8 @@ class Scheduler:
                 self.kv_cache.trim(request_id, req.num_computed_tokens)
             self.kv_cache.cache_blocks(request_id, req.all_token_ids, req.block_hashes, req.num_computed_tokens,
                                        req.cache_salt)
+            if request_id in result.prompt_logprobs:
+                req.prompt_logprobs.extend(result.prompt_logprobs[request_id])
             if not sampled:
                 continue  # a prompt chunk that is not the last
             kept = []
@@ -165,7 +169,9 @@ class Scheduler:
                 if req.status.finished:
                     break
             logprobs = result.logprobs.get(request_id)
-            updates.append(RequestUpdate(req, kept, logprobs[: len(kept)] if logprobs is not None else None))
+            prompt = req.prompt_logprobs if req.params.prompt_logprobs is not None and req.num_output_tokens == len(
+                kept) else None  # with the first tokens only
+            updates.append(RequestUpdate(req, kept, logprobs[: len(kept)] if logprobs is not None else None, prompt))
             if req.status.finished:
                 self.finish(req, req.status)
         return updates
@@ -191,6 +197,8 @@ class Scheduler:
         self.kv_cache.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        if not req.num_output_tokens:
+            req.prompt_logprobs.clear()  # the recompute scores the prompt again
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)

@@ -71,7 +71,11 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # per request that asked for logprobs: one entry per sampled token
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # per request that asked for prompt logprobs: one entry per prompt token this step scored (the token at
+    # each position after the first, given those before it)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
     def merge(self, other: ModelRunnerOutput) -> ModelRunnerOutput:
         return ModelRunnerOutput({**self.sampled_token_ids, **other.sampled_token_ids},
-                                 {**self.logprobs, **other.logprobs})
+                                 {**self.logprobs, **other.logprobs},
+                                 {**self.prompt_logprobs, **other.prompt_logprobs})

@@ -16,7 +16,7 @@ from llmserve.models.registry import model_class
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Checkpoint", "load_checkpoint", "build_model"]
+__all__ = ["Checkpoint", "load_checkpoint", "load_tokenizer", "build_model"]
 
 
 def load_checkpoint(model: str | None) -> Checkpoint:
@@ -34,6 +34,18 @@ def load_checkpoint(model: str | None) -> Checkpoint:
         raise ValueError(f"{path}: expected a .gguf file or a Hugging Face model directory")
     logger.info("loaded %s (%s) in %.1fs", name, path, time.perf_counter() - start)
     return ckpt
+
+
+def load_tokenizer(model: str | None):
+    """The tokenizer alone (no weights): a registered name's, a GGUF file's or a HF directory's."""
+    path, _ = resolve_model_path(model)
+    if os.path.isdir(path):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    from llmserve.loader.gguf import gguf_tokenizer
+
+    return gguf_tokenizer(path)
 
 
 def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: str, methods: LayerMethods | None = None) -> nn.Module:

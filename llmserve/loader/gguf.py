@@ -64,7 +64,7 @@ def load_gguf(path: str, name: str) -> Checkpoint:
             heads = config.num_heads if "q_proj" in hf_name else config.num_kv_heads
             array = _unpermute_rope_rows(array, heads)
         weights[hf_name] = torch.from_numpy(np.ascontiguousarray(array))
-    tokenizer = _tokenizer(path)
+    tokenizer = gguf_tokenizer(path)
     eos = meta.get("tokenizer.ggml.eos_token_id")
     eos_ids = [int(eos)] if eos is not None else []
     return Checkpoint(
@@ -126,7 +126,7 @@ def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _tokenizer(path: str):
+def gguf_tokenizer(path: str):
     """The GGUF vocabulary as a fast HF tokenizer; converted once, then read from a cache folder."""
     from transformers import AutoTokenizer
 

@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
-from llmserve.outputs import RequestOutput
+from llmserve.outputs import Logprob, RequestOutput
 from llmserve.server.errors import APIError
 from llmserve.server.protocol import (
     CompletionChoice,
@@ -42,12 +42,12 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError(400, "suffix is not supported", param="suffix")
         if request.best_of is not None and request.best_of != request.n:
             raise APIError(400, "best_of is supported only when equal to n", param="best_of")
-        if request.echo and request.logprobs is not None:
-            raise APIError(400, "echo with logprobs is not supported (prompt logprobs are not computed)",
-                           param="echo")
         prompts = self._tokenize(request.prompt)
+        # echo with logprobs: the prompt's tokens are scored too (what perplexity through an API reads)
+        prompt_logprobs = request.logprobs if request.echo else None
         params = [
-            self.sampling_params(request, self.max_tokens(request.max_tokens, len(ids), "prompt"), request.logprobs)
+            self.sampling_params(request, self.max_tokens(request.max_tokens, len(ids), "prompt"), request.logprobs,
+                                 prompt_logprobs)
             for ids in prompts
         ]
         choices = self.choices(prompts, params, request.n, request.cache_salt)
@@ -78,6 +78,27 @@ class OpenAIServingCompletion(OpenAIServing):
             out.append(ids)
         return out
 
+    def _echoed_logprobs(self, out: RequestOutput, request: CompletionRequest, choice: Choice,
+                         echo: str) -> CompletionLogprobs | None:
+        """With echo, the prompt's tokens (the first one unscored, as OpenAI's) before the generated ones."""
+        if request.logprobs is None or not request.echo:
+            return _logprobs(out, request.logprobs, len(echo))
+        result, offset = CompletionLogprobs(), 0
+        for token_id, entry in zip(choice.prompt_ids, out.prompt_logprobs or [], strict=True):
+            if entry is None:
+                token = self.llm.tokenizer.decode([token_id])
+                result.tokens.append(token)
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+                result.text_offset.append(offset)
+                offset += len(token)
+            else:
+                offset = _append(result, entry, request.logprobs, offset)
+        generated = _logprobs(out, request.logprobs, len(echo))
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(result, name).extend(getattr(generated, name))
+        return result
+
     def _prompt_text(self, prompt: str | list, index: int, ids: list[int]) -> str:
         if isinstance(prompt, str):
             return prompt
@@ -97,7 +118,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 CompletionChoice(
                     index=i,
                     text=echoes[i] + finals[i].outputs[0].text,
-                    logprobs=_logprobs(finals[i], request.logprobs, 0),
+                    logprobs=self._echoed_logprobs(finals[i], request, choices[i], echoes[i]),
                     finish_reason=finals[i].outputs[0].finish_reason,
                 )
                 for i in sorted(finals)
@@ -123,12 +144,21 @@ class OpenAIServingCompletion(OpenAIServing):
 
         texts = {c.index: TextChunk(partial(text_chunk, c.index)) for c in choices}  # the per-token chunks
         offsets = {c.index: len(echoes[c.index]) for c in choices}  # text_offset of the next token
+        # echo with logprobs: the prompt, with its tokens' logprobs, goes out with each choice's first output
+        scored_echo = request.echo and request.logprobs is not None
+        pending_echo = {c.index for c in choices} if scored_echo else set()
 
         def render(index: int, out: RequestOutput) -> bytes:
             completion = out.outputs[0]  # a delta
             delta = completion.text
             if request.logprobs is None and not out.finished:
                 return texts[index](delta) if delta else b""
+            if index in pending_echo:
+                pending_echo.discard(index)
+                delta = echoes[index] + delta
+                lps = self._echoed_logprobs(out, request, choices[index], echoes[index])
+                return chunk(CompletionChoice(index=index, text=delta, logprobs=lps,
+                                              finish_reason=completion.finish_reason))
             lps = _logprobs(out, request.logprobs, offsets[index])
             if lps is not None:
                 offsets[index] += sum(len(t) for t in lps.tokens)
@@ -137,7 +167,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                               finish_reason=completion.finish_reason))
             return b""
 
-        intro = (chunk(CompletionChoice(index=c.index, text=echoes[c.index])) for c in choices if echoes[c.index])
+        intro = (chunk(CompletionChoice(index=c.index, text=echoes[c.index])) for c in choices
+                 if echoes[c.index] and not scored_echo)
         usage_event = (lambda finals, generated: chunk(None, usage(choices, finals, generated))) \
             if request.include_usage else None
         return sse_events(streams, request_id, intro, render, usage_event)
@@ -149,13 +180,18 @@ def _logprobs(out: RequestOutput, k: int | None, offset: int) -> CompletionLogpr
         return None
     result = CompletionLogprobs()
     for entry in out.outputs[0].logprobs or []:
-        chosen = next(iter(entry.values()))  # the engine puts the sampled token first
-        token = chosen.decoded_token or ""
-        top = {lp.decoded_token or "": lp.logprob for _, lp in top_logprobs(entry, k)}
-        top.setdefault(token, chosen.logprob)
-        result.tokens.append(token)
-        result.token_logprobs.append(chosen.logprob)
-        result.top_logprobs.append(top)
-        result.text_offset.append(offset)
-        offset += len(token)
+        offset = _append(result, entry, k, offset)
     return result
+
+
+def _append(result: CompletionLogprobs, entry: dict[int, Logprob], k: int, offset: int) -> int:
+    """One token's legacy logprobs appended; returns the next token's text offset."""
+    chosen = next(iter(entry.values()))  # the engine puts the sampled (or prompt) token first
+    token = chosen.decoded_token or ""
+    top = {lp.decoded_token or "": lp.logprob for _, lp in top_logprobs(entry, k)}
+    top.setdefault(token, chosen.logprob)
+    result.tokens.append(token)
+    result.token_logprobs.append(chosen.logprob)
+    result.top_logprobs.append(top)
+    result.text_offset.append(offset)
+    return offset + len(token)

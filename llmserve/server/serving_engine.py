@@ -96,7 +96,8 @@ class OpenAIServing:
         except ContextLengthError as e:
             raise bad_value(e) from None
 
-    def sampling_params(self, request: _SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, request: _SamplingRequest, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """Parameters for choice 0; `for_choice` derives the others. Engine range checks → 400."""
         try:
             return SamplingParams(
@@ -106,7 +107,7 @@ class OpenAIServing:
                 max_tokens=max_tokens, min_tokens=request.min_tokens, stop=request.stop,
                 stop_token_ids=request.stop_token_ids or [], ignore_eos=request.ignore_eos, logprobs=logprobs,
                 include_stop_str_in_output=request.include_stop_str_in_output,
-                skip_special_tokens=request.skip_special_tokens,
+                skip_special_tokens=request.skip_special_tokens, prompt_logprobs=prompt_logprobs,
             )
         except ValueError as e:
             raise bad_value(e) from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -247,3 +248,27 @@ def test_metrics_are_prometheus_text(server: ServerProcess) -> None:
                  "request_success_total", "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
                  "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket"):
         assert f"llmserve:{name}" in r.text, name
+
+
+def test_echo_with_logprobs_scores_the_prompt(server: ServerProcess, llm_fp32) -> None:
+    """What perplexity through an API reads: each prompt token's logprob, as the engine computes it offline."""
+    from llmserve import SamplingParams
+
+    ids = llm_fp32.get_tokenizer().encode("The history of the printing press begins in the fifteenth century.")
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 1}
+    whole = httpx.post(f"{server.base}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    [offline] = llm_fp32.generate([ids], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1),
+                                  use_tqdm=False)
+    lps = whole["logprobs"]
+    assert lps["token_logprobs"][0] is None and lps["top_logprobs"][0] is None  # the first token has no context
+    expected = [entry[t].logprob for t, entry in zip(ids[1:], offline.prompt_logprobs[1:], strict=True)]
+    assert lps["token_logprobs"][1 : len(ids)] == pytest.approx(expected, abs=1e-4)
+    assert len(lps["tokens"]) == len(ids) + 2 and "".join(lps["tokens"]) == whole["text"]
+    assert lps["text_offset"][len(ids)] == len("".join(lps["tokens"][: len(ids)]))
+    streamed = []
+    with httpx.stream("POST", f"{server.base}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                streamed += (choice.get("logprobs") or {}).get("token_logprobs") or []
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lps["token_logprobs"][1:], abs=1e-6)

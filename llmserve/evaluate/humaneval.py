@@ -1,0 +1,99 @@
+"""HumanEval pass@1, greedy: each problem's prompt completed once, the completion run against the problem's
+tests in a subprocess of its own, never in the evaluating (or serving) process.
+
+The sandbox is a fresh `python -I` (isolated mode: no user site, no PYTHON* variables) in an empty
+temporary folder, in a session of its own, with limits on address space, CPU seconds, file size and
+open files, and a wall-clock timeout after which the whole process group is killed. That stops a
+completion that loops, allocates without bound, forks or writes files from taking the machine; it is no
+security boundary against hostile code (no seccomp, no network namespace): run untrusted models'
+completions in a container too.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+# Where a completion stops: the next top-level statement (the usual HumanEval stop sequences).
+STOP = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert "]
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    timeout_s: float = 10.0
+    memory_mb: int = 1024
+    file_mb: int = 16
+    open_files: int = 64
+
+
+@dataclass
+class ProblemResult:
+    task_id: str
+    passed: bool
+    reason: str  # "passed", "failed: <last line of stderr>", "timeout", ...
+    completion: str = ""
+
+
+@dataclass
+class HumanEvalResult:
+    pass_at_1: float
+    passed: int
+    problems: int
+    results: list[ProblemResult] = field(default_factory=list)
+
+
+def program(problem: dict, completion: str) -> str:
+    """What runs in the sandbox: the prompt, the completion, the tests, the check of the entry point."""
+    return f"{problem['prompt']}{completion}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+
+
+def run_completion(problem: dict, completion: str, limits: SandboxLimits = SandboxLimits()) -> ProblemResult:
+    """Run one completion against its problem's tests in a sandboxed subprocess."""
+
+    def limit() -> None:  # in the child, before python starts
+        mem = limits.memory_mb * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+        cpu = int(limits.timeout_s) + 1
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+        size = limits.file_mb * 2**20
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limits.open_files, limits.open_files))
+
+    with tempfile.TemporaryDirectory(prefix="humaneval-") as cwd:
+        proc = subprocess.Popen([sys.executable, "-I", "-c", program(problem, completion)], cwd=cwd,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                env={"PATH": os.environ.get("PATH", ""), "LANG": "C.UTF-8"},
+                                preexec_fn=limit, start_new_session=True)
+        try:
+            _, stderr = proc.communicate(timeout=limits.timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            return ProblemResult(problem["task_id"], False, "timeout", completion)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    if proc.returncode == 0:
+        return ProblemResult(problem["task_id"], True, "passed", completion)
+    last = (stderr.decode(errors="replace").strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+    if proc.returncode < 0:
+        last = f"killed by signal {-proc.returncode} ({last})"
+    return ProblemResult(problem["task_id"], False, f"failed: {last[:200]}", completion)
+
+
+def evaluate(target, problems: list[dict], max_tokens: int = 384, workers: int = 2,
+             limits: SandboxLimits = SandboxLimits()) -> HumanEvalResult:
+    """Greedy completions of every problem's prompt from `target`, each run in the sandbox."""
+    completions = target.complete([p["prompt"] for p in problems], max_tokens, stop=STOP, desc="HumanEval")
+    with ThreadPoolExecutor(workers) as pool:
+        results = list(pool.map(lambda pc: run_completion(pc[0], pc[1].text, limits),
+                                zip(problems, completions, strict=True)))
+    passed = sum(r.passed for r in results)
+    return HumanEvalResult(passed / len(results), passed, len(results), results)
