@@ -38,12 +38,16 @@ class ModelConfig:
     seed: int = _option(0, "engine random seed (requests without a seed of their own draw from it)")
     device: str = _option("cpu", "torch device; only the CPU is tested (the native kernels and quantization "
                           "are CPU-only)", cli=False)
-    quantization: str | None = _option(None, "weight-only quantization of the linear layers, used for steps of "
-                                       "few tokens (int4: groups of 32 on GGUF Q4_1's grid; output head int8); "
-                                       "default: the weights as loaded", choices=QUANTIZATION_METHODS, flag="-q")
-    int8_activations: bool = _option(False, "with --quantization: steps of many tokens (batches, prompts) multiply "
-                                     "per-token int8 activations by SmoothQuant-smoothed int8 weights, calibrated "
-                                     "at start: ~1.4x faster batch steps for +0.2-0.3 %% perplexity")
+    quantization: str | None = _option("auto", "weight-only quantization of the linear layers (int4: groups of 32 "
+                                       "on GGUF Q4_1's grid; output head int8); auto = int4 where the file's "
+                                       "weights are 4-bit (Q4_0, Q4_1: held exactly), else the weights as loaded; "
+                                       "none = the weights as loaded", choices=("auto", "none", *QUANTIZATION_METHODS),
+                                       flag="-q")
+    int8_activations: bool | None = _option(None, "with quantized weights: steps of many tokens (batches, prompts) "
+                                            "multiply per-token int8 activations by SmoothQuant-smoothed int8 "
+                                            "weights, calibrated at start: ~1.4x faster batch steps for +0.2-0.3 %% "
+                                            "perplexity; default: on where the weights run int4 because the file is "
+                                            "4-bit and the CPU has VNNI or AMX")
     compile: bool = _option(False, "torch.compile each decode-only step as one graph (native attention) or each "
                             "decoder layer (PyTorch attention): faster steps for ~1-2 min more start-up")
     kernels: str = _option("auto", "llmserve's native CPU kernels (paged decode attention, quantized products, "
@@ -58,13 +62,12 @@ class ModelConfig:
             raise ValueError(f"the native kernels are CPU-only, not {self.device!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {list(DTYPES)}, got {self.dtype!r}")
-        if self.quantization not in (None, *QUANTIZATION_METHODS):
-            raise ValueError(
-                f"quantization must be one of {list(QUANTIZATION_METHODS)} or None, got {self.quantization!r}"
-            )
-        if self.quantization is not None and not self.device.startswith("cpu"):
+        if self.quantization not in (None, "auto", "none", *QUANTIZATION_METHODS):
+            raise ValueError(f"quantization must be one of {['auto', 'none', *QUANTIZATION_METHODS]} or None, got "
+                             f"{self.quantization!r}")
+        if self.quantization in QUANTIZATION_METHODS and not self.device.startswith("cpu"):
             raise ValueError(f"quantization {self.quantization!r} has CPU kernels only, not {self.device!r}")
-        if self.int8_activations and self.quantization is None:
+        if self.int8_activations and self.quantization in (None, "none"):
             raise ValueError("int8_activations needs quantization ('int8' or 'int4'): it is their large-step path")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
@@ -158,6 +161,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
             default = defaults.get(f.name, f.default if f.default is not MISSING else None)
             flag = "--" + f.name.replace("_", "-")
             help_text = f.metadata["help"]
+            if f.type == "bool | None":  # None: the engine decides
+                parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                                    help=help_text)
+                continue
             if f.type == "bool":
                 if default:
                     parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",

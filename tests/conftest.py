@@ -35,7 +35,7 @@ def model_path() -> str:
 
 @pytest.fixture(scope="session")
 def llm_fp32() -> LLM:
-    return LLM(dtype="float32", kv_cache_memory_gb=0.25, max_model_len=2048)
+    return LLM(dtype="float32", quantization="none", kv_cache_memory_gb=0.25, max_model_len=2048)
 
 
 @pytest.fixture(scope="session")

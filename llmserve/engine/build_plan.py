@@ -18,7 +18,7 @@ import psutil
 import torch
 
 from llmserve.config import EngineConfig
-from llmserve.host import cpu_has_native_bf16
+from llmserve.host import cpu_flags, cpu_has_native_bf16
 from llmserve.kernels import amx_int8_gemm, load_cpu_kernels, native_quantized_kernels
 from llmserve.kernels.quantized_gemv import int4_packs
 from llmserve.kv_cache.kv_cache_spec import KVCacheSpec
@@ -90,9 +90,10 @@ class BuildPlan:
         return "; ".join(parts)
 
 
-def resolve_plan(config: EngineConfig, model: LlamaConfig) -> BuildPlan:
-    """The plan for this config, model and host. Raises ValueError (or RuntimeError, for kernels asked
-    for by name that cannot run here) before anything is built."""
+def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[str, str] | None = None) -> BuildPlan:
+    """The plan for this config, model and host. `source_formats`: how the checkpoint stored each tensor
+    (a GGUF's GGML types), for the automatic choice of weights. Raises ValueError (or RuntimeError, for
+    kernels asked for by name that cannot run here) before anything is built."""
     mc = config.model
     reasons: dict[str, str] = {}
     on_cpu = mc.device.startswith("cpu")
@@ -111,21 +112,29 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig) -> BuildPlan:
     if built and elementwise == "torch":
         reasons["elementwise"] = "the native ones are used in bfloat16, or with kernels='native'"
 
-    weights = mc.quantization or "as loaded"
+    weights = _weights(mc.quantization, source_formats, on_cpu, reasons)
     small, small_max, products = "", 0, ""
-    if mc.quantization:
+    int8_activations = bool(mc.int8_activations)
+    if weights != "as loaded":
         vectorized = built and native_quantized_kernels()
         if mc.kernels == "native" and not vectorized:
             raise RuntimeError("kernels='native' but the native quantized kernels need AVX-512 VNNI")
         small = "native" if vectorized else "torch"
         if built and not vectorized:
             reasons["small steps"] = "llmserve's need AVX-512 VNNI"
-        small_max = QUANTIZED_MAX_TOKENS[mc.quantization]
-        if mc.int8_activations:
+        small_max = QUANTIZED_MAX_TOKENS[weights]
+        if mc.int8_activations is None:  # auto: where the file itself is 4-bit and int8 products are fast here
+            int8_activations = (mc.quantization == "auto" and weights == "int4"
+                                and bool({"avx512_vnni", "amx_int8"} & cpu_flags()))
+            if int8_activations:
+                reasons["large steps"] = ("auto: a 4-bit file, and this CPU multiplies int8 natively; +0.2-0.3 % "
+                                          "perplexity on SmolLM2 (benchmarks/README.md)")
+        if int8_activations:
             products = "amx" if wanted and amx_int8_gemm() else "onednn"
             if products == "amx":
                 small_max = min(small_max, AMX_MIN_TOKENS - 1)
-                reasons["large steps"] = f"AMX takes steps from {AMX_MIN_TOKENS} tokens"
+                amx_note = f"AMX takes steps from {AMX_MIN_TOKENS} tokens"
+                reasons["large steps"] = "; ".join(filter(None, [reasons.get("large steps"), amx_note]))
 
     compile_mode = "off"
     if mc.compile:
@@ -142,11 +151,36 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig) -> BuildPlan:
     num_blocks = _num_kv_blocks(config, spec, max_model_len, reasons)
     return BuildPlan(
         device=mc.device, dtype=dtype, weights=weights, small_step_kernels=small, small_step_max_tokens=small_max,
-        int8_activations=mc.int8_activations, int8_products=products, attention=attention,
+        int8_activations=int8_activations, int8_products=products, attention=attention,
         elementwise=elementwise, argmax=argmax, compile=compile_mode,
         fused_decode_max_tokens=small_max if fused else 0, kv_cache=spec, num_kv_blocks=num_blocks,
         max_model_len=max_model_len, reasons=reasons,
     )
+
+
+# GGML types whose values int4 (groups of 32, fp16 scale and minimum: Q4_1's grid) holds exactly
+_INT4_EXACT = {"Q4_0", "Q4_1"}
+_DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _weights(choice: str | None, formats: dict[str, str] | None, on_cpu: bool, reasons: dict[str, str]) -> str:
+    """"as loaded", "int8" or "int4". auto: int4 where the file's decoder weights are 4-bit on int4's grid,
+    so the int4 path computes with the values shipped (as llama.cpp does, activations quantized to 8 bits
+    in the small steps); any other file keeps its weights as loaded (int4 would change them: measure its
+    cost with `llmserve eval` first)."""
+    if choice in ("int8", "int4"):
+        reasons["weights"] = "as asked"
+        return choice
+    if choice != "auto":
+        return "as loaded"
+    stored = {fmt for name, fmt in (formats or {}).items()
+              if name.endswith(".weight") and any(f".{p}." in name for p in _DECODER_LINEARS)}
+    if on_cpu and stored and stored <= _INT4_EXACT:
+        reasons["weights"] = f"auto: the file's linear weights are {'/'.join(sorted(stored))}, which int4 holds exactly"
+        return "int4"
+    reasons["weights"] = ("auto: " + (f"the file's linear weights are {'/'.join(sorted(stored))}, which int4 would "
+                          "change" if stored else "a dense file") if on_cpu else "auto: quantization is CPU-only")
+    return "as loaded"
 
 
 def _dtype(name: str, device: str, reasons: dict[str, str]) -> torch.dtype:

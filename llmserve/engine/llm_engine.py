@@ -57,7 +57,7 @@ class LLMEngine:
         self.model_config = ckpt.config
         self.tokenizer = ckpt.tokenizer
         self.eos_token_ids = ckpt.eos_token_ids or [ckpt.tokenizer.eos_token_id]
-        self.plan = resolve_plan(config, ckpt.config)
+        self.plan = resolve_plan(config, ckpt.config, ckpt.source_formats)
         logger.info(self.plan.describe())
         self.runner = ModelRunner(self.plan, ckpt)
         block_size = self.plan.kv_cache.block_size

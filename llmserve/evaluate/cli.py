@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tasks", default="perplexity,humaneval", help=f"some of {','.join(TASKS)}")
     parser.add_argument("--limit", type=int, default=None,
                         help="HumanEval problems and agreement prompts to use (default: all 164 / 40)")
+    parser.add_argument("--humaneval-style", default="chat", choices=("chat", "completion"),
+                        help="chat: each problem as a user message, the answer's code block run (instruct "
+                        "models); completion: the prompt continued as text (base models) (default: %(default)s)")
     parser.add_argument("--window", type=int, default=512, help="perplexity window in tokens")
     parser.add_argument("--stride", type=int, default=256, help="perplexity stride in tokens")
     parser.add_argument("--ppl-tokens", type=int, default=None, help="score only the text's first N tokens")
@@ -101,9 +104,9 @@ def evaluate(args: argparse.Namespace, tasks: list[str]) -> dict:
         result["tasks"]["perplexity"] = asdict(perplexity.perplexity(target, ids, args.window, args.stride))
     if "humaneval" in tasks:
         problems = datasets.humaneval_problems()[: args.limit]
-        he = humaneval.evaluate(target, problems)
+        he = humaneval.evaluate(target, problems, args.humaneval_style)
         result["tasks"]["humaneval"] = {"pass_at_1": he.pass_at_1, "passed": he.passed, "problems": he.problems,
-                                        "results": [asdict(r) for r in he.results]}
+                                        "style": args.humaneval_style, "results": [asdict(r) for r in he.results]}
     if "agreement" in tasks:
         prompts = agreement.mtbench_prompts(args.limit or 40)
         if args.reference_url:

@@ -22,6 +22,10 @@ from dataclasses import dataclass, field
 
 # Where a completion stops: the next top-level statement (the usual HumanEval stop sequences).
 STOP = ["\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert "]
+# An instruct model asked as a user would ask it (as EvalPlus asks chat models); its first ```python block
+# is the answer.
+CHAT_PROMPT = ("Complete the following Python function. Reply with the complete function, its imports included, "
+               "in one ```python code block.\n\n```python\n{prompt}```")
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,16 @@ class HumanEvalResult:
     passed: int
     problems: int
     results: list[ProblemResult] = field(default_factory=list)
+
+
+def code_block(text: str) -> str:
+    """The first fenced code block of a chat answer (```python or ```), or the whole text if it has none."""
+    start = text.find("```")
+    if start < 0:
+        return text
+    body = text[text.find("\n", start) + 1 :] if text.find("\n", start) >= 0 else ""
+    end = body.find("```")
+    return body if end < 0 else body[:end]
 
 
 def program(problem: dict, completion: str) -> str:
@@ -88,12 +102,21 @@ def run_completion(problem: dict, completion: str, limits: SandboxLimits = Sandb
     return ProblemResult(problem["task_id"], False, f"failed: {last[:200]}", completion)
 
 
-def evaluate(target, problems: list[dict], max_tokens: int = 384, workers: int = 2,
+def evaluate(target, problems: list[dict], style: str = "chat", max_tokens: int = 512, workers: int = 2,
              limits: SandboxLimits = SandboxLimits()) -> HumanEvalResult:
-    """Greedy completions of every problem's prompt from `target`, each run in the sandbox."""
-    completions = target.complete([p["prompt"] for p in problems], max_tokens, stop=STOP, desc="HumanEval")
+    """Greedy answers to every problem from `target`, each run in the sandbox. `style`: "chat" (the
+    problem in a user message, the answer's code block after the prompt, which it redefines) or
+    "completion" (the prompt continued as text, up to the next top-level statement: base models)."""
+    if style == "chat":
+        answers = target.complete([[{"role": "user", "content": CHAT_PROMPT.format(prompt=p["prompt"])}]
+                                   for p in problems], max_tokens, desc="HumanEval")
+        codes = ["\n" + code_block(a.text) for a in answers]
+    elif style == "completion":
+        codes = [a.text for a in target.complete([p["prompt"] for p in problems], max_tokens, stop=STOP,
+                                                  desc="HumanEval")]
+    else:
+        raise ValueError(f"HumanEval style must be 'chat' or 'completion', got {style!r}")
     with ThreadPoolExecutor(workers) as pool:
-        results = list(pool.map(lambda pc: run_completion(pc[0], pc[1].text, limits),
-                                zip(problems, completions, strict=True)))
+        results = list(pool.map(lambda pc: run_completion(pc[0], pc[1], limits), zip(problems, codes, strict=True)))
     passed = sum(r.passed for r in results)
     return HumanEvalResult(passed / len(results), passed, len(results), results)

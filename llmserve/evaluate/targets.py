@@ -42,7 +42,7 @@ class OfflineTarget:
         from llmserve import SamplingParams
 
         params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-        outs = self.llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=False)
+        outs = self.llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=True)
         return [[None if e is None else e[t].logprob for t, e in zip(w, o.prompt_logprobs, strict=True)]
                 for w, o in zip(windows, outs, strict=True)]
 

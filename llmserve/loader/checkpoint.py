@@ -17,3 +17,6 @@ class Checkpoint:
     tokenizer: object  # a transformers fast tokenizer
     chat_template: str | None
     eos_token_ids: list[int]
+    # how each tensor was stored (GGML type names such as "Q4_1", for a GGUF; None for dense files): what
+    # the build plan reads to run a 4-bit file on the int4 path
+    source_formats: dict[str, str] | None = None

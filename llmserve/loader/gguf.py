@@ -56,7 +56,7 @@ def load_gguf(path: str, name: str) -> Checkpoint:
         raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {sorted(_ARCHITECTURES)})")
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
     config = _config_from_metadata(meta, arch, shapes)
-    weights = {}
+    weights, formats = {}, {}
     for tensor in tqdm(reader.tensors, desc=f"Dequantizing {os.path.basename(path)}", unit="tensor"):
         hf_name = _hf_name(tensor.name)
         array = _dense(tensor)
@@ -64,6 +64,7 @@ def load_gguf(path: str, name: str) -> Checkpoint:
             heads = config.num_heads if "q_proj" in hf_name else config.num_kv_heads
             array = _unpermute_rope_rows(array, heads)
         weights[hf_name] = torch.from_numpy(np.ascontiguousarray(array))
+        formats[hf_name] = tensor.tensor_type.name
     tokenizer = gguf_tokenizer(path)
     eos = meta.get("tokenizer.ggml.eos_token_id")
     eos_ids = [int(eos)] if eos is not None else []
@@ -74,6 +75,7 @@ def load_gguf(path: str, name: str) -> Checkpoint:
         tokenizer=tokenizer,
         chat_template=meta.get("tokenizer.chat_template"),
         eos_token_ids=eos_ids,
+        source_formats=formats,
     )
 
 

@@ -13,7 +13,8 @@ from tests.greedy import assert_greedy_equals
 
 @pytest.mark.parametrize("kernels", ["native", "torch"])
 def test_compiled_engine_matches_transformers(kernels, prompt_token_ids, hf_reference):
-    llm = LLM(dtype="float32", compile=True, kernels=kernels, kv_cache_memory_gb=0.25, max_model_len=2048)
+    llm = LLM(dtype="float32", quantization="none", compile=True, kernels=kernels, kv_cache_memory_gb=0.25,
+              max_model_len=2048)
     assert (llm.engine.runner.decode_graph is not None) == (kernels == "native")
     assert llm.engine.plan.compile == ("graph" if kernels == "native" else "layers")
     # the warm-up ran before serving and left nothing behind

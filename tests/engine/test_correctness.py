@@ -36,7 +36,7 @@ def test_text_is_the_decoded_tokens(llm_fp32: LLM, prompt_token_ids):
 def test_preemption_keeps_outputs_and_frees_every_block(prompt_token_ids, hf_reference):
     # 40 blocks of 16 tokens = 640 tokens for 8 requests needing ~1,100 tokens: preemption must happen.
     block_bytes = 16 * 2 * 30 * 3 * 64 * 4
-    llm = LLM(dtype="float32", kv_cache_memory_gb=40 * block_bytes / 2**30, max_model_len=2048)
+    llm = LLM(dtype="float32", quantization="none", kv_cache_memory_gb=40 * block_bytes / 2**30, max_model_len=2048)
     assert llm.engine.kv_cache.num_blocks == 40
     outs = llm.generate(prompt_token_ids, GREEDY_64, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
@@ -46,7 +46,7 @@ def test_preemption_keeps_outputs_and_frees_every_block(prompt_token_ids, hf_ref
 
 
 def test_small_token_budget_chunks_prompts_and_keeps_outputs(prompt_token_ids, hf_reference):
-    llm = LLM(dtype="float32", kv_cache_memory_gb=0.1, max_model_len=2048,
+    llm = LLM(dtype="float32", quantization="none", kv_cache_memory_gb=0.1, max_model_len=2048,
               max_num_batched_tokens=64, long_prefill_token_threshold=64)
     outs = llm.generate(prompt_token_ids, GREEDY_64, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_reference
@@ -55,7 +55,7 @@ def test_small_token_budget_chunks_prompts_and_keeps_outputs(prompt_token_ids, h
 
 def test_torch_attention_path_matches_transformers(prompt_token_ids, hf_reference):
     # the fallback of the native kernel (other devices, no compiler) owes the same tokens
-    llm = LLM(dtype="float32", kernels="torch", kv_cache_memory_gb=0.25, max_model_len=2048)
+    llm = LLM(dtype="float32", quantization="none", kernels="torch", kv_cache_memory_gb=0.25, max_model_len=2048)
     assert llm.engine.plan.attention == "torch"
     assert_greedy_equals(llm, prompt_token_ids, hf_reference, single=1)
 
@@ -63,7 +63,7 @@ def test_torch_attention_path_matches_transformers(prompt_token_ids, hf_referenc
 @pytest.mark.parametrize("kernels", ["native", "torch"])
 def test_elementwise_kernels_match_transformers(kernels, prompt_token_ids, hf_reference):
     # the layers' norms, rotary and gate (and greedy's argmax) on the fused kernels or on PyTorch's ops
-    llm = LLM(dtype="float32", kernels=kernels, kv_cache_memory_gb=0.25, max_model_len=2048)
+    llm = LLM(dtype="float32", quantization="none", kernels=kernels, kv_cache_memory_gb=0.25, max_model_len=2048)
     assert llm.engine.plan.elementwise == llm.engine.plan.argmax == kernels
     assert all(layer.input_layernorm.native == (kernels == "native") for layer in llm.engine.runner.model.layers)
     assert_greedy_equals(llm, prompt_token_ids, hf_reference, single=1)
@@ -77,7 +77,8 @@ def test_elementwise_kernels_in_bfloat16_are_as_accurate_as_pytorch(llm_fp32: LL
     # (measured: mean error 0.054 vs 0.046 nats over the top 5, worst 0.17 vs 0.27).
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
     exact = llm_fp32.generate(prompt_token_ids, params, use_tqdm=False)
-    llm = LLM(dtype="bfloat16", kv_cache_memory_gb=0.25, max_model_len=2048, enable_prefix_caching=False)
+    llm = LLM(dtype="bfloat16", quantization="none", kv_cache_memory_gb=0.25, max_model_len=2048,
+              enable_prefix_caching=False)
     assert llm.engine.plan.elementwise == llm.engine.plan.argmax == "native"
 
     def errors() -> list[float]:

@@ -30,7 +30,8 @@ def shared_prompts(llm_fp32: LLM) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def uncached_outputs(shared_prompts) -> list[list[int]]:
-    llm = LLM(dtype="float32", kv_cache_memory_gb=0.1, max_model_len=2048, enable_prefix_caching=False)
+    llm = LLM(dtype="float32", quantization="none", kv_cache_memory_gb=0.1, max_model_len=2048,
+              enable_prefix_caching=False)
     outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in shared_prompts]
     assert all(o.num_cached_tokens == 0 for o in outs)
     return [o.outputs[0].token_ids for o in outs]
@@ -65,7 +66,7 @@ def test_chunks_of_64_with_prefix_hits_and_preemption_match(shared_prompts, unca
     # 64-token steps chunk every prompt; 40 blocks (640 tokens) for 4 x ~530 tokens sharing ~400 forces preemption,
     # and the recomputes hit the blocks the victims left in the cache.
     block_bytes = 16 * 2 * 30 * 3 * 64 * 4
-    llm = LLM(dtype="float32", kv_cache_memory_gb=40 * block_bytes / 2**30, max_model_len=2048,
+    llm = LLM(dtype="float32", quantization="none", kv_cache_memory_gb=40 * block_bytes / 2**30, max_model_len=2048,
               max_num_batched_tokens=64, long_prefill_token_threshold=64)
     outs = llm.generate(shared_prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == uncached_outputs

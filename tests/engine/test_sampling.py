@@ -151,7 +151,8 @@ def test_prompt_too_long_is_refused_and_changes_nothing(llm_fp32: LLM):
 
 def test_request_larger_than_the_whole_cache_is_refused():
     block_bytes = 16 * 2 * 30 * 3 * 64 * 4
-    llm = LLM(dtype="float32", kv_cache_memory_gb=4 * block_bytes / 2**30, max_model_len=1024)
+    llm = LLM(dtype="float32", quantization="none", kv_cache_memory_gb=4 * block_bytes / 2**30,
+              max_model_len=1024)
     with pytest.raises(ValueError, match="kv_cache_memory_gb"):
         llm.generate(["hello"], SamplingParams(max_tokens=100), use_tqdm=False)
     [ok] = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)

@@ -101,3 +101,28 @@ def test_the_cli_writes_results_and_compares_two_runs(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "| perplexity |" in done.stdout and "fp32" in done.stdout
     assert "%" in done.stdout.splitlines()[2]  # the relative change
+
+
+class _Scripted:
+    """A target whose answers are given: what the chat-style plumbing does with an answer, model aside."""
+
+    def __init__(self, answers: list[str]) -> None:
+        self.answers = answers
+        self.asked: list = []
+
+    def complete(self, prompts, max_tokens, stop=None, desc=""):
+        self.asked = prompts
+        return [Completion(a, [], "stop") for a in self.answers]
+
+
+def test_chat_style_runs_the_answers_code_block():
+    from llmserve.evaluate.humaneval import code_block, evaluate
+
+    problems = list(PROBLEMS.values())[:2]
+    right = f"Here it is:\n```python\n{problems[0]['prompt']}{problems[0]['canonical_solution']}```\nDone."
+    body_only = f"```\n{problems[1]['prompt']}    return None\n```"
+    target = _Scripted([right, body_only])
+    result = evaluate(target, problems, "chat", limits=FAST)
+    assert [r.passed for r in result.results] == [True, False] and result.pass_at_1 == 0.5
+    assert problems[0]["prompt"] in target.asked[0][0]["content"] and target.asked[0][0]["role"] == "user"
+    assert code_block("no fence at all") == "no fence at all" and code_block("```py\nx = 1\n") == "x = 1\n"

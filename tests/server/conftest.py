@@ -18,8 +18,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "smollm2-135m"
-COMMON_ARGS = ["--kv-cache-memory-gb", "0.25", "--max-model-len", "2048", "--dtype", "float32", "--no-access-log",
-               "--log-stats-interval", "0.5"]
+COMMON_ARGS = ["--kv-cache-memory-gb", "0.25", "--max-model-len", "2048", "--dtype", "float32", "--quantization",
+               "none", "--no-access-log", "--log-stats-interval", "0.5"]
 
 
 class ServerProcess:

@@ -1,0 +1,54 @@
+"""The build plan's automatic choices: a 4-bit file runs on the int4 path, anything else as loaded; one
+block of log says what was chosen and why; choices asked for by name win."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmserve.config import engine_config
+from llmserve.engine.build_plan import resolve_plan
+from llmserve.host import cpu_flags
+from llmserve.models.llama import LlamaConfig
+
+SMOLLM = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                     num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+                     max_position_embeddings=8192, tie_word_embeddings=True)
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")
+
+
+def _formats(kind: str, down: str | None = None) -> dict[str, str]:
+    out = {f"model.layers.{i}.{name}.weight": (down if down and "down" in name else kind)
+           for i in range(2) for name in LINEARS}
+    out["model.layers.0.input_layernorm.weight"] = "F32"
+    out["model.embed_tokens.weight"] = "Q8_0"  # not a decoder linear: never decides
+    return out
+
+
+def _plan(formats, **options):
+    return resolve_plan(engine_config(kv_cache_memory_gb=0.01, **options), SMOLLM, formats)
+
+
+def test_a_4_bit_file_runs_on_the_int4_path_by_default():
+    plan = _plan(_formats("Q4_1"))
+    assert plan.weights == "int4" and "Q4_1" in plan.reasons["weights"]
+    fast_int8 = bool({"avx512_vnni", "amx_int8"} & cpu_flags())
+    assert plan.int8_activations == fast_int8
+    assert "int4" in plan.describe() and "build plan" in plan.describe()
+    assert _plan(_formats("Q4_0", down="Q4_1")).weights == "int4"
+
+
+@pytest.mark.parametrize("formats", [_formats("Q5_0", down="Q6_K"), _formats("Q4_K"), _formats("F16"), None])
+def test_any_other_file_keeps_its_weights(formats):
+    plan = _plan(formats)
+    assert plan.weights == "as loaded" and not plan.int8_activations and plan.small_step_max_tokens == 0
+
+
+def test_choices_asked_for_win():
+    assert _plan(_formats("Q4_1"), quantization="none").weights == "as loaded"
+    explicit = _plan(_formats("Q5_0"), quantization="int4")
+    assert explicit.weights == "int4" and not explicit.int8_activations  # int8 activations only when asked
+    assert _plan(_formats("Q4_1"), int8_activations=False).int8_activations is False
+    assert _plan(_formats("Q5_0"), quantization="int8", int8_activations=True).int8_activations
+    with pytest.raises(ValueError, match="int8_activations"):
+        engine_config(quantization="none", int8_activations=True)
