@@ -8,11 +8,20 @@ import functools
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
+    return frozenset(_cpuinfo("flags").split())
+
+
+def cpu_model() -> str:
+    """The CPU's model name, as /proc/cpuinfo gives it ("" where there is none)."""
+    return _cpuinfo("model name")
+
+
+def _cpuinfo(key: str) -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            return frozenset(next((line for line in f if line.startswith("flags")), "").partition(":")[2].split())
+            return next((line for line in f if line.startswith(key)), "").partition(":")[2].strip()
     except OSError:
-        return frozenset()
+        return ""
 
 
 def cpu_has_native_bf16() -> bool:

@@ -21,6 +21,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from llmserve.host import cpu_model
+
 TASKS = ("perplexity", "humaneval", "agreement")
 
 
@@ -96,7 +98,7 @@ def evaluate(args: argparse.Namespace, tasks: list[str]) -> dict:
                    if k != "model"}
         target = OfflineTarget.load(args.model, **_changed(options))
     result = {"label": args.label or target.name, "target": target.description, "tasks": {},
-              "host": {"machine": platform.machine(), "processor": _cpu_name(), "python": platform.python_version()},
+              "host": {"machine": platform.machine(), "processor": cpu_model(), "python": platform.python_version()},
               "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     if "perplexity" in tasks:
         tokenizer = target.tokenizer if isinstance(target, OfflineTarget) else _tokenizer(args)
@@ -156,11 +158,3 @@ def _tokenizer(args: argparse.Namespace):
     from llmserve.loader import load_tokenizer
 
     return load_tokenizer(args.tokenizer)
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        return platform.processor()
