@@ -115,6 +115,9 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
     weights = _weights(mc.quantization, source_formats, on_cpu, reasons)
     small, small_max, products = "", 0, ""
     int8_activations = bool(mc.int8_activations)
+    if int8_activations and weights == "as loaded":
+        raise ValueError(f"int8_activations needs quantized weights, and quantization={mc.quantization!r} keeps this "
+                         f"model's as loaded ({reasons.get('weights', 'as asked')}): ask for 'int8' or 'int4'")
     if weights != "as loaded":
         vectorized = built and native_quantized_kernels()
         if mc.kernels == "native" and not vectorized:

@@ -52,3 +52,5 @@ def test_choices_asked_for_win():
     assert _plan(_formats("Q5_0"), quantization="int8", int8_activations=True).int8_activations
     with pytest.raises(ValueError, match="int8_activations"):
         engine_config(quantization="none", int8_activations=True)
+    with pytest.raises(ValueError, match="int8_activations needs quantized weights"):  # auto kept a Q5_0 file
+        _plan(_formats("Q5_0"), int8_activations=True)

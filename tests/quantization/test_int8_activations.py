@@ -96,7 +96,7 @@ def test_calibration_text_is_varied_prompts():
 
 def test_int8_activations_need_quantization():
     with pytest.raises(ValueError, match="int8_activations needs quantization"):
-        ModelConfig(int8_activations=True)
+        ModelConfig(quantization="none", int8_activations=True)
 
 
 @pytest.fixture(scope="module")
