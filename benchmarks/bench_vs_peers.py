@@ -8,7 +8,7 @@ drive it with the same workload, and write one markdown table + one plot.
 
 Workload (the default `peers` style, mirroring peerbench's loadgen.py): seed 1234, a shared ~205-token
 system prompt + a distinct user question per request, padded so the chat-templated prompt is 256 tokens
-(exact with the model's tokenizer, found under $PEERS/models/smollm2-135m-hf), max_tokens 128,
+(exact with the model's tokenizer, its HF directory under $PEERS/models), max_tokens 128,
 temperature 0, ignore_eos (llama-cpp-python: EOS blocked by logit_bias instead), 2 sequential warm-up
 requests, closed-loop levels 1:8, 8:32, 32:64 (concurrency:requests), a fresh connection per request.
 
@@ -20,8 +20,9 @@ split in two), so recorded ITL p99 for vLLM is ~2x what this script would measur
 Usage:
   python benchmarks/bench_vs_peers.py                       # everything available
   python benchmarks/bench_vs_peers.py --engines llmserve,llama-server-np32 --quick
+  python benchmarks/bench_vs_peers.py --model qwen2.5-coder-1.5b --engines llmserve,llama-server-np32,vllm-cpu-2thr
   python benchmarks/bench_vs_peers.py --engines llmserve \
-      --llmserve-cmd "{python} -m llmserve.cli serve --model {model} --port {port}"
+      --llmserve-cmd "{python} -m llmserve.cli serve --model {model} --port {port} --compile"
   python benchmarks/bench_vs_peers.py --dry-run             # show what would run / be skipped
   python benchmarks/bench_vs_peers.py --engines llmserve,naive-hf \
       --engine-levels naive-hf=1:4,8:16,32:32 --recorded all  # one-at-a-time servers get fewer requests
@@ -60,9 +61,34 @@ from llmserve.bench.report import (  # noqa: E402 - after the sys.path fix-up fo
 )
 
 PEERS = Path(os.environ.get("PEERS", os.path.expanduser("~/peers")))
-MODEL_DIR = "models/smollm2-135m-hf"
-GGUF = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_LLMSERVE_CMD = "{python} -m llmserve.cli serve --model {model} --host 127.0.0.1 --port {port}"
+DEFAULT_LLMSERVE_CMD = ("{python} -m llmserve.cli serve --model {model} --served-model-name {name} "
+                        "--host 127.0.0.1 --port {port} --no-access-log")
+
+
+@dataclass(frozen=True)
+class PeerModel:
+    """One model every engine can serve: the GGUF as shipped (llama.cpp), its HF conversion (vLLM, naive
+    HF, the workload's tokenizer) and llmserve's registered name, all served under one model name.
+    peerbench's scripts serve SmolLM2; they pass extra arguments on, and a later `--model` wins, so
+    `Engine.model_args` points them at another model without editing them."""
+
+    name: str  # served model name = llmserve's registered name
+    title: str
+    gguf: str  # under $PEERS
+    hf_dir: str  # under $PEERS (shared/peers/convert_gguf_to_hf.py writes it)
+    end_of_turn_id: int  # <|im_end|>, blocked by logit_bias where a server has no ignore_eos
+
+
+MODELS = {m.name: m for m in (
+    PeerModel("smollm2", "SmolLM2-135M-Instruct", "models/SmolLM2-135M-Instruct.Q4_1.gguf",
+              "models/smollm2-135m-hf", 2),
+    PeerModel("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct", "models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+              "models/qwen2.5-coder-0.5b-hf", 151645),
+    PeerModel("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct", "models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+              "models/qwen2.5-coder-1.5b-hf", 151645),
+)}
+GGUF, MODEL_DIR = "{gguf}", "{hf_dir}"  # placeholders in Engine.needs and model_args, filled from the model
+END_OF_TURN = "{end_of_turn}"  # placeholder in Engine.bench_args
 LEVELS = "1:8,8:32,32:64"
 QUICK_LEVELS = "1:4,4:8"
 
@@ -76,23 +102,28 @@ class Engine:
     script: str | None = None  # peerbench servers/*.sh, relative to shared/peers
     env: dict[str, str] = field(default_factory=dict)
     needs: tuple[str, ...] = ()  # paths under $PEERS that must exist
+    model_args: tuple[str, ...] = ()  # appended to the script: which model to serve, under which name
     ready_path: str = "/v1/models"
-    model: str | None = "smollm2"  # None: let `llmserve bench` ask GET /v1/models
+    ask_model: bool = False  # True: let `llmserve bench` ask GET /v1/models for the name
     bench_args: tuple[str, ...] = ()
     serve_flags: str = ""  # llmserve variants: flags appended to --llmserve-cmd
 
 
+_VLLM_MODEL = ("--model", MODEL_DIR, "--served-model-name", "{name}")
 PEER_ENGINES = (
-    Engine("vllm-cpu", 8001, "servers/vllm.sh", needs=("venv-vllm/bin/python", MODEL_DIR)),
+    Engine("vllm-cpu", 8001, "servers/vllm.sh", needs=("venv-vllm/bin/python", MODEL_DIR), model_args=_VLLM_MODEL),
     Engine("vllm-cpu-2thr", 8001, "servers/vllm.sh",
            env={"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
-           needs=("venv-vllm/bin/python", MODEL_DIR)),
+           needs=("venv-vllm/bin/python", MODEL_DIR), model_args=_VLLM_MODEL),
     Engine("llama-server-np32", 8004, "servers/llama_server.sh", env={"NP": "32"},
-           needs=("build/llamacpp-noamx/bin/llama-server", GGUF), ready_path="/health"),
+           needs=("build/llamacpp-noamx/bin/llama-server", GGUF), ready_path="/health",
+           model_args=("-m", GGUF, "--alias", "{name}")),
     Engine("llama-cpp-python", 8002, "servers/llamacpp_python.sh",
            needs=("venv-llamacpp/bin/python", "build/llamacpp-noamx/bin", GGUF),
-           bench_args=("--no-ignore-eos", "--extra-body", json.dumps({"logit_bias": {"2": -100}}))),
-    Engine("naive-hf", 8003, "servers/naive_hf.sh", needs=("venv-hf/bin/python", MODEL_DIR)),
+           model_args=("--model", GGUF, "--model_alias", "{name}"),
+           bench_args=("--no-ignore-eos", "--extra-body", json.dumps({"logit_bias": {END_OF_TURN: -100}}))),
+    Engine("naive-hf", 8003, "servers/naive_hf.sh", needs=("venv-hf/bin/python", MODEL_DIR),
+           model_args=("--model", MODEL_DIR, "--served-model-name", "{name}")),
 )
 
 
@@ -138,19 +169,21 @@ class TreeMemory(threading.Thread):
             self.stop_event.wait(0.5)
 
 
-def why_unavailable(engine: Engine, args: argparse.Namespace, shared: Path | None) -> str | None:
-    if engine.script is None:  # llmserve or a variant of it
-        if args.llmserve_cmd == DEFAULT_LLMSERVE_CMD:
-            import importlib.util
+def needs_of(engine: Engine, model: PeerModel) -> list[str]:
+    return [n.format(gguf=model.gguf, hf_dir=model.hf_dir) for n in engine.needs]
 
-            if importlib.util.find_spec("llmserve.server.cli") is None:
-                return "llmserve.server.cli does not exist yet (`llmserve serve` not implemented)"
-            if not (args.peers / MODEL_DIR).is_dir():
-                return f"model dir {args.peers / MODEL_DIR} not found (set $PEERS or --peers-dir)"
+
+def model_args_of(engine: Engine, model: PeerModel, peers: Path) -> list[str]:
+    return [a.format(gguf=peers / model.gguf, hf_dir=peers / model.hf_dir, name=model.name)
+            for a in engine.model_args]
+
+
+def why_unavailable(engine: Engine, args: argparse.Namespace, shared: Path | None) -> str | None:
+    if engine.script is None:  # llmserve or a variant of it: it loads the model by its registered name
         return None
     if shared is None or engine.script is None or not (shared / engine.script).is_file():
         return "peerbench server scripts (shared/peers/servers) not found"
-    missing = [n for n in engine.needs if not (args.peers / n).exists()]
+    missing = [n for n in needs_of(engine, args.model) if not (args.peers / n).exists()]
     if missing:
         return f"not installed under {args.peers}: missing {', '.join(missing)}"
     return None
@@ -159,10 +192,10 @@ def why_unavailable(engine: Engine, args: argparse.Namespace, shared: Path | Non
 def start_command(engine: Engine, args: argparse.Namespace, shared: Path | None) -> str:
     if engine.script is None:  # llmserve or a variant of it
         cmd = args.llmserve_cmd.format(python=shlex.quote(sys.executable), port=engine.port,
-                                       model=shlex.quote(str(args.peers / MODEL_DIR)))
+                                       model=shlex.quote(args.model.name), name=shlex.quote(args.model.name))
         return f"{cmd} {engine.serve_flags}".strip()
     assert shared is not None and engine.script is not None
-    return shlex.quote(str(shared / engine.script))
+    return shlex.join([str(shared / engine.script), *model_args_of(engine, args.model, args.peers)])
 
 
 def parse_levels(text: str) -> list[tuple[int, int]]:
@@ -189,12 +222,12 @@ def bench_command(engine: Engine, args: argparse.Namespace, out: Path) -> list[s
            "--seed", "1234", "--temperature", "0", "--concurrency", conc, "--num-requests", nreq,
            "--warmup", str(args.warmup), "--request-timeout", str(args.request_timeout),
            "--label", engine.name, "--out", str(out), "--no-progress"]
-    tokenizer = args.tokenizer or (args.peers / MODEL_DIR)
+    tokenizer = args.tokenizer or (args.peers / args.model.hf_dir)
     if Path(tokenizer).exists():
         cmd += ["--tokenizer", str(tokenizer)]
-    if engine.model:
-        cmd += ["--model", engine.model]
-    return cmd + list(engine.bench_args)
+    if not engine.ask_model:
+        cmd += ["--model", args.model.name]
+    return cmd + [a.replace(END_OF_TURN, str(args.model.end_of_turn_id)) for a in engine.bench_args]
 
 
 def stop_group(proc: subprocess.Popen[bytes], pgid: int) -> None:
@@ -284,7 +317,7 @@ def _f(v: Any, digits: int = 1) -> str:
 
 
 def markdown_report(rows: list[tuple[str, str, dict[str, Any]]], skipped: dict[str, str], levels: str,
-                    engine_levels: dict[str, str] | None = None) -> str:
+                    engine_levels: dict[str, str] | None = None, title: str = MODELS["smollm2"].title) -> str:
     """rows: (engine label, source, result doc)."""
     headers = ["engine", "source", "conc", "ok/n", "out tok/s", "req/s", "TTFT p50", "TTFT p99", "ITL p50",
                "ITL p99", "TPOT p50", "TPOT p99", "start s", "peak RSS MiB"]
@@ -308,7 +341,7 @@ def markdown_report(rows: list[tuple[str, str, dict[str, Any]]], skipped: dict[s
     machine = (f"This machine: {m['cpu']}, {m['cpus']} CPUs, AMX {'yes' if m['amx'] else 'no'}, AVX512-BF16 "
                f"{'yes' if m['avx512_bf16'] else 'no'}.")
     parts = [
-        "# llmserve vs peers (SmolLM2-135M-Instruct, CPU)",
+        f"# llmserve vs peers ({title}, CPU)",
         f"Generated {time.strftime('%Y-%m-%d %H:%M:%S')} by `benchmarks/bench_vs_peers.py`. Workload: shared "
         f"~205-token system prompt, 256 prompt tokens, 128 output tokens (ignore_eos), levels {levels}"
         f"{overrides} (concurrency:requests), times in ms. 'measured' rows were measured on this machine with "
@@ -337,7 +370,8 @@ def markdown_report(rows: list[tuple[str, str, dict[str, Any]]], skipped: dict[s
     return "\n\n".join(parts) + "\n"
 
 
-def plot_comparison(rows: list[tuple[str, str, dict[str, Any]]], path: Path) -> None:
+def plot_comparison(rows: list[tuple[str, str, dict[str, Any]]], path: Path,
+                    title: str = MODELS["smollm2"].title) -> None:
     """PNG: output tok/s, TTFT p50 (log) and TPOT p50 vs concurrency; one colour per engine, measured rows
     solid and thick, recorded ones (another machine) thin, dashed and faded; one legend under the panels."""
     import matplotlib
@@ -374,7 +408,7 @@ def plot_comparison(rows: list[tuple[str, str, dict[str, Any]]], path: Path) -> 
             ax.set_ylim(bottom=0)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=9, frameon=False)
-    fig.suptitle("SmolLM2-135M-Instruct on 2 CPU cores: 256 prompt + 128 output tokens per request; "
+    fig.suptitle(f"{title} on 2 CPU cores: 256 prompt + 128 output tokens per request; "
                  "dashed = not measured here", fontsize=11)
     fig.tight_layout(rect=(0, 0.13, 1, 0.95))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -395,7 +429,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llmserve-variant", action="append", default=[], metavar="NAME=FLAGS",
                     help="one more llmserve engine, started with these extra serve flags, e.g. "
                          "'llmserve-int4=--quantization int4 --compile'; name it in --engines (repeatable)")
-    ap.add_argument("--tokenizer", default=None, help=f"default $PEERS/{MODEL_DIR}")
+    ap.add_argument("--model", default="smollm2", choices=sorted(MODELS),
+                    help="the model every engine serves (default %(default)s); a peer needs its GGUF and HF "
+                         "directory under $PEERS (shared/peers/README.md says how), llmserve its registered name")
+    ap.add_argument("--tokenizer", default=None, help="default the model's HF directory under $PEERS")
     ap.add_argument("--levels", default=LEVELS, help="concurrency:requests,... (default %(default)s)")
     ap.add_argument("--engine-levels", action="append", default=[], metavar="ENGINE=LEVELS",
                     help="levels for one engine instead of --levels, e.g. naive-hf=1:4,8:16,32:32 for a server "
@@ -418,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.levels, args.warmup = QUICK_LEVELS, min(args.warmup, 1)
+    args.model = MODELS[args.model]
+    if args.model.name != "smollm2":  # peerbench recorded SmolLM2 only
+        args.recorded = "none"
     overrides: dict[str, str] = {}
     for item in args.engine_levels:
         name, sep, lv = item.partition("=")
@@ -433,13 +473,14 @@ def main(argv: list[str] | None = None) -> int:
 
     shared = args.shared_peers or find_shared_peers()
     engines = {e.name: e for e in PEER_ENGINES}
-    engines["llmserve"] = Engine("llmserve", args.llmserve_port, model=None)
+    engines["llmserve"] = Engine("llmserve", args.llmserve_port, ask_model=True)
     for i, item in enumerate(args.llmserve_variant, start=1):
         name, sep, flags = item.partition("=")
         if not sep or not name.strip():
             ap.error(f"--llmserve-variant {item!r}: use NAME=FLAGS")
         # a port of its own: the previous server may still be releasing its port when this one starts
-        engines[name.strip()] = Engine(name.strip(), args.llmserve_port + i, model=None, serve_flags=flags.strip())
+        engines[name.strip()] = Engine(name.strip(), args.llmserve_port + i, ask_model=True,
+                                       serve_flags=flags.strip())
     wanted = [n.strip() for n in args.engines.split(",") if n.strip()]
     unknown = [n for n in [*wanted, *overrides] if n not in engines]
     if unknown:
@@ -481,14 +522,14 @@ def main(argv: list[str] | None = None) -> int:
             rows.append((name, f"recorded {when}", doc))
     if args.dry_run:
         return 0
-    md = markdown_report(rows, skipped, args.levels, args.engine_levels)
+    md = markdown_report(rows, skipped, args.levels, args.engine_levels, args.model.title)
     md_path = args.out_dir / "peers_comparison.md"
     md_path.write_text(md)
     print(md)
     print(f"[peers] wrote {md_path}")
     if rows:
         png = args.out_dir / "peers_comparison.png"
-        plot_comparison(rows, png)
+        plot_comparison(rows, png, args.model.title)
         print(f"[peers] wrote {png}")
     if failed:
         print(f"[peers] failed to measure: {', '.join(failed)}", file=sys.stderr)

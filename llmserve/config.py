@@ -16,7 +16,7 @@ from typing import Any
 
 # Names only: importing torch here would make every `--help` pay for it.
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, see quantization/weight_only.py
+QUANTIZATION_METHODS = ("int8", "int4", "int4+int8")  # weight-only, see quantization/weight_only.py
 KERNEL_CHOICES = ("auto", "native", "torch")
 
 
@@ -39,10 +39,12 @@ class ModelConfig:
     device: str = _option("cpu", "torch device; only the CPU is tested (the native kernels and quantization "
                           "are CPU-only)", cli=False)
     quantization: str | None = _option("auto", "weight-only quantization of the linear layers (int4: groups of 32 "
-                                       "on GGUF Q4_1's grid; output head int8); auto = int4 where the file's "
-                                       "weights are 4-bit (Q4_0, Q4_1: held exactly), else the weights as loaded; "
-                                       "none = the weights as loaded", choices=("auto", "none", *QUANTIZATION_METHODS),
-                                       flag="-q")
+                                       "on GGUF Q4_1's grid, a 4-bit file's own grid where it has one; output head "
+                                       "int8; int4+int8: int4 where the file is 4-bit, int8 where it holds more "
+                                       "bits); auto = int4 where the file's weights are 4-bit (Q4_0, Q4_1, Q4_K), "
+                                       "int4+int8 for a mostly 4-bit K-quant mix (Q4_K_M), else the weights as "
+                                       "loaded; none = the weights as loaded",
+                                       choices=("auto", "none", *QUANTIZATION_METHODS), flag="-q")
     int8_activations: bool | None = _option(None, "with quantized weights: steps of many tokens (batches, prompts) "
                                             "multiply per-token int8 activations by SmoothQuant-smoothed int8 "
                                             "weights, calibrated at start: ~1.4x faster batch steps for +0.2-0.3 %% "

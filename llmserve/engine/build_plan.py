@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 class BuildPlan:
     device: str
     dtype: torch.dtype
-    weights: str  # "as loaded" | "int8" | "int4" (linear layers; a quantized model's output head is int8)
+    weights: str  # "as loaded" | "int8" | "int4" | "int4+int8" (linear layers: int4 where the file is 4-bit,
+    # int8 where it holds more bits); a quantized model's output head is int8
     small_step_kernels: str  # quantized weights: "native" (llmserve's) | "torch" (PyTorch's) | "" (dense)
     small_step_max_tokens: int  # steps up to this many tokens take the small-step kernel (0: dense weights)
     int8_activations: bool  # quantized weights: large steps multiply int8 x int8 (SmoothQuant)
@@ -126,6 +127,8 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
         if built and not vectorized:
             reasons["small steps"] = "llmserve's need AVX-512 VNNI"
         small_max = QUANTIZED_MAX_TOKENS[weights]
+        if weights == "int4+int8":
+            reasons["small steps"] = f"int8 layers up to {QUANTIZED_MAX_TOKENS['int8']} tokens"
         if mc.int8_activations is None:  # auto: where the file itself is 4-bit and int8 products are fast here
             int8_activations = (mc.quantization == "auto" and weights == "int4"
                                 and bool({"avx512_vnni", "amx_int8"} & cpu_flags()))
@@ -161,26 +164,39 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
     )
 
 
-# GGML types whose values int4 (groups of 32, fp16 scale and minimum: Q4_1's grid) holds exactly
-_INT4_EXACT = {"Q4_0", "Q4_1"}
+# GGML types stored on a 4-bit grid that int4 takes over (groups of 32, fp16 scale and minimum: Q4_1's
+# grid holds Q4_0 and Q4_1 exactly, and Q4_K up to the fp16 rounding of its scales and minimums)
+_INT4_GRIDS = {"Q4_0", "Q4_1", "Q4_K"}
+# GGML types with more than 4 bits a weight, which int8 (per output channel) stands in for beside int4
+_WIDER = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"}
 _DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _weights(choice: str | None, formats: dict[str, str] | None, on_cpu: bool, reasons: dict[str, str]) -> str:
-    """"as loaded", "int8" or "int4". auto: int4 where the file's decoder weights are 4-bit on int4's grid,
-    so the int4 path computes with the values shipped (as llama.cpp does, activations quantized to 8 bits
-    in the small steps); any other file keeps its weights as loaded (int4 would change them: measure its
-    cost with `llmserve eval` first)."""
-    if choice in ("int8", "int4"):
+    """"as loaded", "int8", "int4" or "int4+int8". auto: int4 where the file's decoder weights are 4-bit,
+    on their own grid, so the int4 path computes with the values shipped (as llama.cpp does, activations
+    quantized to 8 bits in the small steps). A K-quant mix (mostly 4-bit, some tensors in 5-8 bits, as
+    Q4_K_M files are) runs int4 on the 4-bit tensors and int8 per channel on the others ("int4+int8": the
+    only values it changes are those of the wider tensors, each by at most half an int8 step of its row;
+    the cost measured with `llmserve eval` is in benchmarks/README.md). Any other file keeps its weights as loaded (int4
+    would change them: measure its cost with `llmserve eval` first)."""
+    if choice in ("int8", "int4", "int4+int8"):
         reasons["weights"] = "as asked"
         return choice
     if choice != "auto":
         return "as loaded"
-    stored = {fmt for name, fmt in (formats or {}).items()
-              if name.endswith(".weight") and any(f".{p}." in name for p in _DECODER_LINEARS)}
-    if on_cpu and stored and stored <= _INT4_EXACT:
-        reasons["weights"] = f"auto: the file's linear weights are {'/'.join(sorted(stored))}, which int4 holds exactly"
+    linear = [fmt for name, fmt in (formats or {}).items()
+              if name.endswith(".weight") and any(f".{p}." in name for p in _DECODER_LINEARS)]
+    stored = set(linear)
+    four_bit = sum(fmt in _INT4_GRIDS for fmt in linear)
+    if on_cpu and stored and stored <= _INT4_GRIDS:
+        reasons["weights"] = f"auto: the file's linear weights are {'/'.join(sorted(stored))}, on a grid int4 holds"
         return "int4"
+    if on_cpu and stored and stored <= _INT4_GRIDS | _WIDER and 2 * four_bit >= len(linear):
+        reasons["weights"] = (f"auto: {four_bit} of the file's {len(linear)} linear weights are 4-bit "
+                              f"({'/'.join(sorted(stored & _INT4_GRIDS))}: int4 on their grid), the others "
+                              f"{'/'.join(sorted(stored - _INT4_GRIDS))} (int8 per channel)")
+        return "int4+int8"
     reasons["weights"] = ("auto: " + (f"the file's linear weights are {'/'.join(sorted(stored))}, which int4 would "
                           "change" if stored else "a dense file") if on_cpu else "auto: quantization is CPU-only")
     return "as loaded"

@@ -59,7 +59,8 @@ class ModelRunner:
         methods = LayerMethods(self.attention, native_elementwise=plan.elementwise == "native")
         model = build_model(ckpt, plan.dtype, plan.device, methods)
         if plan.weights != "as loaded":
-            quantize_model(model, plan.weights, plan.small_step_kernels == "native", plan.small_step_max_tokens)
+            quantize_model(model, plan.weights, plan.small_step_kernels == "native", plan.small_step_max_tokens,
+                           ckpt.int4_grids)
         if packed := prepack_linears(model):
             logger.info("%d linear weights prepacked for oneDNN", packed)
         if plan.compile == "layers":

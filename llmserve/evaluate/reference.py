@@ -28,10 +28,10 @@ def reference_model(model: str | None = None, dtype: torch.dtype = torch.float32
     ).eval()
 
 
-def quantized_reference(model, method: str):
+def quantized_reference(model, method: str, grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None):
     """A copy of a transformers Llama model whose linear weights are exactly the values llmserve's
     `--quantization method` computes with (the output head int8, its own copy where it was tied to the
-    embedding)."""
+    embedding). `grids`: the checkpoint's `int4_grids`, which int4 keeps (see quantization/weight_only.py)."""
     import copy
 
     from torch import nn
@@ -39,10 +39,13 @@ def quantized_reference(model, method: str):
     from llmserve.quantization.weight_only import WeightOnlyLinear
 
     ref = copy.deepcopy(model)
+    grids = grids or {}
     with torch.no_grad():
-        for module in ref.model.layers.modules():
+        for name, module in ref.model.layers.named_modules(prefix="model.layers"):
             if isinstance(module, nn.Linear):
-                module.weight.copy_(WeightOnlyLinear(module.weight, method).weight)
+                grid = grids.get(f"{name}.weight")
+                layer_method = method if method != "int4+int8" else "int4" if grid is not None else "int8"
+                module.weight.copy_(WeightOnlyLinear(module.weight, layer_method, grid=grid).weight)
         head = WeightOnlyLinear(ref.lm_head.weight, "int8").weight  # the embedding, where they are tied
         ref.lm_head.weight = nn.Parameter(head.clone())
     return ref

@@ -14,7 +14,7 @@ import re
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize
+from gguf.quants import Q4_K, dequantize
 from tqdm import tqdm
 
 from llmserve.loader.checkpoint import Checkpoint
@@ -56,15 +56,18 @@ def load_gguf(path: str, name: str) -> Checkpoint:
         raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {sorted(_ARCHITECTURES)})")
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
     config = _config_from_metadata(meta, arch, shapes)
-    weights, formats = {}, {}
+    weights, formats, grids = {}, {}, {}
     for tensor in tqdm(reader.tensors, desc=f"Dequantizing {os.path.basename(path)}", unit="tensor"):
         hf_name = _hf_name(tensor.name)
-        array = _dense(tensor)
+        array, grid = _dense(tensor), int4_grid(tensor)
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if "q_proj" in hf_name else config.num_kv_heads
             array = _unpermute_rope_rows(array, heads)
+            grid = grid and tuple(_unpermute_rope_rows(g, heads) for g in grid)
         weights[hf_name] = torch.from_numpy(np.ascontiguousarray(array))
         formats[hf_name] = tensor.tensor_type.name
+        if grid is not None:
+            grids[hf_name] = tuple(torch.from_numpy(np.ascontiguousarray(g)) for g in grid)
     tokenizer = gguf_tokenizer(path)
     eos = meta.get("tokenizer.ggml.eos_token_id")
     eos_ids = [int(eos)] if eos is not None else []
@@ -76,6 +79,7 @@ def load_gguf(path: str, name: str) -> Checkpoint:
         chat_template=meta.get("tokenizer.chat_template"),
         eos_token_ids=eos_ids,
         source_formats=formats,
+        int4_grids=grids,
     )
 
 
@@ -120,6 +124,33 @@ def _dense(tensor) -> np.ndarray:
     if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
         return np.array(tensor.data, dtype=np.float32).reshape(shape)  # a copy: the reader's view is read-only
     return dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False).reshape(shape)
+
+
+# bytes per block of each 4-bit GGML type, and the inputs one block covers
+_INT4_BLOCKS = {GGMLQuantizationType.Q4_0: (18, 32), GGMLQuantizationType.Q4_1: (20, 32),
+                GGMLQuantizationType.Q4_K: (144, 256)}
+
+
+def int4_grid(tensor) -> tuple[np.ndarray, np.ndarray] | None:
+    """(scale, min) per group of 32 inputs, float32 [out, in / 32], for a tensor stored on a 4-bit grid
+    (w = q * scale + min, q in [0, 15]); None for any other type. Q4_0: w = d (q - 8); Q4_1: w = d q + m;
+    Q4_K: eight groups of 32 per block of 256, w = (d sc) q - (dmin m), sc and m 6-bit."""
+    if tensor.tensor_type not in _INT4_BLOCKS:
+        return None
+    block_bytes, per_block = _INT4_BLOCKS[tensor.tensor_type]
+    out_features = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1
+    blocks = np.asarray(tensor.data).view(np.uint8).reshape(-1, block_bytes)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n, 1]
+    if tensor.tensor_type == GGMLQuantizationType.Q4_0:
+        scale, low = d, -8 * d
+    elif tensor.tensor_type == GGMLQuantizationType.Q4_1:
+        scale, low = d, blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    else:
+        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())
+        scale, low = d * sc.astype(np.float32), -dmin * m.astype(np.float32)
+    groups = len(blocks) * per_block // 32 // out_features
+    return scale.reshape(out_features, groups), low.reshape(out_features, groups)
 
 
 def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:

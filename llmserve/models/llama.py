@@ -159,6 +159,13 @@ def compile_layers(model: nn.Module) -> None:
         layer.forward = torch.compile(layer.forward, dynamic=True)
 
 
+# our fused linears and the checkpoint tensors they are made of, stacked by rows
+_FUSED_LINEARS = {
+    ".self_attn.qkv_proj.": (".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.v_proj."),
+    ".mlp.gate_up_proj.": (".mlp.gate_proj.", ".mlp.up_proj."),
+}
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: LlamaConfig, methods: LayerMethods | None = None) -> None:
         super().__init__()
@@ -201,22 +208,23 @@ class LlamaForCausalLM(nn.Module):
         """float32 logits [N, vocab] for the rows that will be sampled."""
         return self.lm_head(hidden).float()
 
+    @staticmethod
+    def checkpoint_sources(name: str) -> list[str]:
+        """The Hugging Face tensors (without "model.") that make up this parameter, in row order."""
+        for fused_part, parts in _FUSED_LINEARS.items():
+            if fused_part in name:
+                return [name.replace(fused_part, p) for p in parts]
+        return [name]
+
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up. Raises on missing or extra."""
         own = dict(self.named_parameters())
-        fused = {
-            ".self_attn.qkv_proj.": (".self_attn.q_proj.", ".self_attn.k_proj.", ".self_attn.v_proj."),
-            ".mlp.gate_up_proj.": (".mlp.gate_proj.", ".mlp.up_proj."),
-        }
         remaining = {k.removeprefix("model."): v for k, v in weights.items()}
         if self.config.tie_word_embeddings:
             remaining.pop("lm_head.weight", None)
         loaded = set()
         for name, param in own.items():
-            sources = [name]
-            for fused_part, parts in fused.items():
-                if fused_part in name:
-                    sources = [name.replace(fused_part, p) for p in parts]
+            sources = self.checkpoint_sources(name)
             missing = [s for s in sources if s not in remaining]
             if missing:
                 raise ValueError(f"checkpoint lacks {missing[0]!r}")

@@ -10,9 +10,11 @@ linears: 1 token 2.6 ms int4 / 4.2 ms int8 / 10.3 ms bf16; 32 tokens 21.9 / 24.7
 the quantized weight for small steps and its exact dequantization, in the model dtype, for large ones.
 Both paths compute with the same quantized values; they differ only in rounding order.
 
-int4 follows GGUF's Q4_1 scheme (per group of 32 inputs: scale = (max - min) / 15, zero = min), so
-the embedded Q4_1 model's weights, already dequantized by the loader, are re-quantized to the values
-they were shipped as. As in Q4_1, scale and minimum are fp16 values.
+int4 follows GGUF's Q4_1 scheme (per group of 32 inputs: w = q * scale + min, q in [0, 15], scale and
+minimum fp16 values). A weight the file stored on a 4-bit grid (Q4_0, Q4_1, Q4_K: the loader's
+`int4_grids`) keeps that grid, so the int4 path computes with the values shipped (Q4_K's scales and
+minimums, products of an fp16 and a 6-bit integer, are rounded to fp16); any other weight gets a grid
+fitted to it (scale = (max - min) / 15, min = the group's minimum).
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmserve.config import QUANTIZATION_METHODS as METHODS
 from llmserve.kernels.int8_gemm import int8_gemm_packs, pack_int8_for_amx
 from llmserve.kernels.quantized_gemv import int4_packs, int8_packs, pack_int4, pack_int8
 from llmserve.layers.linear import dense_linear
@@ -28,7 +29,7 @@ from llmserve.quantization.int8_activations import int8_linear, pack_int8_weight
 
 INT4_GROUP_SIZE = 32
 # Steps with at most this many tokens use the quantized kernel (the crossover measured above).
-QUANTIZED_MAX_TOKENS = {"int8": 8, "int4": 16}
+QUANTIZED_MAX_TOKENS = {"int8": 8, "int4": 16, "int4+int8": 16}
 # With the AMX int8 x int8 product, steps from this many tokens take it: all 120 of SmolLM2's products with
 # weights streamed, int4 kernel 4.0 ms at 4 tokens and 7.0 ms at 8; AMX 5.8 ms at 9 and at 16 tokens (any
 # count up to 16 is the same tile work) (benchmarks/quantized_gemv.py, benchmarks/int8_gemm.py). Quality:
@@ -44,12 +45,14 @@ class WeightOnlyLinear(nn.Module):
     once `use_int8_activations` ran). A call only picks between the two by its token count."""
 
     def __init__(self, weight: torch.Tensor, method: str, native_kernels: bool = False,
-                 max_quantized_tokens: int | None = None, bias: torch.Tensor | None = None) -> None:
+                 max_quantized_tokens: int | None = None, bias: torch.Tensor | None = None,
+                 grid: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """`native_kernels`: small steps through `torch.ops.llmserve` (the caller has loaded them), which
-        keep a weight copy of their own layout instead of PyTorch's."""
+        keep a weight copy of their own layout instead of PyTorch's. `grid`: int4's (scale, min) per group,
+        the file's own (see the module docstring)."""
         super().__init__()
-        if method not in METHODS:
-            raise ValueError(f"quantization must be one of {list(METHODS)}, got {method!r}")
+        if method not in ("int8", "int4"):
+            raise ValueError(f"a layer's quantization is 'int8' or 'int4', got {method!r}")
         self.method = method
         self.max_quantized_tokens = max_quantized_tokens or QUANTIZED_MAX_TOKENS[method]
         dtype = weight.dtype
@@ -61,7 +64,7 @@ class WeightOnlyLinear(nn.Module):
                 q, scales, dequantized = _quantize_int8(weight.float())
                 kernel_weights = (pack_int8(q), scales.float()) if self.native else (q, scales.to(dtype))
             else:
-                q, scales, mins, dequantized = _quantize_int4(weight.float())
+                q, scales, mins, dequantized = _quantize_int4(weight.float(), grid)
                 kernel_weights = (
                     (pack_int4(q, scales, mins), None) if self.native else _torch_int4_pack(q, scales, mins, dtype)
                 )
@@ -147,17 +150,25 @@ def _quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return q, scales.squeeze(1), q.float() * scales
 
 
-def _quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _quantize_int4(w: torch.Tensor, grid: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric per group of 32 inputs (Q4_1): w ~ q * scale + min, q in [0, 15], scale and min fp16
-    values. Returns q [out, in] (int32), scales and mins [out, in / 32] (float32), the dequantized weight."""
+    values; `grid` (scale, min) [out, in / 32] when the file has one, else fitted to each group.
+    Returns q [out, in] (int32), scales and mins [out, in / 32] (float32), the dequantized weight."""
     out_features, in_features = w.shape
     if in_features % INT4_GROUP_SIZE:
         raise ValueError(f"int4 needs input features divisible by {INT4_GROUP_SIZE}, got {in_features}")
     groups = w.view(out_features, in_features // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
-    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
-    scale = ((hi - lo) / 15).clamp(min=1e-7).half().float()
-    lo = lo.half().float()
-    q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15)
+    if grid is None:
+        lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+        scale = ((hi - lo) / 15).clamp(min=1e-7).half().float()
+        lo = lo.half().float()
+        q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15)
+    else:  # the levels from the file's own grid (exact, whatever the rounding of w since), then fp16 as above
+        exact_scale, exact_lo = (g.float() for g in grid)
+        step = torch.where(exact_scale > 0, exact_scale, torch.ones_like(exact_scale))
+        q = torch.round((groups - exact_lo[..., None]) / step[..., None]).clamp(0, 15)
+        scale, lo = exact_scale.half().float(), exact_lo.half().float()
     dequantized = (q * scale[..., None] + lo[..., None]).view(out_features, in_features)
     return q.to(torch.int32).view(out_features, in_features), scale, lo, dequantized
 
@@ -172,15 +183,25 @@ def _torch_int4_pack(
 
 
 def quantize_model(model: nn.Module, method: str, native_kernels: bool = False,
-                   max_quantized_tokens: int | None = None) -> nn.Module:
+                   max_quantized_tokens: int | None = None,
+                   grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> nn.Module:
     """Replace every `nn.Linear` of the decoder layers by a `WeightOnlyLinear` (its bias, if any, kept), and
     give the output head int8 weights (a tied embedding stays as it is: a lookup reads one row).
-    `native_kernels`: the caller has loaded `llmserve.kernels`; small steps use them.
-    `max_quantized_tokens`: the largest step the small-step kernels take (default: the method's)."""
-    for module in list(model.layers.modules()):
+    `method`: "int8", "int4", or "int4+int8" (int4 where the file stored the weight on a 4-bit grid,
+    int8 where it stored more bits). `native_kernels`: the caller has loaded `llmserve.kernels`; small steps
+    use them. `max_quantized_tokens`: the largest step the small-step kernels take (default and ceiling:
+    the layer's method's). `grids`: the checkpoint's `int4_grids` (Hugging Face names)."""
+    grids = {k.removeprefix("model."): v for k, v in (grids or {}).items()}
+    for prefix, module in list(model.layers.named_modules(prefix="layers")):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, child_name, WeightOnlyLinear(child.weight, method, native_kernels,
-                                                             max_quantized_tokens, child.bias))
+                sources = [grids.get(s) for s in model.checkpoint_sources(f"{prefix}.{child_name}.weight")]
+                grid = None if None in sources else (torch.cat([g[0] for g in sources]),
+                                                     torch.cat([g[1] for g in sources]))
+                layer_method = method if method != "int4+int8" else "int4" if grid is not None else "int8"
+                cap = min(max_quantized_tokens or QUANTIZED_MAX_TOKENS[layer_method],
+                          QUANTIZED_MAX_TOKENS[layer_method])
+                setattr(module, child_name, WeightOnlyLinear(child.weight, layer_method, native_kernels, cap,
+                                                             child.bias, grid if layer_method == "int4" else None))
     model.lm_head = WeightOnlyLinear(model.lm_head.weight, "int8", native_kernels)
     return model

@@ -36,9 +36,19 @@ def test_a_4_bit_file_runs_on_the_int4_path_by_default():
     assert plan.int8_activations == fast_int8
     assert "int4" in plan.describe() and "build plan" in plan.describe()
     assert _plan(_formats("Q4_0", down="Q4_1")).weights == "int4"
+    assert _plan(_formats("Q4_K")).weights == "int4"
 
 
-@pytest.mark.parametrize("formats", [_formats("Q5_0", down="Q6_K"), _formats("Q4_K"), _formats("F16"), None])
+def test_a_mostly_4_bit_k_quant_mix_runs_int4_and_int8():
+    """Q4_K_M: Q4_K tensors on int4, the few Q6_K ones on int8; a mix that is mostly wider stays as loaded."""
+    plan = _plan(_formats("Q4_K", down="Q6_K"))
+    assert plan.weights == "int4+int8" and "Q6_K" in plan.reasons["weights"]
+    assert not plan.int8_activations and plan.fused_decode_max_tokens == 0
+    assert _plan(_formats("Q5_0", down="Q4_K")).weights == "as loaded"
+    assert _plan(_formats("Q4_K", down="BF16")).weights == "as loaded"
+
+
+@pytest.mark.parametrize("formats", [_formats("Q5_0", down="Q6_K"), _formats("Q8_0"), _formats("F16"), None])
 def test_any_other_file_keeps_its_weights(formats):
     plan = _plan(formats)
     assert plan.weights == "as loaded" and not plan.int8_activations and plan.small_step_max_tokens == 0

@@ -39,3 +39,35 @@ def test_gguf_and_hf_directory_give_the_same_weights(model_path, hf_model, tmp_p
         assert torch.equal(tensor, hf_dir.weights[name]), name
     assert gguf.eos_token_ids == [2] and 2 in hf_dir.eos_token_ids
     assert "<|im_start|>" in gguf.chat_template
+
+
+def _gguf_files() -> list[str]:
+    from llmserve.loader.default_models import PARTED_MODELS, installed_path
+
+    qwen = installed_path(PARTED_MODELS["qwen2.5-coder-0.5b"])  # its ffn_down are half Q4_K
+    return [resolve_model_path(None)[0], *([qwen] if qwen else [])]
+
+
+@pytest.mark.parametrize("path", _gguf_files())
+def test_a_4_bit_tensor_s_grid_gives_back_its_values(path):
+    """int4_grid reads each group's scale and minimum from the file: every dequantized value is a level
+    q * scale + min with q in [0, 15], exactly (for Q4_1 and Q4_K alike)."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from llmserve.loader.gguf import _dense, int4_grid
+
+    seen = set()
+    for tensor in GGUFReader(path).tensors:
+        grid = int4_grid(tensor)
+        if grid is None or tensor.tensor_type.name in seen:
+            assert grid is None or tensor.tensor_type.name in ("Q4_0", "Q4_1", "Q4_K")
+            continue
+        seen.add(tensor.tensor_type.name)
+        w = _dense(tensor)
+        scale, low = grid
+        groups = w.reshape(w.shape[0], -1, 32)
+        q = np.round((groups - low[..., None]) / scale[..., None])
+        assert q.min() >= 0 and q.max() <= 15
+        np.testing.assert_array_equal(q * scale[..., None] + low[..., None], groups)
+    assert seen  # each file has 4-bit tensors

@@ -9,6 +9,7 @@ import torch
 
 from llmserve import LLM
 from llmserve.evaluate.reference import quantized_reference, reference_greedy, reference_model
+from llmserve.loader import load_checkpoint
 from llmserve.loader.default_models import PARTED_MODELS, installed_path
 from tests.greedy import assert_greedy_equals
 
@@ -21,6 +22,11 @@ PROMPTS = ["def is_prime(n):", "The three laws of thermodynamics are", "# Sort a
 @pytest.fixture(scope="module")
 def qwen_reference():
     return reference_model(MODEL, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def qwen_grids():
+    return load_checkpoint(MODEL).int4_grids
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +51,13 @@ def test_qwen_greedy_equals_transformers_on_the_same_gguf(qwen_fp32, qwen_refere
     assert_greedy_equals(llm, prompts, expected, single=3)
 
 
-def test_qwen_int4_equals_transformers_on_the_same_int4_weights(qwen_reference, prompts):
-    ref = quantized_reference(qwen_reference, "int4")
+@pytest.mark.parametrize("method", ["int4", "int4+int8"])
+def test_qwen_int4_equals_transformers_on_the_same_int4_weights(qwen_reference, qwen_grids, prompts, method):
+    """int4 keeps the file's own grid where it has one (the Q4_K ffn_down); int4+int8 puts every other
+    weight (Q5_0, Q6_K, Q8_0) on int8."""
+    assert any("down_proj" in name for name in qwen_grids) and not any("q_proj" in name for name in qwen_grids)
+    ref = quantized_reference(qwen_reference, method, qwen_grids)
     expected = [reference_greedy(ref, ids, 16) for ids in prompts]
-    llm = LLM(MODEL, dtype="float32", quantization="int4", kv_cache_memory_gb=0.25, max_model_len=1024)
+    llm = LLM(MODEL, dtype="float32", quantization=method, kv_cache_memory_gb=0.25, max_model_len=1024)
     assert llm.engine.plan.fused_decode_max_tokens == 0  # q/k/v biases: layer by layer
     assert_greedy_equals(llm, prompts, expected, single=0)
