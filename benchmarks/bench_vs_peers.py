@@ -371,7 +371,7 @@ def markdown_report(rows: list[tuple[str, str, dict[str, Any]]], skipped: dict[s
 
 
 def plot_comparison(rows: list[tuple[str, str, dict[str, Any]]], path: Path,
-                    title: str = MODELS["smollm2"].title) -> None:
+                    model_title: str = MODELS["smollm2"].title) -> None:
     """PNG: output tok/s, TTFT p50 (log) and TPOT p50 vs concurrency; one colour per engine, measured rows
     solid and thick, recorded ones (another machine) thin, dashed and faded; one legend under the panels."""
     import matplotlib
@@ -408,7 +408,7 @@ def plot_comparison(rows: list[tuple[str, str, dict[str, Any]]], path: Path,
             ax.set_ylim(bottom=0)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=9, frameon=False)
-    fig.suptitle(f"{title} on 2 CPU cores: 256 prompt + 128 output tokens per request; "
+    fig.suptitle(f"{model_title} on 2 CPU cores: 256 prompt + 128 output tokens per request; "
                  "dashed = not measured here", fontsize=11)
     fig.tight_layout(rect=(0, 0.13, 1, 0.95))
     path.parent.mkdir(parents=True, exist_ok=True)

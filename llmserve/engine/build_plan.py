@@ -130,11 +130,15 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
         if weights == "int4+int8":
             reasons["small steps"] = f"int8 layers up to {QUANTIZED_MAX_TOKENS['int8']} tokens"
         if mc.int8_activations is None:  # auto: where the file itself is 4-bit and int8 products are fast here
+            # not for int4+int8: on Qwen2.5-Coder-1.5B (Q4_K_M) they cost +1.8 % perplexity (1.6x faster batch
+            # steps), against +0.1 % for its weights alone (benchmarks/README.md): not the file's quality
             int8_activations = (mc.quantization == "auto" and weights == "int4"
                                 and bool({"avx512_vnni", "amx_int8"} & cpu_flags()))
             if int8_activations:
                 reasons["large steps"] = ("auto: a 4-bit file, and this CPU multiplies int8 natively; +0.2-0.3 % "
                                           "perplexity on SmolLM2 (benchmarks/README.md)")
+            elif weights == "int4+int8":
+                reasons["large steps"] = "auto: int8 activations cost this kind of file +1.8 % perplexity"
         if int8_activations:
             products = "amx" if wanted and amx_int8_gemm() else "onednn"
             if products == "amx":

@@ -217,9 +217,12 @@ class LlamaForCausalLM(nn.Module):
         return [name]
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up. Raises on missing or extra."""
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up. Raises on missing or extra.
+        Consumes `weights`: each tensor is released once copied, so the checkpoint and the model never
+        both exist whole (see `build_model`)."""
         own = dict(self.named_parameters())
         remaining = {k.removeprefix("model."): v for k, v in weights.items()}
+        weights.clear()
         if self.config.tie_word_embeddings:
             remaining.pop("lm_head.weight", None)
         loaded = set()

@@ -43,7 +43,7 @@ def test_a_mostly_4_bit_k_quant_mix_runs_int4_and_int8():
     """Q4_K_M: Q4_K tensors on int4, the few Q6_K ones on int8; a mix that is mostly wider stays as loaded."""
     plan = _plan(_formats("Q4_K", down="Q6_K"))
     assert plan.weights == "int4+int8" and "Q6_K" in plan.reasons["weights"]
-    assert not plan.int8_activations and plan.fused_decode_max_tokens == 0
+    assert not plan.int8_activations and plan.fused_decode_max_tokens == 0  # they would cost quality here
     assert _plan(_formats("Q5_0", down="Q4_K")).weights == "as loaded"
     assert _plan(_formats("Q4_K", down="BF16")).weights == "as loaded"
 
