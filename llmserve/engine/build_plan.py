@@ -182,8 +182,8 @@ def _weights(choice: str | None, formats: dict[str, str] | None, on_cpu: bool, r
     quantized to 8 bits in the small steps). A K-quant mix (mostly 4-bit, some tensors in 5-8 bits, as
     Q4_K_M files are) runs int4 on the 4-bit tensors and int8 per channel on the others ("int4+int8": the
     only values it changes are those of the wider tensors, each by at most half an int8 step of its row;
-    the cost measured with `llmserve eval` is in benchmarks/README.md). Any other file keeps its weights as loaded (int4
-    would change them: measure its cost with `llmserve eval` first)."""
+    `llmserve eval` measured +0.1 % perplexity, benchmarks/README.md). Any other file keeps its weights as
+    loaded (int4 would change them: measure its cost with `llmserve eval` first)."""
     if choice in ("int8", "int4", "int4+int8"):
         reasons["weights"] = "as asked"
         return choice

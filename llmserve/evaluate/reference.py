@@ -36,7 +36,7 @@ def quantized_reference(model, method: str, grids: dict[str, tuple[torch.Tensor,
 
     from torch import nn
 
-    from llmserve.quantization.weight_only import WeightOnlyLinear
+    from llmserve.quantization.weight_only import WeightOnlyLinear, layer_method_of
 
     ref = copy.deepcopy(model)
     grids = grids or {}
@@ -44,8 +44,7 @@ def quantized_reference(model, method: str, grids: dict[str, tuple[torch.Tensor,
         for name, module in ref.model.layers.named_modules(prefix="model.layers"):
             if isinstance(module, nn.Linear):
                 grid = grids.get(f"{name}.weight")
-                layer_method = method if method != "int4+int8" else "int4" if grid is not None else "int8"
-                module.weight.copy_(WeightOnlyLinear(module.weight, layer_method, grid=grid).weight)
+                module.weight.copy_(WeightOnlyLinear(module.weight, layer_method_of(method, grid), grid=grid).weight)
         head = WeightOnlyLinear(ref.lm_head.weight, "int8").weight  # the embedding, where they are tied
         ref.lm_head.weight = nn.Parameter(head.clone())
     return ref

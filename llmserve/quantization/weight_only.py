@@ -182,6 +182,13 @@ def _torch_int4_pack(
     return torch._convert_weight_to_int4pack_for_cpu(q, 1), scales_and_zeros
 
 
+def layer_method_of(method: str, grid: tuple[torch.Tensor, torch.Tensor] | None) -> str:
+    """One layer's method under a model's: "int4+int8" is int4 where the file gave a 4-bit grid, else int8."""
+    if method != "int4+int8":
+        return method
+    return "int4" if grid is not None else "int8"
+
+
 def quantize_model(model: nn.Module, method: str, native_kernels: bool = False,
                    max_quantized_tokens: int | None = None,
                    grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> nn.Module:
@@ -198,7 +205,7 @@ def quantize_model(model: nn.Module, method: str, native_kernels: bool = False,
                 sources = [grids.get(s) for s in model.checkpoint_sources(f"{prefix}.{child_name}.weight")]
                 grid = None if None in sources else (torch.cat([g[0] for g in sources]),
                                                      torch.cat([g[1] for g in sources]))
-                layer_method = method if method != "int4+int8" else "int4" if grid is not None else "int8"
+                layer_method = layer_method_of(method, grid)
                 cap = min(max_quantized_tokens or QUANTIZED_MAX_TOKENS[layer_method],
                           QUANTIZED_MAX_TOKENS[layer_method])
                 setattr(module, child_name, WeightOnlyLinear(child.weight, layer_method, native_kernels, cap,
