@@ -20,7 +20,7 @@ from llmserve.engine.build_plan import BuildPlan
 from llmserve.engine.decode_graph import DecodeGraph
 from llmserve.engine.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from llmserve.layers.attention import ATTENTION_BACKENDS, attention_metadata
-from llmserve.layers.linear import prepack_linears
+from llmserve.layers.linear import prepack_linears, release_plain_weights
 from llmserve.layers.sampler import SamplingMetadata, sample
 from llmserve.loader import Checkpoint, build_model
 from llmserve.models.llama import LayerMethods, compile_layers, fused_decode_stack
@@ -63,6 +63,8 @@ class ModelRunner:
                            ckpt.int4_grids)
         if packed := prepack_linears(model):
             logger.info("%d linear weights prepacked for oneDNN", packed)
+            if plan.compile == "off" and not plan.int8_activations:
+                release_plain_weights(model)  # eager steps read the packed copies only
         if plan.compile == "layers":
             compile_layers(model)  # the PyTorch attention path: per layer, attention left eager
         self.model = model

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from llmserve.layers.linear import PackedLinear, packs, prepack_linears
+from llmserve.layers.linear import PackedLinear, packs, prepack_linears, release_plain_weights
 from llmserve.quantization.weight_only import WeightOnlyLinear
 
 pytestmark = pytest.mark.skipif(
@@ -45,3 +45,25 @@ def test_compiled_packed_linear_traces_the_plain_weight():
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     compiled = torch.compile(linear, fullgraph=True)
     torch.testing.assert_close(compiled(x), linear(x))
+
+
+def test_released_plain_weights_leave_the_same_products():
+    """Once packed, the plain copies go (eager steps read only the packed ones); a weight another module
+    holds (a tied embedding) stays there, and the unpacked float32 layer keeps its own."""
+    torch.manual_seed(0)
+    embedding = nn.Embedding(64, 128, dtype=torch.bfloat16)
+    head = nn.Linear(128, 64, bias=False, dtype=torch.bfloat16)
+    head.weight = embedding.weight  # tied
+    model = nn.Sequential(
+        nn.Linear(128, 128, dtype=torch.bfloat16),
+        WeightOnlyLinear(torch.randn(128, 128, dtype=torch.bfloat16), "int4"),
+        head,
+        nn.Linear(64, 8, dtype=torch.float32),
+    )
+    x = torch.randn(40, 128, dtype=torch.bfloat16)  # 40 rows: the quantized layer's dense path
+    prepack_linears(model)
+    before = model[:3](x)
+    assert release_plain_weights(model) == 3
+    assert model[0].weight is None and model[1].weight is None and model[2].weight is None
+    assert torch.equal(model[:3](x), before)
+    assert embedding.weight is not None and model[3].weight is not None
