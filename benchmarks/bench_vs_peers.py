@@ -87,8 +87,8 @@ MODELS = {m.name: m for m in (
     PeerModel("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct", "models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
               "models/qwen2.5-coder-1.5b-hf", 151645),
 )}
-GGUF, MODEL_DIR = "{gguf}", "{hf_dir}"  # placeholders in Engine.needs and model_args, filled from the model
-END_OF_TURN = "{end_of_turn}"  # placeholder in Engine.bench_args
+# placeholders in Engine.needs, model_args and bench_args (with "{name}"), filled in by `fill`
+GGUF, MODEL_DIR, END_OF_TURN = "{gguf}", "{hf_dir}", "{end_of_turn}"
 LEVELS = "1:8,8:32,32:64"
 QUICK_LEVELS = "1:4,4:8"
 
@@ -169,13 +169,13 @@ class TreeMemory(threading.Thread):
             self.stop_event.wait(0.5)
 
 
-def needs_of(engine: Engine, model: PeerModel) -> list[str]:
-    return [n.format(gguf=model.gguf, hf_dir=model.hf_dir) for n in engine.needs]
-
-
-def model_args_of(engine: Engine, model: PeerModel, peers: Path) -> list[str]:
-    return [a.format(gguf=peers / model.gguf, hf_dir=peers / model.hf_dir, name=model.name)
-            for a in engine.model_args]
+def fill(text: str, model: PeerModel, root: Path = Path()) -> str:
+    """An engine's needs, model_args or bench_args for this model: the placeholders replaced (not
+    `str.format`: bench_args hold JSON), paths under `root`."""
+    for key, value in ((GGUF, root / model.gguf), (MODEL_DIR, root / model.hf_dir), ("{name}", model.name),
+                       (END_OF_TURN, model.end_of_turn_id)):
+        text = text.replace(key, str(value))
+    return text
 
 
 def why_unavailable(engine: Engine, args: argparse.Namespace, shared: Path | None) -> str | None:
@@ -183,7 +183,7 @@ def why_unavailable(engine: Engine, args: argparse.Namespace, shared: Path | Non
         return None
     if shared is None or engine.script is None or not (shared / engine.script).is_file():
         return "peerbench server scripts (shared/peers/servers) not found"
-    missing = [n for n in needs_of(engine, args.model) if not (args.peers / n).exists()]
+    missing = [n for n in (fill(need, args.model) for need in engine.needs) if not (args.peers / n).exists()]
     if missing:
         return f"not installed under {args.peers}: missing {', '.join(missing)}"
     return None
@@ -195,7 +195,7 @@ def start_command(engine: Engine, args: argparse.Namespace, shared: Path | None)
                                        model=shlex.quote(args.model.name), name=shlex.quote(args.model.name))
         return f"{cmd} {engine.serve_flags}".strip()
     assert shared is not None and engine.script is not None
-    return shlex.join([str(shared / engine.script), *model_args_of(engine, args.model, args.peers)])
+    return shlex.join([str(shared / engine.script), *(fill(a, args.model, args.peers) for a in engine.model_args)])
 
 
 def parse_levels(text: str) -> list[tuple[int, int]]:
@@ -227,7 +227,7 @@ def bench_command(engine: Engine, args: argparse.Namespace, out: Path) -> list[s
         cmd += ["--tokenizer", str(tokenizer)]
     if not engine.ask_model:
         cmd += ["--model", args.model.name]
-    return cmd + [a.replace(END_OF_TURN, str(args.model.end_of_turn_id)) for a in engine.bench_args]
+    return cmd + [fill(a, args.model) for a in engine.bench_args]
 
 
 def stop_group(proc: subprocess.Popen[bytes], pgid: int) -> None:

@@ -23,6 +23,7 @@ from llmserve.kernels import amx_int8_gemm, load_cpu_kernels, native_quantized_k
 from llmserve.kernels.quantized_gemv import int4_packs
 from llmserve.kv_cache.kv_cache_spec import KVCacheSpec
 from llmserve.layers.attention import ATTENTION_BACKENDS
+from llmserve.loader.gguf import INT4_GRID_FORMATS
 from llmserve.models.llama import LlamaConfig
 from llmserve.quantization.weight_only import AMX_MIN_TOKENS, QUANTIZED_MAX_TOKENS
 
@@ -169,8 +170,9 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
 
 
 # GGML types stored on a 4-bit grid that int4 takes over (groups of 32, fp16 scale and minimum: Q4_1's
-# grid holds Q4_0 and Q4_1 exactly, and Q4_K up to the fp16 rounding of its scales and minimums)
-_INT4_GRIDS = {"Q4_0", "Q4_1", "Q4_K"}
+# grid holds Q4_0 and Q4_1 exactly, and Q4_K up to the fp16 rounding of its scales and minimums): the
+# loader's, which reads those grids
+_INT4_GRIDS = INT4_GRID_FORMATS
 # GGML types with more than 4 bits a weight, which int8 (per output channel) stands in for beside int4
 _WIDER = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"}
 _DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -129,6 +129,8 @@ def _dense(tensor) -> np.ndarray:
 # bytes per block of each 4-bit GGML type, and the inputs one block covers
 _INT4_BLOCKS = {GGMLQuantizationType.Q4_0: (18, 32), GGMLQuantizationType.Q4_1: (20, 32),
                 GGMLQuantizationType.Q4_K: (144, 256)}
+# their names, as `Checkpoint.source_formats` gives them: the formats that come with an int4 grid
+INT4_GRID_FORMATS = frozenset(t.name for t in _INT4_BLOCKS)
 
 
 def int4_grid(tensor) -> tuple[np.ndarray, np.ndarray] | None:

@@ -49,7 +49,7 @@ class WeightOnlyLinear(nn.Module):
                  grid: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """`native_kernels`: small steps through `torch.ops.llmserve` (the caller has loaded them), which
         keep a weight copy of their own layout instead of PyTorch's. `grid`: int4's (scale, min) per group,
-        the file's own (see the module docstring)."""
+        the file's own (see the module docstring); int8 has no use for it."""
         super().__init__()
         if method not in ("int8", "int4"):
             raise ValueError(f"a layer's quantization is 'int8' or 'int4', got {method!r}")
@@ -159,16 +159,14 @@ def _quantize_int4(w: torch.Tensor, grid: tuple[torch.Tensor, torch.Tensor] | No
     if in_features % INT4_GROUP_SIZE:
         raise ValueError(f"int4 needs input features divisible by {INT4_GROUP_SIZE}, got {in_features}")
     groups = w.view(out_features, in_features // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
-    if grid is None:
+    if grid is None:  # fitted: the group's range in 15 steps, as fp16 values
         lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
-        scale = ((hi - lo) / 15).clamp(min=1e-7).half().float()
-        lo = lo.half().float()
-        q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15)
-    else:  # the levels from the file's own grid (exact, whatever the rounding of w since), then fp16 as above
+        exact_scale, exact_lo = ((hi - lo) / 15).clamp(min=1e-7).half().float(), lo.half().float()
+    else:  # the file's own: its levels are exact whatever the rounding of w since (a zero scale: one level)
         exact_scale, exact_lo = (g.float() for g in grid)
-        step = torch.where(exact_scale > 0, exact_scale, torch.ones_like(exact_scale))
-        q = torch.round((groups - exact_lo[..., None]) / step[..., None]).clamp(0, 15)
-        scale, lo = exact_scale.half().float(), exact_lo.half().float()
+    step = torch.where(exact_scale > 0, exact_scale, torch.ones_like(exact_scale))
+    q = torch.round((groups - exact_lo[..., None]) / step[..., None]).clamp(0, 15)
+    scale, lo = exact_scale.half().float(), exact_lo.half().float()
     dequantized = (q * scale[..., None] + lo[..., None]).view(out_features, in_features)
     return q.to(torch.int32).view(out_features, in_features), scale, lo, dequantized
 
@@ -209,6 +207,6 @@ def quantize_model(model: nn.Module, method: str, native_kernels: bool = False,
                 cap = min(max_quantized_tokens or QUANTIZED_MAX_TOKENS[layer_method],
                           QUANTIZED_MAX_TOKENS[layer_method])
                 setattr(module, child_name, WeightOnlyLinear(child.weight, layer_method, native_kernels, cap,
-                                                             child.bias, grid if layer_method == "int4" else None))
+                                                             child.bias, grid))
     model.lm_head = WeightOnlyLinear(model.lm_head.weight, "int8", native_kernels)
     return model
