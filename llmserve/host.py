@@ -27,3 +27,10 @@ def _cpuinfo(key: str) -> str:
 def cpu_has_native_bf16() -> bool:
     """True where the CPU multiplies bf16 natively (AVX512-BF16 or AMX), so bf16 is faster, not slower."""
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def cpu_has_vnni() -> bool:
+    """True where the CPU multiplies uint8 by int8 into int32 sums (VNNI, AVX-512 or AVX, or AMX). Without it
+    oneDNN's int8 x int8 products run on `vpmaddubsw`, whose int16 pair sums saturate (255 * 127 twice is
+    more than 32767): results that are wrong, not slower, so int8 activations need it."""
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & cpu_flags())

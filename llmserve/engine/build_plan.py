@@ -18,7 +18,7 @@ import psutil
 import torch
 
 from llmserve.config import EngineConfig
-from llmserve.host import cpu_flags, cpu_has_native_bf16
+from llmserve.host import cpu_has_native_bf16, cpu_has_vnni
 from llmserve.kernels import amx_int8_gemm, load_cpu_kernels, native_quantized_kernels
 from llmserve.kernels.quantized_gemv import int4_packs
 from llmserve.kv_cache.kv_cache_spec import KVCacheSpec
@@ -108,33 +108,29 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
 
     attention = "native" if built else "torch"
     argmax = "native" if built else "torch"
-    # in float32 (the dtype held to transformers' rounding) only when asked for by name: the kernels sum
-    # RMSNorm's squares in another order, and a last-bit difference can move an int8 activation's level
-    elementwise = "native" if built and (dtype == torch.bfloat16 or mc.kernels == "native") else "torch"
-    if built and elementwise == "torch":
-        reasons["elementwise"] = "the native ones are used in bfloat16, or with kernels='native'"
-
     weights = _weights(mc.quantization, source_formats, on_cpu, reasons)
     small, small_max, products = "", 0, ""
     int8_activations = bool(mc.int8_activations)
     if int8_activations and weights == "as loaded":
         raise ValueError(f"int8_activations needs quantized weights, and quantization={mc.quantization!r} keeps this "
                          f"model's as loaded ({reasons.get('weights', 'as asked')}): ask for 'int8' or 'int4'")
+    if int8_activations and on_cpu and not cpu_has_vnni():
+        raise ValueError("int8_activations needs a CPU with VNNI (AVX512-VNNI, AVX-VNNI or AMX): without it "
+                         "oneDNN's int8 products saturate and give wrong results")
     if weights != "as loaded":
         vectorized = built and native_quantized_kernels()
         if mc.kernels == "native" and not vectorized:
-            raise RuntimeError("kernels='native' but the native quantized kernels need AVX-512 VNNI")
+            raise RuntimeError("kernels='native' but the native quantized kernels need AVX-512 VNNI or AVX2")
         small = "native" if vectorized else "torch"
         if built and not vectorized:
-            reasons["small steps"] = "llmserve's need AVX-512 VNNI"
+            reasons["small steps"] = "llmserve's need AVX-512 VNNI or AVX2"
         small_max = QUANTIZED_MAX_TOKENS[weights]
         if weights == "int4+int8":
             reasons["small steps"] = f"int8 layers up to {QUANTIZED_MAX_TOKENS['int8']} tokens"
         if mc.int8_activations is None:  # auto: where the file itself is 4-bit and int8 products are fast here
             # not for int4+int8: on Qwen2.5-Coder-1.5B (Q4_K_M) they cost +1.8 % perplexity (1.6x faster batch
             # steps), against +0.1 % for its weights alone (benchmarks/README.md): not the file's quality
-            int8_activations = (mc.quantization == "auto" and weights == "int4"
-                                and bool({"avx512_vnni", "amx_int8"} & cpu_flags()))
+            int8_activations = mc.quantization == "auto" and weights == "int4" and cpu_has_vnni()
             if int8_activations:
                 reasons["large steps"] = ("auto: a 4-bit file, and this CPU multiplies int8 natively; +0.2-0.3 % "
                                           "perplexity on SmolLM2 (benchmarks/README.md)")
@@ -146,6 +142,16 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
                 small_max = min(small_max, AMX_MIN_TOKENS - 1)
                 amx_note = f"AMX takes steps from {AMX_MIN_TOKENS} tokens"
                 reasons["large steps"] = "; ".join(filter(None, [reasons.get("large steps"), amx_note]))
+
+    # In float32 (the dtype held to transformers' rounding) the kernels sum RMSNorm's squares in another order,
+    # and a last-bit difference can move an int8 activation's level: there, only when asked for by name, or
+    # under int4 weights without int8 activations (the int4 kernel splits an activation into ~16 bits, so a
+    # last bit moves it by 1/508 of a level, never a whole one), where they open the one-call decode stack:
+    # on an AVX2-only AMD EPYC (float32 there) a SmolLM2 step at 1 token 28 -> 13 ms.
+    elementwise = "native" if built and (dtype == torch.bfloat16 or mc.kernels == "native" or (
+        weights == "int4" and not int8_activations)) else "torch"
+    if built and elementwise == "torch":
+        reasons["elementwise"] = "the native ones are used in bfloat16, under int4 weights, or with kernels='native'"
 
     compile_mode = "off"
     if mc.compile:

@@ -101,7 +101,7 @@ def _headers_digest() -> str:
 
 def native_quantized_kernels() -> bool:
     """Whether small quantized steps should run on the native kernels: built, and vectorized for this CPU
-    (AVX-512 VNNI); elsewhere PyTorch's own kernels are faster than the portable loops."""
+    (AVX-512 VNNI, or AVX2 with FMA and F16C); elsewhere PyTorch's own kernels are faster than the portable loops."""
     return load_cpu_kernels() and torch.ops.llmserve.quantized_gemv_vectorized()
 
 

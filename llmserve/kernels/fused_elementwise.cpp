@@ -228,7 +228,8 @@ void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t n, int64_t ld) 
 #else
       for (int64_t i = 0; i < n; ++i) {
         const float g = static_cast<float>(gate[i]);
-        o[i] = static_cast<T>(g / (1.f + std::exp(-g)) * static_cast<float>(up[i]));
+        // e^-g clamped as above: under -ffast-math (no infinities assumed) a vectorized exp's inf made NaN
+        o[i] = static_cast<T>(g / (1.f + std::exp(std::min(-g, 88.f))) * static_cast<float>(up[i]));
       }
 #endif
     }

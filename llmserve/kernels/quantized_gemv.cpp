@@ -27,6 +27,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define LLMSERVE_GEMV_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define LLMSERVE_GEMV_AVX2 1  // hosts without AVX-512 (AMD Zen 2/3, older Intel): 8-lane loops of their own
 #endif
 
 #include <algorithm>
@@ -243,6 +246,65 @@ void int4_rows_avx512(const uint8_t* w, Int4Tokens a, T* out, int64_t k, int64_t
 }
 #endif
 
+#if LLMSERVE_GEMV_AVX2
+// AVX2 has no `vpdpbusd`: `vpmaddubsw` multiplies the unsigned nibbles by an int8 part and adds pairs into
+// int16 (a pair is at most 2 * 15 * 127 = 3810 in size, and a group's eight of them, 30480, still fit), and one
+// `vpmaddwd` by ones a group widens them to the int32 row sums. The integer dot products are the AVX-512
+// loop's, exactly, and so is the float32 arithmetic after them. A 256-bit vector holds 8 rows: each row
+// block is two halves, bytes 0-31 (rows 0-7) and 32-63 (rows 8-15) of every 64-byte vector.
+template <int M, typename T>
+void int4_rows_avx2(const uint8_t* w, Int4Tokens a, T* out, int64_t k, int64_t n, int64_t block_begin,
+                    int64_t block_end) {
+  const int64_t groups = k / kGroup;
+  const __m256i nibble = _mm256_set1_epi8(15);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256 lo_weight = _mm256_set1_ps(1.f / 254.f);
+  const uint8_t* p = w + block_begin * groups * kInt4GroupBytes;
+  for (int64_t b = block_begin; b < block_end; ++b) {
+    __m256 total[M][2];
+    for (int t = 0; t < M; ++t) total[t][0] = total[t][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g, p += kInt4GroupBytes) {
+      for (int line = 0; line < kInt4GroupBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kInt4PrefetchBytes + line, _MM_HINT_T2);
+      for (int half = 0; half < 2; ++half) {
+        const uint8_t* bytes = p + 32 * half;
+        const __m256 scales = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 256 + 16 * half)));
+        const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 288 + 16 * half)));
+        for (int t = 0; t < M; ++t) {
+          // the nibbles are unpacked again for each token (from L1): holding all eight in registers spilled
+          const int32_t* hi = reinterpret_cast<const int32_t*>(a.hi + t * k + g * kGroup);
+          const int32_t* lo = reinterpret_cast<const int32_t*>(a.lo + t * k + g * kGroup);
+          __m256i sum_hi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // [low, high nibbles]
+          __m256i sum_lo[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+#pragma GCC unroll 4
+          for (int c = 0; c < 4; ++c) {
+            const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + c * 64));
+            const __m256i low = _mm256_and_si256(packed, nibble);
+            const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+            sum_hi[0] = _mm256_add_epi16(sum_hi[0], _mm256_maddubs_epi16(low, _mm256_set1_epi32(hi[2 * c])));
+            sum_hi[1] = _mm256_add_epi16(sum_hi[1], _mm256_maddubs_epi16(high, _mm256_set1_epi32(hi[2 * c + 1])));
+            sum_lo[0] = _mm256_add_epi16(sum_lo[0], _mm256_maddubs_epi16(low, _mm256_set1_epi32(lo[2 * c])));
+            sum_lo[1] = _mm256_add_epi16(sum_lo[1], _mm256_maddubs_epi16(high, _mm256_set1_epi32(lo[2 * c + 1])));
+          }
+          const __m256 dot_h = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(sum_hi[0], sum_hi[1]), ones));
+          const __m256 dot_l = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(sum_lo[0], sum_lo[1]), ones));
+          const __m256 dot = _mm256_fmadd_ps(dot_l, lo_weight, dot_h);
+          const __m256 scale = _mm256_mul_ps(scales, _mm256_set1_ps(a.step[t * groups + g]));
+          total[t][half] = _mm256_fmadd_ps(dot, scale, total[t][half]);
+          total[t][half] = _mm256_fmadd_ps(mins, _mm256_set1_ps(a.sum[t * groups + g]), total[t][half]);
+        }
+      }
+    }
+    alignas(32) float rows[kRows];
+    for (int t = 0; t < M; ++t) {
+      _mm256_store_ps(rows, total[t][0]);
+      _mm256_store_ps(rows + 8, total[t][1]);
+      store_rows(out + t * n + b * kRows, rows);
+    }
+  }
+}
+#endif
+
 template <typename T>
 void int4_product(const at::Tensor& x, const uint8_t* w, at::Tensor& out, bool portable) {
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1), num_blocks = n / kRows;
@@ -253,6 +315,10 @@ void int4_product(const at::Tensor& x, const uint8_t* w, at::Tensor& out, bool p
 #if LLMSERVE_GEMV_AVX512
     with_token_count<kMaxTokens>(mt, [&](auto tokens) {
       int4_rows_avx512<decltype(tokens)::value>(w, a.from(t0, k), o + t0 * n, k, n, begin, end);
+    });
+#elif LLMSERVE_GEMV_AVX2
+    with_token_count<kMaxTokens>(mt, [&](auto tokens) {
+      int4_rows_avx2<decltype(tokens)::value>(w, a.from(t0, k), o + t0 * n, k, n, begin, end);
     });
 #else
     int4_rows_portable(w, a.from(t0, k), o + t0 * n, mt, k, n, begin, end);
@@ -338,13 +404,66 @@ void int8_rows_avx512(const int8_t* w, const float* x, const float* scales, T* o
 }
 #endif
 
+#if LLMSERVE_GEMV_AVX2
+// The same float32 math in 8 lanes: each input's 16 row weights are two halves of 8. One or two tokens
+// keep two dependency chains per half (alternate inputs), so the multiply-adds' latency does not bound the
+// stream; more tokens have chains enough of their own.
+template <int M, typename T>
+void int8_rows_avx2(const int8_t* w, const float* x, const float* scales, T* out, int64_t k, int64_t n,
+                    int64_t block_begin, int64_t block_end) {
+  constexpr int kChains = M <= 2 ? 2 : 1;
+  const int8_t* p = w + block_begin * k * kRows;
+  for (int64_t b = block_begin; b < block_end; ++b) {
+    __m256 acc[M][kChains][2];
+    for (int t = 0; t < M; ++t)
+      for (int j = 0; j < kChains; ++j) acc[t][j][0] = acc[t][j][1] = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 4 <= k; i += 4, p += 4 * kRows) {
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const int8_t* row = p + j * kRows;
+        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row))));
+        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8))));
+        for (int t = 0; t < M; ++t) {
+          const __m256 xv = _mm256_set1_ps(x[t * k + i + j]);
+          acc[t][j % kChains][0] = _mm256_fmadd_ps(w0, xv, acc[t][j % kChains][0]);
+          acc[t][j % kChains][1] = _mm256_fmadd_ps(w1, xv, acc[t][j % kChains][1]);
+        }
+      }
+    }
+    for (; i < k; ++i, p += kRows) {
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
+      for (int t = 0; t < M; ++t) {
+        const __m256 xv = _mm256_set1_ps(x[t * k + i]);
+        acc[t][0][0] = _mm256_fmadd_ps(w0, xv, acc[t][0][0]);
+        acc[t][0][1] = _mm256_fmadd_ps(w1, xv, acc[t][0][1]);
+      }
+    }
+    const __m256 s0 = _mm256_loadu_ps(scales + b * kRows), s1 = _mm256_loadu_ps(scales + b * kRows + 8);
+    alignas(32) float rows[kRows];
+    for (int t = 0; t < M; ++t) {
+      __m256 r0 = acc[t][0][0], r1 = acc[t][0][1];
+      if constexpr (kChains == 2) {
+        r0 = _mm256_add_ps(r0, acc[t][1][0]);
+        r1 = _mm256_add_ps(r1, acc[t][1][1]);
+      }
+      _mm256_store_ps(rows, _mm256_mul_ps(r0, s0));
+      _mm256_store_ps(rows + 8, _mm256_mul_ps(r1, s1));
+      store_rows(out + t * n + b * kRows, rows);
+    }
+  }
+}
+#endif
+
 template <typename T>
 void int8_product(const at::Tensor& x, const int8_t* w, const float* scales, at::Tensor& out, bool portable) {
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1), num_blocks = n / kRows;
   const T* xs = x.data_ptr<T>();
   T* o = out.data_ptr<T>();
   if (portable) return int8_rows_portable(w, xs, scales, o, m, k, n, 0, num_blocks);
-#if LLMSERVE_GEMV_AVX512
+#if LLMSERVE_GEMV_AVX512 || LLMSERVE_GEMV_AVX2
   thread_local std::vector<float> xf;  // float32 once, not per multiply-add (this thread's buffer:
   xf.resize(m * k);                     // the workers below read it through a plain pointer)
   for (int64_t i = 0; i < m * k; ++i) xf[i] = as_float(xs[i]);
@@ -354,6 +473,10 @@ void int8_product(const at::Tensor& x, const int8_t* w, const float* scales, at:
 #if LLMSERVE_GEMV_AVX512
     with_token_count<kMaxTokens>(mt, [&](auto tokens) {
       int8_rows_avx512<decltype(tokens)::value>(w, x32 + t0 * k, scales, o + t0 * n, k, n, begin, end);
+    });
+#elif LLMSERVE_GEMV_AVX2
+    with_token_count<kMaxTokens>(mt, [&](auto tokens) {
+      int8_rows_avx2<decltype(tokens)::value>(w, x32 + t0 * k, scales, o + t0 * n, k, n, begin, end);
     });
 #else
     int8_rows_portable(w, xs + t0 * k, scales, o + t0 * n, mt, k, n, begin, end);
@@ -390,9 +513,10 @@ at::Tensor int8_gemv_portable(const at::Tensor& x, const at::Tensor& packed, con
   return int8_gemv_impl(x, packed, scales, n, true);
 }
 
-// Whether this build has the vector loops (AVX-512 with VNNI); the portable ones are for tests only.
+// Whether this build has vector loops (AVX-512 with VNNI, or AVX2 with FMA and F16C); the portable ones
+// are for tests only.
 bool quantized_gemv_vectorized() {
-#if LLMSERVE_GEMV_AVX512
+#if LLMSERVE_GEMV_AVX512 || LLMSERVE_GEMV_AVX2
   return true;
 #else
   return false;

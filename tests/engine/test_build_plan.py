@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from llmserve.config import engine_config
+from llmserve.engine import build_plan
 from llmserve.engine.build_plan import resolve_plan
-from llmserve.host import cpu_flags
+from llmserve.host import cpu_has_vnni
 from llmserve.models.llama import LlamaConfig
 
 SMOLLM = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
@@ -32,8 +33,7 @@ def _plan(formats, **options):
 def test_a_4_bit_file_runs_on_the_int4_path_by_default():
     plan = _plan(_formats("Q4_1"))
     assert plan.weights == "int4" and "Q4_1" in plan.reasons["weights"]
-    fast_int8 = bool({"avx512_vnni", "amx_int8"} & cpu_flags())
-    assert plan.int8_activations == fast_int8
+    assert plan.int8_activations == cpu_has_vnni()
     assert "int4" in plan.describe() and "build plan" in plan.describe()
     assert _plan(_formats("Q4_0", down="Q4_1")).weights == "int4"
     assert _plan(_formats("Q4_K")).weights == "int4"
@@ -59,8 +59,23 @@ def test_choices_asked_for_win():
     explicit = _plan(_formats("Q5_0"), quantization="int4")
     assert explicit.weights == "int4" and not explicit.int8_activations  # int8 activations only when asked
     assert _plan(_formats("Q4_1"), int8_activations=False).int8_activations is False
-    assert _plan(_formats("Q5_0"), quantization="int8", int8_activations=True).int8_activations
+    if cpu_has_vnni():
+        assert _plan(_formats("Q5_0"), quantization="int8", int8_activations=True).int8_activations
     with pytest.raises(ValueError, match="int8_activations"):
         engine_config(quantization="none", int8_activations=True)
     with pytest.raises(ValueError, match="int8_activations needs quantized weights"):  # auto kept a Q5_0 file
         _plan(_formats("Q5_0"), int8_activations=True)
+
+
+@pytest.mark.parametrize("vnni", [True, False])
+def test_int8_activations_need_vnni(monkeypatch, vnni):
+    """Without VNNI oneDNN's uint8 x int8 product saturates its int16 pair sums (on an AVX2-only AMD EPYC,
+    tests/kernels/test_int8_gemm.py's first case: -8.50 for -5.48): asked for, int8 activations are refused
+    there, and auto never picks them."""
+    monkeypatch.setattr(build_plan, "cpu_has_vnni", lambda: vnni)
+    assert _plan(_formats("Q4_1")).int8_activations == vnni
+    if vnni:
+        assert _plan(_formats("Q4_1"), int8_activations=True).int8_activations
+    else:
+        with pytest.raises(ValueError, match="needs a CPU with VNNI"):
+            _plan(_formats("Q4_1"), int8_activations=True)

@@ -13,7 +13,7 @@ from llmserve.kernels import native_quantized_kernels
 from llmserve.models.llama import fused_decode_stack
 
 pytestmark = pytest.mark.skipif(not native_quantized_kernels(),
-                                reason="the native int4 kernels need AVX-512 VNNI, which this CPU lacks")
+                                reason="the native int4 kernels need AVX-512 VNNI or AVX2, which this CPU lacks")
 
 
 def _generate_recording_path(llm: LLM, prompts: list[list[int]], params: SamplingParams):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llmserve.host import cpu_flags
 from llmserve.kernels import load_cpu_kernels, native_quantized_kernels
 from llmserve.kernels.quantized_gemv import pack_int4, pack_int8
 
@@ -74,6 +75,16 @@ def test_int8_product_equals_the_dequantized_weight(tokens, shape, dtype):
     _assert_same_up_to_summation_order(out, portable)
 
 
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_int4_sums_hold_at_the_extremes(sign):
+    # every nibble 15 and every activation part at +-127: the AVX2 loop's int16 pair sums reach their bound
+    q = torch.full((32, 64), 15)
+    scales, mins = torch.full((32, 2), 0.01).half().float(), torch.zeros(32, 2)
+    x = torch.full((2, 64), sign * 3.0)
+    out = torch.ops.llmserve.int4_gemv(x, pack_int4(q, scales, mins), 32)
+    torch.testing.assert_close(out, torch.full((2, 32), sign * 3.0 * 15 * float(scales[0, 0]) * 64))
+
+
 def test_non_contiguous_activations_are_read_as_their_values():
     packed, dense = _int4_case(64, 64)
     x = torch.randn(64, 3).T  # [3, 64], strided
@@ -104,8 +115,9 @@ def test_packing_refuses_shapes_the_kernels_do_not_take():
 
 
 def test_this_machine_runs_the_vector_loops():
-    # CI's machine has AVX-512 VNNI; elsewhere the engine keeps PyTorch's kernels for small steps
+    # AVX-512 VNNI hosts run the 16-lane loops, AVX2 ones (AMD Zen 1-3) the 8-lane ones; only a CPU with
+    # neither keeps PyTorch's kernels for small steps
     assert native_quantized_kernels() == torch.ops.llmserve.quantized_gemv_vectorized()
-    with open("/proc/cpuinfo") as f:
-        has_vnni = " avx512_vnni" in f.read()
-    assert torch.ops.llmserve.quantized_gemv_vectorized() == has_vnni
+    flags = cpu_flags()
+    vector_isa = "avx512_vnni" in flags or {"avx2", "fma", "f16c"} <= flags
+    assert torch.ops.llmserve.quantized_gemv_vectorized() == vector_isa

@@ -11,6 +11,7 @@ from torch import nn
 from llmserve import LLM, SamplingParams
 from llmserve.config import ModelConfig
 from llmserve.evaluate.reference import int8_activation_reference, reference_greedy
+from llmserve.host import cpu_has_vnni
 from llmserve.quantization.int8_activations import (
     calibration_prompts,
     int8_linear,
@@ -21,6 +22,11 @@ from llmserve.quantization.int8_activations import (
 )
 from llmserve.quantization.weight_only import QUANTIZED_MAX_TOKENS, WeightOnlyLinear
 from tests.greedy import assert_greedy_equals
+
+NEEDS_VNNI = pytest.mark.skipif(not cpu_has_vnni(), reason="int8 activations need VNNI; the build plan refuses "
+                                "them on this CPU (tests/engine/test_build_plan.py)")
+# oneDNN's product on the packed weight saturates without VNNI; the traced form is exact everywhere
+PRODUCTS = ("onednn", "traced") if cpu_has_vnni() else ("traced",)
 
 
 def _weight_and_outlier_input(rows: int = 40) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,7 +43,8 @@ def test_int8_linear_is_the_quantized_arithmetic_in_float64():
     wq, wscale = quantize_rows(weight * smooth)
     xq, xscale = quantize_rows(x / smooth)
     expected = (xq.double() @ wq.double().t()) * xscale.double() * wscale.double().t()
-    for packed in (pack_int8_weight(wq), None):  # oneDNN on the packed weight; the form a compile traces
+    for product in PRODUCTS:  # oneDNN on the packed weight; the form a compile traces
+        packed = pack_int8_weight(wq) if product == "onednn" else None
         out = int8_linear(x, 1 / smooth, wq, wscale.squeeze(1), torch.zeros(96, dtype=torch.int64), packed)
         torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
@@ -58,7 +65,8 @@ def test_smoothing_cuts_the_error_of_an_outlier_channel():
     def error(smooth: torch.Tensor) -> float:
         wq, wscale = quantize_rows(weight * smooth)
         zeros = torch.zeros(96, dtype=torch.int64)
-        out = int8_linear(x, 1 / smooth, wq, wscale.squeeze(1), zeros, pack_int8_weight(wq))
+        packed = pack_int8_weight(wq) if "onednn" in PRODUCTS else None
+        out = int8_linear(x, 1 / smooth, wq, wscale.squeeze(1), zeros, packed)
         return (out - exact).abs().mean().item()
 
     naive, smoothed = error(torch.ones(128)), error(smoothing_scales(x.abs().amax(0), weight))
@@ -111,6 +119,7 @@ def long_prompts(prompt_token_ids) -> list[list[int]]:
 WHOLE_PROMPTS = {"long_prefill_token_threshold": 512, "max_num_batched_tokens": 4096}
 
 
+@NEEDS_VNNI
 def test_engine_matches_transformers_computing_the_same_way(hf_model, long_prompts):
     llm = LLM(dtype="float32", quantization="int4", int8_activations=True, kv_cache_memory_gb=0.25,
               max_model_len=2048, **WHOLE_PROMPTS)
@@ -123,6 +132,7 @@ def test_engine_matches_transformers_computing_the_same_way(hf_model, long_promp
     assert_greedy_equals(llm, long_prompts, expected, single=1)
 
 
+@NEEDS_VNNI
 def test_compiled_decode_batches_run_int8_too(hf_model, long_prompts):
     llm = LLM(dtype="float32", quantization="int4", int8_activations=True, compile=True, kv_cache_memory_gb=0.25,
               max_model_len=2048, **WHOLE_PROMPTS)

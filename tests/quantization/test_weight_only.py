@@ -21,7 +21,7 @@ from tests.greedy import assert_greedy_equals
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_equals_dequantized_weight(method, dtype, native):
     if native and not native_quantized_kernels():
-        pytest.skip("the native quantized kernels need AVX-512 VNNI, which this CPU lacks")
+        pytest.skip("the native quantized kernels need AVX-512 VNNI or AVX2, which this CPU lacks")
     torch.manual_seed(0)
     weight = (torch.randn(96, 128) * 0.05).to(dtype)
     layer = WeightOnlyLinear(weight, method, native_kernels=native)
@@ -39,7 +39,7 @@ def test_kernel_equals_dequantized_weight(method, dtype, native):
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_native_and_torch_kernels_hold_the_same_quantized_values(method):
     if not native_quantized_kernels():
-        pytest.skip("the native quantized kernels need AVX-512 VNNI, which this CPU lacks")
+        pytest.skip("the native quantized kernels need AVX-512 VNNI or AVX2, which this CPU lacks")
     torch.manual_seed(1)
     weight = torch.randn(64, 96, dtype=torch.bfloat16) * 0.05
     native, fallback = (WeightOnlyLinear(weight, method, native_kernels=n) for n in (True, False))
@@ -80,14 +80,14 @@ def test_bad_quantization_is_refused():
 @pytest.mark.parametrize(("compile", "kernels"), [(False, "auto"), (True, "auto"), (False, "native")])
 def test_int4_engine_matches_transformers_on_the_quantized_weights(hf_model, prompt_token_ids, compile, kernels):
     if kernels == "native" and not native_quantized_kernels():
-        pytest.skip("the native quantized kernels need AVX-512 VNNI, which this CPU lacks")
+        pytest.skip("the native quantized kernels need AVX-512 VNNI or AVX2, which this CPU lacks")
     ref = quantized_reference(hf_model, "int4")
     expected = [reference_greedy(ref, ids, 32) for ids in prompt_token_ids]
     llm = LLM(dtype="float32", quantization="int4", compile=compile, kernels=kernels, kv_cache_memory_gb=0.25,
               max_model_len=2048)
-    # "native" (in float32, where "auto" keeps PyTorch's elementwise ops): decode steps run the layers as one
-    # native call (kernels/decode_layer.cpp)
-    assert (llm.engine.runner.fused_stack is not None) == (kernels == "native")
+    # where the native int4 products run, decode steps run the layers as one native call (kernels/decode_layer.cpp),
+    # float32 included: int4 weights open the native elementwise ops to it
+    assert (llm.engine.runner.fused_stack is not None) == native_quantized_kernels()
     # prompts prefill through the dequantized weights; 8 decodes a step, or one, through the int4 kernel
     assert_greedy_equals(llm, prompt_token_ids, expected, single=5)
 
