@@ -92,7 +92,7 @@ def test_the_cli_writes_results_and_compares_two_runs(tmp_path):
         assert "| perplexity |" in done.stdout
         return json.loads(out.read_text())
 
-    a = run("--dtype", "float32", "--label", "fp32")
+    a = run("--dtype", "float32", "--quantization", "none", "--label", "fp32")
     b = run("--dtype", "float32", "--quantization", "int4", "--label", "int4")
     assert a["tasks"]["perplexity"]["tokens"] == b["tasks"]["perplexity"]["tokens"] == 299
     assert a["tasks"]["perplexity"]["perplexity"] != b["tasks"]["perplexity"]["perplexity"]
