@@ -11,6 +11,7 @@ construction. What the engine then makes of a config on a given host is the buil
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
@@ -122,20 +123,88 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config` keys): proposals verified by the model in one step."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # the most proposal tokens a request carries into one step
+    prompt_lookup_max: int = 4  # ngram: longest ending of the sequence looked up
+    prompt_lookup_min: int = 2  # ngram: shortest
+    # no proposals at all while this many requests run (None: the speculator's cost model alone decides)
+    disable_by_batch_size: int | None = None
+    # True: per step, only the proposal tokens the measured step cost and each request's acceptance rate say
+    # pay; False: every proposal the proposer finds, num_speculative_tokens long (vLLM's behaviour)
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        self._check_method(self.method)
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got "
+                             f"{self.num_speculative_tokens!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"speculative_config: disable_by_batch_size must be >= 1, got "
+                             f"{self.disable_by_batch_size}")
+
+    @staticmethod
+    def _check_method(method: str) -> None:
+        if method in ("draft_model", "eagle", "medusa", "mtp"):
+            raise ValueError(f"speculative_config: method {method!r} is not supported yet; the methods are "
+                             f"{list(SPECULATIVE_METHODS)}")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: unknown method {method!r}; the methods are "
+                             f"{list(SPECULATIVE_METHODS)}")
+
+    @classmethod
+    def parse(cls, value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """From the option's forms: a dict (LLM(speculative_config={...})), JSON (--speculative-config), an
+        instance, or None / "none" / "off" (no speculation)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            if value.strip().lower() in ("none", "off", ""):
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config must be a JSON object, got {value!r} ({e})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object or dict, got {value!r}")
+        cls._check_method(value.get("method", cls.method))
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; the keys are {sorted(known)}")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None
 
 
 _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
 _TYPES = {"int": int, "float": float, "str": str}
 
 
+SPECULATIVE_HELP = ("speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                    "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2, \"disable_by_batch_size\": null, "
+                    "\"adaptive\": true} "
+                    "(vLLM's keys; adaptive: proposals only where the measured step cost says they pay)")
+
+
 def engine_options() -> dict[str, Any]:
     """Every engine option by name, with its default: what `LLM(...)` and `engine_config` accept."""
-    return {f.name: f.default for cls in _SECTIONS.values() for f in fields(cls)}
+    return {**{f.name: f.default for cls in _SECTIONS.values() for f in fields(cls)}, "speculative_config": None}
 
 
 def engine_config(**options: Any) -> EngineConfig:
@@ -147,7 +216,7 @@ def engine_config(**options: Any) -> EngineConfig:
         raise TypeError(f"unknown engine option(s) {unknown}; the options are {sorted(known)}")
     parts = {section: cls(**{f.name: options[f.name] for f in fields(cls) if f.name in options})
              for section, cls in _SECTIONS.items()}
-    return EngineConfig(**parts)
+    return EngineConfig(**parts, speculative=SpeculativeConfig.parse(options.get("speculative_config")))
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
@@ -179,6 +248,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
                 help_text += " (default: %(default)s)"
             parser.add_argument(*names, dest=f.name, type=_TYPES[f.type.split(" |")[0]], default=default,
                                 choices=f.metadata.get("choices"), help=help_text)
+    if "speculative_config" not in skip:
+        parser.add_argument("--speculative-config", dest="speculative_config", metavar="JSON",
+                            default=defaults.get("speculative_config"), help=SPECULATIVE_HELP)
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:

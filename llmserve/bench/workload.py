@@ -12,14 +12,20 @@ Kinds:
                    padded so the whole prompt is --input-len tokens (peerbench's workload)
   chat             real prompts: the 80 MT-Bench questions (first turns) or --dataset file.jsonl
   long-prompt-mix  random prompts of --input-len, with a --long-fraction of --long-input-len ones
+  code-edit        "add type hints to this function" and kin, over functions of Python's standard library:
+                   answers that largely repeat their prompt (where speculative decoding pays)
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
 import importlib.util
 import json
 import random
+import sys
+import sysconfig
+import textwrap
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,7 +33,7 @@ from typing import Any
 
 from llmserve.bench.tokens import Message, TokenCounter, messages_to_text
 
-WORKLOADS = ("random", "shared-prefix", "chat", "long-prompt-mix")
+WORKLOADS = ("random", "shared-prefix", "chat", "long-prompt-mix", "code-edit")
 
 # Common English words: one token each in the usual BPE vocabularies, so approximate counts stay close.
 COMMON_WORDS = (
@@ -395,11 +401,78 @@ class ChatDatasetWorkload(Workload):
         return {**super().describe(), "dataset": str(self.source), "num_prompts": len(self.items)}
 
 
+# Edits whose answer is the function again, mostly unchanged (the code-edit workload)
+EDIT_TASKS = (
+    "Add type hints to this function.",
+    "Add a docstring to this function that explains its parameters.",
+    "Rename the local variables of this function to more descriptive names.",
+    "Add a comment above each non-obvious line of this function.",
+    "Rewrite this function to use f-strings wherever it formats strings, changing nothing else.",
+)
+# Standard-library modules the code-edit workload takes its functions from (pure Python in every CPython)
+CODE_MODULES = ("bisect", "calendar", "colorsys", "csv", "difflib", "fnmatch", "fractions", "glob", "heapq",
+                "ipaddress", "posixpath", "pprint", "shlex", "statistics", "string", "textwrap", "tokenize")
+
+
+def stdlib_functions(min_lines: int = 8, max_lines: int = 40) -> list[tuple[str, str]]:
+    """(qualified name, source) of the module-level functions and methods of CODE_MODULES of this Python
+    that are min_lines..max_lines long, in a fixed order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found = []
+    for module in CODE_MODULES:
+        path = root / f"{module}.py"
+        if not path.is_file():
+            continue
+        source = path.read_text(encoding="utf-8")
+        tree = ast.parse(source)
+        nodes = [(None, n) for n in tree.body]
+        nodes += [(c.name, n) for c in tree.body if isinstance(c, ast.ClassDef) for n in c.body]
+        for owner, node in nodes:
+            if isinstance(node, ast.FunctionDef) and min_lines <= node.end_lineno - node.lineno + 1 <= max_lines:
+                text = ast.get_source_segment(source, node, padded=True)
+                name = ".".join(filter(None, (module, owner, node.name)))
+                found.append((name, textwrap.dedent(text)))
+    return found
+
+
+class CodeEditWorkload(Workload):
+    """An edit of a real function whose answer repeats most of it; each stream a seeded permutation of the
+    functions (the task drawn per request). --output-len is the answer budget."""
+
+    name = "code-edit"
+
+    def __init__(self, cfg: WorkloadConfig, counter: TokenCounter) -> None:
+        super().__init__(cfg, counter)
+        self.functions = stdlib_functions()
+        if not self.functions:
+            raise FileNotFoundError("the code-edit workload found no standard-library sources to edit")
+        self._perms: dict[str, list[int]] = {}
+
+    def request(self, stream: str, index: int) -> BenchRequest:
+        perm = self._perms.get(stream)
+        if perm is None:
+            perm = list(range(len(self.functions)))
+            random.Random(f"{self.cfg.seed}:code-edit:{stream}").shuffle(perm)
+            self._perms[stream] = perm
+        _, source = self.functions[perm[index % len(perm)]]
+        rng = self.rng(stream, index)
+        task = rng.choice(EDIT_TASKS)
+        content = f"{task} Answer with the whole function in one ```python block and nothing else.\n\n" \
+                  f"```python\n{source}```"
+        messages: list[Message] = [{"role": "user", "content": content}]
+        max_tokens = draw_len(rng, self.cfg.output_len, self.cfg.output_len_range)
+        return BenchRequest(stream, index, messages, max_tokens, self.prompt_len(messages))
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "python": sys.version.split()[0], "num_functions": len(self.functions)}
+
+
 _KINDS: dict[str, type[Workload]] = {
     "random": RandomWorkload,
     "shared-prefix": SharedPrefixWorkload,
     "chat": ChatDatasetWorkload,
     "long-prompt-mix": LongPromptMixWorkload,
+    "code-edit": CodeEditWorkload,
 }
 
 

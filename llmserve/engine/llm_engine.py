@@ -9,6 +9,7 @@ applies it (computed counts, prefix-cache blocks, new tokens, stop checks, finis
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
 from llmserve.quantization.int8_activations import calibration_prompts, record_input_ranges
 from llmserve.quantization.weight_only import WeightOnlyLinear
 from llmserve.sampling_params import SamplingParams
+from llmserve.spec_decode.speculator import SpecDecodeStats, Speculator
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,7 @@ class EngineStats:
     num_cached_blocks: int  # blocks findable by hash (in use or free)
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # of which found there
+    spec_decode: SpecDecodeStats | None = None  # with speculative decoding: proposals and kept tokens
 
 
 class LLMEngine:
@@ -66,6 +69,7 @@ class LLMEngine:
         del ckpt
         self.kv_cache = KVCacheManager(self.plan.num_kv_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
+        self.speculator = Speculator(config.speculative) if config.speculative else None
         self._backend_tokenizer = getattr(self.tokenizer, "backend_tokenizer", None) or self.tokenizer._tokenizer
         self.token_bytes = TokenBytes(self._backend_tokenizer)  # for logprobs' `bytes`
         if self.plan.int8_activations:
@@ -130,11 +134,15 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration: the output delta of every request that gained tokens or finished."""
-        scheduled = self.scheduler.schedule()
+        proposals = self.speculator.propose(self.scheduler.running) if self.speculator else None
+        scheduled = self.scheduler.schedule(proposals)
         self.runner.update_states(scheduled)
         if not scheduled.num_scheduled_tokens:
             return []
+        start = time.perf_counter()
         result, failed = self._execute(scheduled, list(scheduled.num_scheduled_tokens))
+        if self.speculator and not failed:
+            self.speculator.observe(scheduled, result, time.perf_counter() - start)
         outputs = [self._fail(request_id, error) for request_id, error in failed]
         for update in self.scheduler.update_from_output(scheduled, result):
             outputs.append(self._update_output(update))
@@ -143,7 +151,8 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         sched, kv = self.scheduler.stats(), self.kv_cache.stats_snapshot()
         return EngineStats(sched.num_running, sched.num_waiting, sched.num_preemptions, kv.num_blocks,
-                           kv.num_free_blocks, kv.usage, kv.num_cached_blocks, kv.prefix_queries, kv.prefix_hits)
+                           kv.num_free_blocks, kv.usage, kv.num_cached_blocks, kv.prefix_queries, kv.prefix_hits,
+                           dataclasses.replace(self.speculator.stats) if self.speculator else None)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return self.processor.render_chat(messages, add_generation_prompt)
@@ -233,6 +242,12 @@ class LLMEngine:
         while self.has_unfinished_requests():
             self.step()
 
+    def _reset_stats(self) -> None:
+        """Forget the counts of the engine's own requests (calibration, warm-up): nobody's traffic."""
+        self.kv_cache.reset_stats()
+        if self.speculator:
+            self.speculator.stats = SpecDecodeStats()
+
     def _calibrate_int8_activations(self) -> None:
         """Measure each decoder linear's input range on the calibration prompts (run as requests, so
         through this engine's own forward pass), then switch those layers' large steps to int8 x int8."""
@@ -247,7 +262,7 @@ class LLMEngine:
                 for i, text in enumerate(calibration_prompts())])
         for name, layer in layers.items():
             layer.use_int8_activations(absmax[name], amx=self.plan.int8_products == "amx")
-        self.kv_cache.reset_stats()
+        self._reset_stats()
         logger.info("int8 activations: %d layers calibrated in %.1fs", len(layers), time.perf_counter() - start)
 
     def _warm_up(self) -> None:
@@ -262,7 +277,7 @@ class LLMEngine:
         for batch in batches:
             self._run_to_completion([(f"warm-up-{len(batch)}-{i}", prompt, greedy, None)
                                      for i, prompt in enumerate(batch)])
-        self.kv_cache.reset_stats()  # the warm-up is nobody's traffic
+        self._reset_stats()  # the warm-up is nobody's traffic
         if self.runner.decode_graph:
             self.runner.decode_graph.freeze()
         logger.info("compiled and warmed up in %.1fs", time.perf_counter() - start)

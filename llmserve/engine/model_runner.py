@@ -12,7 +12,7 @@ whose tokens are all computed).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,7 @@ from llmserve.loader import Checkpoint, build_model
 from llmserve.models.llama import LayerMethods, compile_layers, fused_decode_stack
 from llmserve.quantization.weight_only import quantize_model
 from llmserve.sampling_params import SamplingParams
+from llmserve.spec_decode.rejection_sampler import verify
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,18 @@ class _RequestState:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+
+@dataclass
+class _Row:
+    """A run of a request's query tokens in the step: its new tokens, or one of its verification decodes."""
+
+    request: int  # index of the request in the step
+    state: _RequestState
+    start: int  # position of the first token
+    count: int
+    tokens: list[int]
+    proposed_before: list[int] = field(default_factory=list)  # proposal tokens between the request's and these
 
 
 class ModelRunner:
@@ -90,42 +103,52 @@ class ModelRunner:
             if running.resumed:
                 state.block_ids = list(running.new_block_ids)
             else:
+                # blocks past the computed tokens held only rejected proposals: the scheduler gave them back
+                del state.block_ids[-(-running.num_computed_tokens // self.block_size):]
                 state.block_ids.extend(running.new_block_ids)
             state.num_computed_tokens = running.num_computed_tokens
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run the scheduled tokens (after `update_states` for this step; `out` may be restricted to some
-        of its requests) and sample; the sampled tokens join the requests' own token lists."""
+        of its requests) and sample; the sampled tokens join the requests' own token lists.
+
+        A request with proposal tokens runs its last token and each proposal as decodes of their own (one
+        query token each, the same block table, contexts one longer each): every layer writes the step's
+        K/V before it attends, so each sees the ones before it, and the step stays decode-only."""
         ids = list(out.num_scheduled_tokens)
-        states = [self._requests[r] for r in ids]
+        rows: list[_Row] = []
+        for index, request_id in enumerate(ids):
+            r = self._requests[request_id]
+            start, n = r.num_computed_tokens, out.num_scheduled_tokens[request_id]
+            draft = out.spec_token_ids.get(request_id)
+            if draft:
+                rows.extend(_Row(index, r, start + j, 1, [token], draft[:j])
+                            for j, token in enumerate([r.token_ids[start], *draft]))
+            else:
+                rows.append(_Row(index, r, start, n, r.token_ids[start : start + n]))
         # decodes (one new token) first, shortest context first: they form the decode groups of the attention
-        order = sorted(range(len(ids)), key=lambda i: (out.num_scheduled_tokens[ids[i]] != 1,
-                                                       states[i].num_computed_tokens))
-        reqs = [states[i] for i in order]
-        counts = [out.num_scheduled_tokens[ids[i]] for i in order]
-        starts = [r.num_computed_tokens for r in reqs]
-        token_ids: list[int] = []
-        for r, s, n in zip(reqs, starts, counts, strict=True):
-            token_ids.extend(r.token_ids[s : s + n])
+        rows.sort(key=lambda row: (row.count != 1, row.start))
+        counts = [row.count for row in rows]
+        starts = [row.start for row in rows]
+        token_ids = [t for row in rows for t in row.tokens]
 
         dev = self.device
-        tables = [r.block_ids for r in reqs]
+        tables = [row.state.block_ids for row in rows]
         width = max(len(t) for t in tables)
         block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
         counts_t = torch.tensor(counts)
         starts_t = torch.tensor(starts)
-        if len(token_ids) == len(reqs):  # one token each (a decode-only step): row i is token i
-            row_of_token = first_token = torch.arange(len(reqs))
+        if len(token_ids) == len(rows):  # one token each (a decode-only step): row i is token i
+            row_of_token = first_token = torch.arange(len(rows))
             positions = starts_t
         else:  # repeat_interleave alone was ~35 us, 1 % of a batch-1 step
-            row_of_token = torch.repeat_interleave(torch.arange(len(reqs)), counts_t)
+            row_of_token = torch.repeat_interleave(torch.arange(len(rows)), counts_t)
             first_token = torch.cumsum(counts_t, 0) - counts_t
             positions = torch.arange(len(token_ids)) - first_token[row_of_token] + starts_t[row_of_token]
         meta = attention_metadata(self.attention, block_table, row_of_token, positions, counts, starts,
                                   first_token.tolist(), self.block_size, self.config.num_kv_heads,
                                   self.config.num_heads, self.plan.dtype, dev)
-        sample_rows = [i for i, r in enumerate(reqs) if starts[i] + counts[i] == len(r.token_ids)]
         input_ids, positions = torch.tensor(token_ids, device=dev), positions.to(dev)
         route = self.plan.step_route(not meta.prefills, len(token_ids), self.decode_graph is not None)
         if route == "fused":
@@ -133,25 +156,35 @@ class ModelRunner:
         else:
             forward = self.decode_graph if route == "graph" else self.model
             hidden = forward(input_ids, positions, self.kv_caches, meta)
-        result = ModelRunnerOutput({ids[i]: [] for i in order})
-        for row, r in enumerate(reqs):
-            if r.params.prompt_logprobs is not None and starts[row] + 1 < r.num_prompt_tokens:
-                first = int(first_token[row])
-                result.prompt_logprobs[ids[order[row]]] = self._prompt_logprobs(
-                    r, starts[row], hidden[first : first + counts[row]])
-        if not sample_rows:
+        result = ModelRunnerOutput({request_id: [] for request_id in ids})
+        for i, row in enumerate(rows):
+            if row.state.params.prompt_logprobs is not None and row.start + 1 < row.state.num_prompt_tokens:
+                first = int(first_token[i])
+                result.prompt_logprobs[ids[row.request]] = self._prompt_logprobs(
+                    row.state, row.start, hidden[first : first + row.count])
+        # rows that sample: a request's last token, and each of its proposals (those by request and position)
+        sampling = [i for i, row in enumerate(rows) if row.start + row.count >= len(row.state.token_ids)]
+        if out.spec_token_ids:
+            sampling.sort(key=lambda i: (rows[i].request, rows[i].start))
+        if not sampling:
             return result
-        if len(sample_rows) < len(token_ids):  # else every token samples (decodes only): all of hidden
-            hidden = hidden[(first_token + counts_t - 1)[sample_rows].to(dev)]
+        if len(sampling) < len(token_ids) or out.spec_token_ids:  # else every token samples, in order: all of hidden
+            hidden = hidden[(first_token + counts_t - 1)[sampling].to(dev)]
         logits = self.model.compute_logits(hidden)
-        sampled = sample(logits, self._sampling_metadata([reqs[i] for i in sample_rows], logits.shape[1]),
-                         self.plan.argmax == "native")
-        for row, token in zip(sample_rows, sampled, strict=True):
-            request_id = ids[order[row]]
-            reqs[row].token_ids.append(token.token_id)
-            result.sampled_token_ids[request_id] = [token.token_id]
-            if token.logprob is not None:
-                result.logprobs[request_id] = [TokenLogprobs(token.logprob, token.rank, token.top)]
+        sampling_meta = self._sampling_metadata([rows[i] for i in sampling], logits.shape[1])
+        native_argmax = self.plan.argmax == "native"
+        requests = list(dict.fromkeys(rows[i].request for i in sampling))  # in the order of their rows
+        if out.spec_token_ids:
+            drafts = [out.spec_token_ids.get(ids[index], []) for index in requests]
+            sampled = verify(logits, sampling_meta, drafts, native_argmax)
+        else:
+            sampled = [[token] for token in sample(logits, sampling_meta, native_argmax)]
+        for index, tokens in zip(requests, sampled, strict=True):
+            request_id = ids[index]
+            self._requests[request_id].token_ids.extend(t.token_id for t in tokens)
+            result.sampled_token_ids[request_id] = [t.token_id for t in tokens]
+            if tokens[0].logprob is not None:
+                result.logprobs[request_id] = [TokenLogprobs(t.logprob, t.rank, t.top) for t in tokens]
         return result
 
     def _prompt_logprobs(self, r: _RequestState, start: int, hidden: torch.Tensor) -> list[TokenLogprobs]:
@@ -169,7 +202,10 @@ class ModelRunner:
                               if top is not None else [])
                 for i, (lp, rank) in enumerate(zip(chosen.tolist(), ranks.tolist(), strict=True))]
 
-    def _sampling_metadata(self, reqs: list[_RequestState], vocab_size: int) -> SamplingMetadata:
+    def _sampling_metadata(self, rows: list[_Row], vocab_size: int) -> SamplingMetadata:
+        """Per sampling row: its request's parameters, and its history (the proposals before it included)
+        for penalties and min_tokens."""
+        reqs = [row.state for row in rows]
         params = [r.params for r in reqs]
         dev = self.device
         temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32,
@@ -189,17 +225,19 @@ class ModelRunner:
         if any(p.uses_penalties for p in params):
             counts = torch.zeros(len(reqs), vocab_size, device=dev)
             prompt_mask = torch.zeros(len(reqs), vocab_size, dtype=torch.bool, device=dev)
-            for i, r in enumerate(reqs):
-                out = torch.tensor(r.output_token_ids, dtype=torch.long, device=dev)
+            for i, row in enumerate(rows):
+                r = row.state
+                out = torch.tensor(r.output_token_ids + row.proposed_before, dtype=torch.long, device=dev)
                 counts[i].index_add_(0, out, torch.ones(len(out), device=dev))
                 prompt_mask[i, torch.tensor(r.token_ids[: r.num_prompt_tokens], dtype=torch.long, device=dev)] = True
             presence = torch.tensor([p.presence_penalty for p in params], device=dev)
             frequency = torch.tensor([p.frequency_penalty for p in params], device=dev)
             repetition = torch.tensor([p.repetition_penalty for p in params], device=dev)
         banned = [
-            (i, ([] if r.params.ignore_eos else self.eos_token_ids) + r.params.stop_token_ids)
-            for i, r in enumerate(reqs)
-            if len(r.token_ids) - r.num_prompt_tokens < r.params.min_tokens
+            (i, ([] if row.state.params.ignore_eos else self.eos_token_ids) + row.state.params.stop_token_ids)
+            for i, row in enumerate(rows)
+            if len(row.state.token_ids) + len(row.proposed_before) - row.state.num_prompt_tokens
+            < row.state.params.min_tokens
         ]
         return SamplingMetadata(
             temperature=temperature,

@@ -80,11 +80,15 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, proposals: dict[str, list[int]] | None = None) -> SchedulerOutput:
+        """This step's work. `proposals`: speculative tokens to follow some decoding requests' last token
+        (the speculator's); each runs with its request, within the budget and max_tokens, and is dropped
+        rather than preempting anyone."""
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = set()
         budget = self.config.max_num_batched_tokens
         long_prefills = 0  # scheduled requests with more than one chunk of prompt left
+        proposals = proposals or {}
 
         # 1. Running requests, oldest first; preempt from the newest end when blocks run out.
         i = 0
@@ -92,12 +96,21 @@ class Scheduler:
             req = self.running[i]
             n = self._num_new_tokens(req.num_computed_tokens, req.num_tokens, budget)
             long_prefills += self._is_long(req.num_tokens - req.num_computed_tokens)
-            while (new_blocks := self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + n)) is None:
+            draft = proposals.get(req.request_id, [])[: min(budget - 1, req.max_tokens - req.num_output_tokens - 1)]
+            if draft and req.num_computed_tokens == req.num_tokens - 1:
+                new_blocks = self.kv_cache.allocate_slots(req.request_id, req.num_tokens + len(draft))
+                if new_blocks is not None:
+                    out.spec_token_ids[req.request_id] = draft
+                    n += len(draft)
+            else:
+                new_blocks = None
+            while new_blocks is None and (
+                    new_blocks := self.kv_cache.allocate_slots(req.request_id, req.num_computed_tokens + n)) is None:
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 if victim is req:
                     break
-            else:
+            if new_blocks is not None:
                 out.running_requests.append(RunningRequestData(req.request_id, new_blocks, req.num_computed_tokens))
                 out.num_scheduled_tokens[req.request_id] = n
                 budget -= n
@@ -156,18 +169,19 @@ class Scheduler:
             req.num_computed_tokens += num_scheduled - rejected
             if rejected:
                 self.kv_cache.trim(request_id, req.num_computed_tokens)
-            self.kv_cache.cache_blocks(request_id, req.all_token_ids, req.block_hashes, req.num_computed_tokens,
-                                       req.cache_salt)
             if request_id in result.prompt_logprobs:
                 req.prompt_logprobs.extend(result.prompt_logprobs[request_id])
-            if not sampled:
-                continue  # a prompt chunk that is not the last
             kept = []
             for token in sampled:
                 req.append_token(token)  # detokenizes, checks stops
                 kept.append(token)
                 if req.status.finished:
                     break
+            # blocks full of verified tokens (none past a stop inside an accepted run) join the prefix cache
+            self.kv_cache.cache_blocks(request_id, req.all_token_ids, req.block_hashes,
+                                       min(req.num_computed_tokens, req.num_tokens), req.cache_salt)
+            if not sampled:
+                continue  # a prompt chunk that is not the last
             logprobs = result.logprobs.get(request_id)
             prompt = req.prompt_logprobs if req.params.prompt_logprobs is not None and req.num_output_tokens == len(
                 kept) else None  # with the first tokens only

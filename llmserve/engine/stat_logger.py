@@ -6,6 +6,7 @@ import logging
 import time
 
 from llmserve.engine.llm_engine import EngineStats, LLMEngine
+from llmserve.spec_decode.speculator import SpecDecodeStats
 
 logger = logging.getLogger("llmserve.engine")
 
@@ -19,6 +20,7 @@ class StatLogger:
         self._last_time = time.monotonic()
         self._last_prompt = 0
         self._last_generation = 0
+        self._last_spec: SpecDecodeStats | None = None
 
     def maybe_log(self, prompt_tokens_total: int, generation_tokens_total: int) -> str | None:
         now = time.monotonic()
@@ -39,5 +41,19 @@ class StatLogger:
             f"prompt {prompt_rate:.1f} tok/s, generation {gen_rate:.1f} tok/s | running {stats.num_running}, "
             f"waiting {stats.num_waiting} | KV cache {stats.kv_cache_usage:.1%} used, {stats.num_cached_blocks} "
             f"cached blocks | prefix cache hit rate {hit_rate:.1%} ({stats.prefix_cache_hits}/"
-            f"{stats.prefix_cache_queries} tokens) | preemptions {stats.num_preemptions}"
+            f"{stats.prefix_cache_queries} tokens) | preemptions {stats.num_preemptions}" + self._spec_part(stats)
         )
+
+    def _spec_part(self, stats: EngineStats) -> str:
+        """Speculative decoding since the last line: proposals kept, and tokens per verification."""
+        spec = stats.spec_decode
+        if spec is None:
+            return ""
+        last = self._last_spec or spec.__class__()
+        drafts, proposed = spec.num_drafts - last.num_drafts, spec.num_draft_tokens - last.num_draft_tokens
+        accepted = spec.num_accepted_tokens - last.num_accepted_tokens
+        self._last_spec = spec
+        if not drafts:
+            return " | speculative: no proposals"
+        return (f" | speculative: acceptance {accepted / proposed:.1%} ({accepted}/{proposed}), mean acceptance "
+                f"length {1 + accepted / drafts:.2f}")

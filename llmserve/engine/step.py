@@ -31,7 +31,9 @@ class RunningRequestData:
     """A request the runner knows: what changed since it last ran."""
 
     request_id: str
-    new_block_ids: list[int]  # appended to its block table (or, if resumed, the whole new table)
+    # appended to its block table, cut to the blocks its computed tokens fill (those past them held rejected
+    # proposals: given back); if resumed, the whole new table
+    new_block_ids: list[int]
     num_computed_tokens: int
     resumed: bool = False  # back from preemption: its blocks were freed, `new_block_ids` replace them
 

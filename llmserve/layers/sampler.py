@@ -41,24 +41,33 @@ class SampledToken:
 def sample(logits: torch.Tensor, meta: SamplingMetadata, native_argmax: bool = False) -> list[SampledToken]:
     """logits: [B, V] float32 (modified in place). `native_argmax`: greedy tokens through
     `llmserve::argmax_rows` (loaded by the caller; CPU), several times faster than PyTorch's reduction."""
+    raw_logprobs = apply_constraints(logits, meta)
+    tokens = greedy_tokens(logits, native_argmax)
+    if not meta.all_greedy:
+        tokens = torch.where(meta.temperature == 0, tokens, exponential_race(target_probs(logits, meta),
+                                                                             meta.generators))
+    token_list = tokens.tolist()
+    if raw_logprobs is None:
+        return [SampledToken(t) for t in token_list]
+    return with_logprobs(raw_logprobs, tokens, token_list, meta.num_logprobs)
+
+
+def apply_constraints(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor | None:
+    """Ban what may not be sampled yet and apply the penalties, in place; returns the raw distribution's
+    logprobs first (None when no row wants logprobs)."""
     want_logprobs = any(k is not None for k in meta.num_logprobs)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     for row, ids in meta.banned:
         logits[row, ids] = float("-inf")
     if meta.output_counts is not None:
         _apply_penalties(logits, meta)
+    return raw_logprobs
 
+
+def greedy_tokens(logits: torch.Tensor, native_argmax: bool) -> torch.Tensor:
     if native_argmax:
-        tokens = torch.ops.llmserve.argmax_rows(logits)
-    else:
-        tokens = logits.max(dim=-1).indices  # the first maximum, as argmax, in a third of its time on CPU
-    if not meta.all_greedy:
-        tokens = torch.where(meta.temperature == 0, tokens, _sample_random(logits, meta))
-
-    token_list = tokens.tolist()
-    if raw_logprobs is None:
-        return [SampledToken(t) for t in token_list]
-    return _with_logprobs(raw_logprobs, tokens, token_list, meta.num_logprobs)
+        return torch.ops.llmserve.argmax_rows(logits)
+    return logits.max(dim=-1).indices  # the first maximum, as argmax, in a third of its time on CPU
 
 
 def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
@@ -71,7 +80,9 @@ def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:
     logits -= meta.presence_penalty.unsqueeze(1) * (counts > 0).float()
 
 
-def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+def target_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The distribution a random row draws from (normalised): temperature, then top-k, min-p and top-p
+    (rows at temperature 0 get their plain softmax: the caller takes their argmax instead)."""
     temperature = torch.where(meta.temperature == 0, torch.ones_like(meta.temperature), meta.temperature)
     logits = logits / temperature.unsqueeze(1)
     if meta.top_k is not None:
@@ -87,17 +98,25 @@ def _sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
         before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly better tokens
         sorted_probs = sorted_probs.masked_fill(before >= meta.top_p.unsqueeze(1), 0.0)
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
-    noise = torch.empty_like(probs)
-    unseeded = [i for i, g in enumerate(meta.generators) if g is None]
+    if meta.min_p is not None or meta.top_p is not None:
+        probs = probs / probs.sum(dim=-1, keepdim=True)  # what they left, renormalised
+    return probs
+
+
+def exponential_race(weights: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One draw per row, proportional to `weights` (need not sum to 1); a row with a generator draws its
+    noise from it, rows in order."""
+    noise = torch.empty_like(weights)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
     if unseeded:
-        noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_()
-    for i, generator in enumerate(meta.generators):
+        noise[unseeded] = torch.empty(len(unseeded), weights.shape[1]).exponential_()
+    for i, generator in enumerate(generators):
         if generator is not None:
             noise[i].exponential_(generator=generator)
-    return (probs / noise).argmax(dim=-1)
+    return (weights / noise).argmax(dim=-1)
 
 
-def _with_logprobs(
+def with_logprobs(
     logprobs: torch.Tensor, tokens: torch.Tensor, token_list: list[int], wanted: list[int | None]
 ) -> list[SampledToken]:
     chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)

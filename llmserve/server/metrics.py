@@ -127,6 +127,13 @@ class _EngineCollector(Collector):
                                       stats.prefix_cache_hits / stats.prefix_cache_queries
                                       if stats.prefix_cache_queries else 0.0),
         }
+        spec = stats.spec_decode
+        if spec is not None:
+            gauges["spec_decode_acceptance_rate"] = ("Proposal tokens kept / proposed, since start.",
+                                                     spec.acceptance_rate)
+            gauges["spec_decode_mean_acceptance_length"] = (
+                "Tokens a verification yields on average, the model's own included, since start.",
+                spec.mean_acceptance_length)
         for key, (doc, value) in gauges.items():
             gauge = GaugeMetricFamily(PREFIX + key, doc, labels=["model_name"])
             gauge.add_metric([name], value)
@@ -138,6 +145,11 @@ class _EngineCollector(Collector):
             "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries),
             "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
         }
+        if spec is not None:
+            counters["spec_decode_num_drafts"] = ("Verifications: request-steps that carried proposal tokens.",
+                                                  spec.num_drafts)
+            counters["spec_decode_num_draft_tokens"] = ("Proposal tokens verified.", spec.num_draft_tokens)
+            counters["spec_decode_num_accepted_tokens"] = ("Proposal tokens kept.", spec.num_accepted_tokens)
         for key, (doc, value) in counters.items():
             counter = CounterMetricFamily(PREFIX + key, doc, labels=["model_name"])  # exposed as <name>_total
             counter.add_metric([name], value)

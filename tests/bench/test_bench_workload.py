@@ -122,3 +122,19 @@ def test_mtbench_questions_when_installed(counter: TokenCounter) -> None:
 def test_unknown_workload() -> None:
     with pytest.raises(ValueError):
         make_workload(WorkloadConfig(name="nope"), approximate_counter())
+
+
+def test_code_edit_prompts_hold_real_standard_library_functions(counter: TokenCounter) -> None:
+    import ast
+
+    wl = make_workload(WorkloadConfig(name="code-edit", output_len=200), counter)
+    assert wl.describe()["num_functions"] >= 50
+    first = [wl.request("s", i) for i in range(10)]
+    assert first == [wl.request("s", i) for i in range(10)]  # deterministic
+    assert [r.messages for r in first] != [wl.request("t", i).messages for i in range(10)]  # streams differ
+    for r in first:
+        content = r.messages[0]["content"]
+        code = content.split("```python\n", 1)[1].rsplit("```", 1)[0]
+        [node] = ast.parse(code).body  # one whole function, parseable as written
+        assert isinstance(node, ast.FunctionDef)
+        assert r.max_tokens == 200 and r.prompt_len == counter.count_prompt(r.messages)

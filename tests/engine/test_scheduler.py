@@ -146,13 +146,45 @@ def test_rejected_speculative_tokens_give_their_blocks_back():
     sched.update_from_output(out := sched.schedule(), ModelRunnerOutput({"a": [7]}))  # 9 tokens, 8 computed
     assert kv.block_ids("a") == [0, 1]
     req = sched.requests["a"]
-    req.all_token_ids.extend([50, 51, 52, 53, 54])  # what a proposer would append to run now
     free_before = kv.num_free_blocks
-    out = sched.schedule()
-    assert out.num_scheduled_tokens == {"a": 6} and kv.block_ids("a") == [0, 1, 2, 3]
-    del req.all_token_ids[-5:]
-    out.spec_token_ids["a"] = [50, 51, 52, 53, 54]
+    out = sched.schedule({"a": [50, 51, 52, 53, 54]})
+    assert out.num_scheduled_tokens == {"a": 6} and out.spec_token_ids == {"a": [50, 51, 52, 53, 54]}
+    assert kv.block_ids("a") == [0, 1, 2, 3]
     sched.update_from_output(out, ModelRunnerOutput({"a": [50, 51, 60]}))
     assert req.num_computed_tokens == 8 + 1 + 2  # the last token and the two accepted ones
     assert req.output_token_ids == [7, 50, 51, 60]
     assert kv.block_ids("a") == [0, 1, 2] and kv.num_free_blocks == free_before - 1  # block 3 went back
+    assert kv.pool.num_cached_blocks == 2  # blocks 0-1 hold verified tokens 0-7; block 2 is not full of them
+
+
+def test_proposals_fit_the_budget_and_max_tokens():
+    kv = KVCacheManager(20, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4), kv)
+    sched.add_request(make_request("a", 7, max_tokens=4))
+    sched.add_request(make_request("b", 7, max_tokens=20))
+    a, b = sched.requests["a"], sched.requests["b"]
+    while b.num_output_tokens < 1:  # prompts in chunks of the budget's 4 tokens, then a decodes
+        run_step(sched)
+    assert a.num_output_tokens == 3 and b.num_output_tokens == 1
+    out = sched.schedule({"a": [1, 2, 3, 4], "b": [5, 6, 7]})
+    # a may gain one more token (its own: no proposal); b gets what is left of the budget of 4
+    assert out.spec_token_ids == {"b": [5, 6]} and out.num_scheduled_tokens == {"a": 1, "b": 3}
+    sched.update_from_output(out, ModelRunnerOutput({"a": [9], "b": [8]}))
+    assert a.status is RequestStatus.FINISHED_LENGTH and a.output_token_ids == [7, 7, 7, 9]
+    assert b.num_computed_tokens == 8 and kv.block_ids("b") == kv.block_ids("b")[:2]  # both proposals rejected
+
+
+def test_a_proposal_without_room_is_dropped_and_nobody_is_preempted():
+    kv = KVCacheManager(4, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100), kv)
+    sched.add_request(make_request("a", 8, max_tokens=20))
+    sched.add_request(make_request("b", 2, max_tokens=20))
+    run_step(sched)  # a: 9 tokens, 2 blocks (positions 0-7 computed); b: 3 tokens, 1 block
+    assert kv.num_free_blocks == 1
+    # a takes the last block for its own token, its proposals would need a fourth; b's fit its block
+    out = sched.schedule({"a": [1, 2, 3, 4], "b": [5]})
+    assert out.spec_token_ids == {"b": [5]} and out.num_scheduled_tokens == {"a": 1, "b": 2}
+    assert not out.preempted_request_ids and kv.num_free_blocks == 0
+    sched.update_from_output(out, ModelRunnerOutput({"a": [7], "b": [5, 6]}))
+    out = sched.schedule({"a": [1, 2]})  # positions 9-11: a's third block
+    assert out.spec_token_ids == {"a": [1, 2]} and out.num_scheduled_tokens["a"] == 3

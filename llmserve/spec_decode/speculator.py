@@ -1,0 +1,170 @@
+"""Speculative decoding's one seam in the engine: which requests get proposals this step, and how many.
+
+Before each step the engine asks for proposals for the running requests that are decoding; the
+scheduler budgets them like any other tokens, the runner verifies them in the same forward pass
+(rejection_sampler.py), and the scheduler rolls back the KV slots of the rejected ones. After the step
+the speculator learns from the outcome: each request's acceptance rate and what a step costs.
+
+Only where it pays. A proposal token costs the target one more token in the step whether or not it is
+kept; whether that pays depends on the host (a step's cost per extra token: on a compute-bound 2-core
+CPU a decode step of 5 tokens costs ~3x one of 1; where weights stream from memory, barely more) and on
+the batch (at 32 running requests a step is already compute-bound). So the speculator fits the cost of a
+decode-only step as a line in its token count, from the steps it times, and per request keeps a running
+estimate `a` of how often a proposed token is kept. A request's j-th proposal token yields a^j tokens in
+expectation; tokens are added, best first, while the expected tokens per second of the step rise, and a
+request or a whole step with none worth it runs without. vLLM's `disable_by_batch_size` is kept as a hard
+limit on top.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from llmserve.config import SpeculativeConfig
+from llmserve.spec_decode.ngram_proposer import NgramProposer
+
+if TYPE_CHECKING:  # the engine's types, for annotations only: the engine imports this module
+    from llmserve.engine.request import Request
+    from llmserve.engine.step import ModelRunnerOutput, SchedulerOutput
+
+# Acceptance estimate of a request with no history (3 of 4 proposal tokens kept): optimistic enough to try (a
+# first proposal only happens where the proposer found a match); it decays with the request's outcomes.
+PRIOR_ACCEPTED, PRIOR_TRIALS = 3.0, 4.0
+DECAY = 0.8  # weight of a request's older outcomes per step
+RECOVERY = 0.95  # ... and per step it runs without proposals
+# Until steps of two different sizes were timed: an extra token costs this fraction of a 1-token step
+PRIOR_COST_PER_TOKEN = 0.5
+
+
+@dataclass
+class SpecDecodeStats:
+    num_drafts: int = 0  # verifications (request-steps that carried proposal tokens)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verification yields, the target's own included (vLLM's definition)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class StepCost:
+    """Seconds of a decode-only step as a function of its token count: a line through the running means
+    of the sizes seen (least squares), with a prior slope until two sizes were seen."""
+
+    def __init__(self) -> None:
+        self._mean: dict[int, float] = {}  # token count -> running mean seconds
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        old = self._mean.get(num_tokens)
+        self._mean[num_tokens] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def line(self) -> tuple[float, float] | None:
+        """(intercept, seconds per token), or None before any step was timed."""
+        if not self._mean:
+            return None
+        xs, ys = list(self._mean), list(self._mean.values())
+        if len(xs) == 1:
+            per_step = ys[0] / (1 + PRIOR_COST_PER_TOKEN * (xs[0] - 1))
+            return per_step * (1 - PRIOR_COST_PER_TOKEN), per_step * PRIOR_COST_PER_TOKEN
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+        slope = max(slope, 0.01 * min(ys))  # never free
+        return max(my - slope * mx, 0.0), slope
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                                      config.prompt_lookup_max)
+        self.cost = StepCost()
+        self.stats = SpecDecodeStats()
+        # per request: decayed kept proposal tokens, and proposal tokens tried up to a rejection (from the prior)
+        self._accepted: dict[str, float] = {}
+        self._trials: dict[str, float] = {}
+
+    def acceptance(self, request_id: str) -> float:
+        return self._accepted.get(request_id, PRIOR_ACCEPTED) / self._trials.get(request_id, PRIOR_TRIALS)
+
+    def propose(self, running: list[Request]) -> dict[str, list[int]]:
+        """Proposal tokens for the decoding requests worth it this step (most get none under load)."""
+        decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1]
+        limit = self.config.disable_by_batch_size
+        if not decoding or (limit is not None and len(running) >= limit):
+            return {}
+        if not self.config.adaptive:
+            k = self.config.num_speculative_tokens
+            return {r.request_id: draft for r in decoding if (draft := self._draft(r, k))}
+        line = self.cost.line()
+        if line is None:
+            return {}  # the first step is timed plain
+        intercept, per_token = line
+        size = len(running)  # running requests that are not decoding run prompt chunks: part of the step
+        tokens, seconds = float(size), intercept + per_token * size
+        rates = {r.request_id: self.acceptance(r.request_id) for r in decoding}
+        # quick exit: not even the best request's first proposal token would pay
+        if max(rates.values()) <= per_token * tokens / seconds:
+            for r in decoding:
+                self._forget(r.request_id)
+            return {}
+        drafts: dict[str, list[int]] = {}
+        for r in decoding:
+            if draft := self._draft(r, self.config.num_speculative_tokens):
+                drafts[r.request_id] = draft
+        # add proposal tokens, best expected yield first, while the step's expected tokens per second rise
+        heap = [(-rates[rid], rid, 1) for rid in drafts]
+        heapq.heapify(heap)
+        take: dict[str, int] = {}
+        while heap:
+            neg_gain, rid, j = heapq.heappop(heap)
+            gain = -neg_gain
+            if gain * seconds <= per_token * tokens:  # (tokens + gain) / (seconds + per_token) <= tokens / seconds
+                break
+            tokens, seconds = tokens + gain, seconds + per_token
+            take[rid] = j
+            if j < len(drafts[rid]):
+                heapq.heappush(heap, (-gain * rates[rid], rid, j + 1))
+        for r in decoding:
+            if r.request_id not in take:
+                self._forget(r.request_id)
+        return {rid: drafts[rid][:n] for rid, n in take.items()}
+
+    def _draft(self, r: Request, num_tokens: int) -> list[int]:
+        room = min(num_tokens, r.max_tokens - r.num_output_tokens - 1)
+        return self.proposer.propose(r.all_token_ids, room) if room > 0 else []
+
+    def _forget(self, request_id: str) -> None:
+        """A step without proposals moves the request's estimate back toward the prior, so a request that
+        stopped speculating after a bad stretch tries again later (output changes character)."""
+        if request_id in self._trials:
+            self._accepted[request_id] = RECOVERY * self._accepted[request_id] + (1 - RECOVERY) * PRIOR_ACCEPTED
+            self._trials[request_id] = RECOVERY * self._trials[request_id] + (1 - RECOVERY) * PRIOR_TRIALS
+
+    def observe(self, scheduled: SchedulerOutput, result: ModelRunnerOutput, seconds: float) -> None:
+        """Learn from a step's outcome: acceptance per request, the step's cost, the counters."""
+        for request_id in scheduled.finished_request_ids:
+            self._accepted.pop(request_id, None)
+            self._trials.pop(request_id, None)
+        decode_only = True
+        for request_id, num_scheduled in scheduled.num_scheduled_tokens.items():
+            draft = scheduled.spec_token_ids.get(request_id, ())
+            decode_only &= num_scheduled == len(draft) + 1
+            sampled = result.sampled_token_ids.get(request_id)
+            if not draft or not sampled:
+                continue
+            accepted = len(sampled) - 1
+            self.stats.num_drafts += 1
+            self.stats.num_draft_tokens += len(draft)
+            self.stats.num_accepted_tokens += accepted
+            self._accepted[request_id] = DECAY * self._accepted.get(request_id, PRIOR_ACCEPTED) + accepted
+            self._trials[request_id] = (DECAY * self._trials.get(request_id, PRIOR_TRIALS) + accepted
+                                        + (accepted < len(draft)))
+        if decode_only and scheduled.num_scheduled_tokens:
+            self.cost.observe(scheduled.total_num_scheduled_tokens, seconds)

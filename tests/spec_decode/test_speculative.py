@@ -1,0 +1,110 @@
+"""Speculative decoding in the engine: greedy output equal to decoding without it, token for token, in
+every mode (batched, alone, prefix-cached, chunked, preempted), stops inside an accepted run, and every
+KV block back after a run. Proposals are forced (adaptive off): the cost model would rightly skip many
+on this float32 model, and these tests are about correctness wherever proposals do run."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmserve import LLM, SamplingParams
+from tests.greedy import assert_greedy_equals
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "adaptive": False}
+FP32 = {"dtype": "float32", "quantization": "none", "max_model_len": 2048}
+
+
+@pytest.fixture(scope="module")
+def llm_spec() -> LLM:
+    return LLM(**FP32, kv_cache_memory_gb=0.25, speculative_config=NGRAM)
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_greedy_equals_transformers_batched_and_alone(llm_spec: LLM, prompt_token_ids, hf_reference):
+    before = llm_spec.engine.stats().spec_decode.num_drafts
+    assert_greedy_equals(llm_spec, prompt_token_ids, hf_reference, single=6)
+    stats = llm_spec.engine.stats().spec_decode
+    assert stats.num_drafts - before > 20 and stats.num_accepted_tokens > 0  # it did speculate, and keep some
+    assert 0 < stats.acceptance_rate <= 1 and 1 < stats.mean_acceptance_length <= 5
+
+
+def test_a_prefix_built_by_verified_tokens_serves_later_requests(llm_spec: LLM, prompt_token_ids, llm_fp32):
+    """Blocks filled during speculation are registered only with verified tokens: a prompt that extends an
+    earlier request's output hits them and still decodes exactly as a cold engine does."""
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    [first] = llm_spec.generate([prompt_token_ids[6]], params, use_tqdm=False)
+    follow_up = prompt_token_ids[6] + first.outputs[0].token_ids
+    [hit] = llm_spec.generate([follow_up], params, use_tqdm=False)
+    assert hit.num_cached_tokens >= len(follow_up) - 16 - llm_spec.engine.kv_cache.block_size
+    [cold] = llm_fp32.generate([follow_up], params, use_tqdm=False)
+    assert hit.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
+def test_preempted_and_chunked_runs_keep_their_tokens(prompt_token_ids, hf_reference):
+    block_bytes = 16 * 2 * 30 * 3 * 64 * 4
+    tight = LLM(**FP32, kv_cache_memory_gb=40 * block_bytes / 2**30, speculative_config=NGRAM)
+    outs = tight.generate(prompt_token_ids, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
+                          use_tqdm=False)
+    assert tight.engine.scheduler.num_preemptions > 0 and tight.engine.stats().spec_decode.num_drafts > 0
+    assert _tokens(outs) == hf_reference
+    assert tight.engine.kv_cache.num_free_blocks == tight.engine.kv_cache.num_blocks and not tight.engine.requests
+    chunked = LLM(**FP32, kv_cache_memory_gb=0.1, max_num_batched_tokens=64, long_prefill_token_threshold=64,
+                  speculative_config=NGRAM)
+    assert_greedy_equals(chunked, prompt_token_ids, hf_reference)
+
+
+@pytest.mark.parametrize("limits", [
+    {"max_tokens": 23},  # reached inside an accepted run
+    {"max_tokens": 64, "stop": "STOP"},  # replaced below by a piece of the expected text
+    {"max_tokens": 64, "stop_token_ids": "TOKEN"},  # likewise: a token of the expected output
+])
+def test_stops_inside_an_accepted_run_end_where_plain_decoding_ends(llm_spec: LLM, llm_fp32: LLM, prompt_token_ids,
+                                                                    hf_reference, limits):
+    prompts = prompt_token_ids[5:]
+    tokenizer = llm_fp32.get_tokenizer()
+    for ids, expected in zip(prompts, hf_reference[5:], strict=True):
+        params = dict(limits, temperature=0, ignore_eos=True)
+        if params.get("stop") == "STOP":
+            text = tokenizer.decode(expected[:40])
+            params["stop"] = [text[len(text) // 2 : len(text) // 2 + 6]]
+        if params.get("stop_token_ids") == "TOKEN":
+            params["stop_token_ids"] = [expected[30]]
+        plain, spec = (llm.generate([ids], SamplingParams(**params), use_tqdm=False)[0].outputs[0]
+                       for llm in (llm_fp32, llm_spec))
+        assert (spec.token_ids, spec.text, spec.finish_reason, spec.stop_reason) == \
+            (plain.token_ids, plain.text, plain.finish_reason, plain.stop_reason)
+    assert llm_spec.engine.kv_cache.num_free_blocks == llm_spec.engine.kv_cache.num_blocks
+
+
+def test_eos_inside_an_accepted_run_ends_the_request(llm_spec: LLM, llm_fp32: LLM):
+    chat = [[{"role": "user", "content": "Say 'yes yes yes yes' and nothing else."}],
+            [{"role": "user", "content": "Count: one two three one two three one two three"}]]
+    params = SamplingParams(temperature=0, max_tokens=200)
+    plain, spec = (llm.chat(chat, params, use_tqdm=False) for llm in (llm_fp32, llm_spec))
+    assert [o.outputs[0].finish_reason for o in spec] == [o.outputs[0].finish_reason for o in plain]
+    assert spec[0].outputs[0].finish_reason == "stop"
+    assert _tokens(spec) == _tokens(plain)
+
+
+def test_penalties_logprobs_and_min_tokens_see_the_proposals_before_them(llm_spec: LLM, llm_fp32: LLM,
+                                                                         prompt_token_ids):
+    params = SamplingParams(temperature=0, max_tokens=40, repetition_penalty=1.3, frequency_penalty=0.2,
+                            min_tokens=30, logprobs=3)
+    plain, spec = (llm.generate(prompt_token_ids[4:7], params, use_tqdm=False) for llm in (llm_fp32, llm_spec))
+    assert _tokens(spec) == _tokens(plain)
+    for p, s in zip(plain, spec, strict=True):
+        for p_entry, s_entry in zip(p.outputs[0].logprobs, s.outputs[0].logprobs, strict=True):
+            assert list(p_entry) == list(s_entry)
+            assert all(abs(p_entry[t].logprob - s_entry[t].logprob) < 1e-3 for t in p_entry)
+
+
+def test_seeded_sampling_with_speculation_repeats_itself(llm_spec: LLM, prompt_token_ids):
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, seed=11, ignore_eos=True)
+    first = _tokens(llm_spec.generate(prompt_token_ids[5:8], params, use_tqdm=False))
+    again = _tokens(llm_spec.generate(prompt_token_ids[5:8], params, use_tqdm=False))
+    assert first == again and all(len(t) == 40 for t in first)
+    assert llm_spec.engine.kv_cache.num_free_blocks == llm_spec.engine.kv_cache.num_blocks

@@ -1,0 +1,105 @@
+"""The speculator's policy: proposals only where the timed step cost and the request's acceptance say they
+pay; vLLM's batch-size limit on top; the counters behind the metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmserve.config import SpeculativeConfig, engine_config
+from llmserve.engine.step import ModelRunnerOutput, SchedulerOutput
+from llmserve.spec_decode.speculator import Speculator, StepCost
+from tests.engine.test_scheduler import make_request
+
+REPEATING = [5, 6, 7, 8, 9, 10, 11, 12] * 3  # prompt lookup always finds what comes next
+
+
+def decoding(rid: str):
+    req = make_request(rid, len(REPEATING), max_tokens=50)
+    req.all_token_ids[:] = REPEATING
+    req.num_computed_tokens = len(REPEATING) - 1
+    return req
+
+
+def plain_step(speculator: Speculator, tokens: int, seconds: float) -> None:
+    speculator.observe(SchedulerOutput(num_scheduled_tokens={f"x{i}": 1 for i in range(tokens)}),
+                       ModelRunnerOutput(), seconds)
+
+
+def verified(speculator: Speculator, rid: str, draft: list[int], accepted: int, seconds: float) -> None:
+    scheduled = SchedulerOutput(num_scheduled_tokens={rid: len(draft) + 1}, spec_token_ids={rid: draft})
+    speculator.observe(scheduled, ModelRunnerOutput({rid: draft[:accepted] + [0]}), seconds)
+
+
+def test_step_cost_is_a_line_through_the_timed_sizes():
+    cost = StepCost()
+    assert cost.line() is None
+    cost.observe(1, 0.010)
+    intercept, per_token = cost.line()
+    assert intercept + per_token == pytest.approx(0.010)  # one size: the prior slope through it
+    cost.observe(5, 0.018)
+    assert cost.line() == pytest.approx((0.008, 0.002))
+
+
+def test_proposals_follow_the_cost_of_a_token():
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4))
+    req = decoding("a")
+    assert speculator.propose([req]) == {}  # nothing timed yet: the first step runs plain
+    plain_step(speculator, 1, 0.010)
+    plain_step(speculator, 5, 0.011)  # an extra token costs a tenth of a step: worth all four
+    assert speculator.propose([req]) == {"a": [5, 6, 7, 8]}
+
+    dear = Speculator(SpeculativeConfig(num_speculative_tokens=4))
+    plain_step(dear, 1, 0.010)
+    plain_step(dear, 2, 0.020)  # every token costs a whole step: speculation can only lose
+    assert dear.propose([req]) == {}
+
+
+def test_a_request_whose_proposals_fail_stops_and_later_tries_again():
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4))
+    plain_step(speculator, 1, 0.010)
+    plain_step(speculator, 5, 0.026)  # an extra token: 0.4 of a step, so a proposal kept 40 % of the time pays
+    req = decoding("a")
+    assert speculator.propose([req])["a"]
+    for _ in range(6):
+        verified(speculator, "a", [5, 6, 7, 8], accepted=0, seconds=0.026)
+    assert speculator.acceptance("a") < 0.2
+    assert speculator.propose([req]) == {}
+    steps = 0
+    while not speculator.propose([req]):
+        steps += 1
+        assert steps < 200
+    assert steps > 5  # not at once: it recovers toward the prior step by step
+    stats = speculator.stats
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (6, 24, 0)
+
+
+def test_disable_by_batch_size_and_fixed_proposals():
+    config = SpeculativeConfig(num_speculative_tokens=3, disable_by_batch_size=2, adaptive=False)
+    speculator = Speculator(config)
+    a, b = decoding("a"), decoding("b")
+    assert speculator.propose([a]) == {"a": [5, 6, 7]}  # not adaptive: whatever the proposer finds
+    assert speculator.propose([a, b]) == {}
+    near_the_end = decoding("c")
+    near_the_end.max_tokens = 2  # one output token left after this step's own: one proposal
+    assert speculator.propose([near_the_end]) == {"c": [5]}
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ({"method": "draft_model", "model": "qwen2.5-coder-0.5b"}, "not supported yet"),
+    ({"method": "ngarm"}, "unknown method"),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ({"lookahead": 3}, "unknown key"),
+    ("{not json", "JSON object"),
+    ("[1, 2]", "JSON object"),
+])
+def test_a_config_that_cannot_work_is_refused_at_start(value, message):
+    with pytest.raises(ValueError, match=message):
+        engine_config(speculative_config=value)
+
+
+def test_the_config_forms_agree():
+    as_dict = engine_config(speculative_config={"method": "ngram", "num_speculative_tokens": 5}).speculative
+    as_json = engine_config(speculative_config='{"method": "ngram", "num_speculative_tokens": 5}').speculative
+    assert as_dict == as_json == SpeculativeConfig(num_speculative_tokens=5)
+    assert engine_config().speculative is None and engine_config(speculative_config="off").speculative is None
