@@ -123,7 +123,7 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -132,6 +132,9 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     num_speculative_tokens: int = 4  # the most proposal tokens a request carries into one step
+    model: str | None = None  # draft_model: the draft (registered name, GGUF file or HF directory)
+    # draft_model: the share of the KV cache budget the draft's own cache takes (the target keeps the rest)
+    draft_kv_cache_fraction: float = 0.25
     prompt_lookup_max: int = 4  # ngram: longest ending of the sequence looked up
     prompt_lookup_min: int = 2  # ngram: shortest
     # no proposals at all while this many requests run (None: the speculator's cost model alone decides)
@@ -142,6 +145,12 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         self._check_method(self.method)
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config: method 'draft_model' needs a 'model' (the draft), and only it "
+                             f"takes one; got method {self.method!r} with model {self.model!r}")
+        if not 0 < self.draft_kv_cache_fraction < 1:
+            raise ValueError(f"speculative_config: draft_kv_cache_fraction must be in (0, 1), got "
+                             f"{self.draft_kv_cache_fraction}")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got "
                              f"{self.num_speculative_tokens!r}")
@@ -154,7 +163,7 @@ class SpeculativeConfig:
 
     @staticmethod
     def _check_method(method: str) -> None:
-        if method in ("draft_model", "eagle", "medusa", "mtp"):
+        if method in ("eagle", "eagle3", "medusa", "mtp"):
             raise ValueError(f"speculative_config: method {method!r} is not supported yet; the methods are "
                              f"{list(SPECULATIVE_METHODS)}")
         if method not in SPECULATIVE_METHODS:
@@ -170,6 +179,8 @@ class SpeculativeConfig:
         if isinstance(value, str):
             if value.strip().lower() in ("none", "off", ""):
                 return None
+            if value.strip() in SPECULATIVE_METHODS:  # a method alone: its defaults
+                value = json.dumps({"method": value.strip()})
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as e:
@@ -198,7 +209,8 @@ _TYPES = {"int": int, "float": float, "str": str}
 
 SPECULATIVE_HELP = ("speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                     "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2, \"disable_by_batch_size\": null, "
-                    "\"adaptive\": true} "
+                    "\"adaptive\": true}, or {\"method\": \"draft_model\", \"model\": \"qwen2.5-coder-0.5b\", "
+                    "\"num_speculative_tokens\": 4} "
                     "(vLLM's keys; adaptive: proposals only where the measured step cost says they pay)")
 
 

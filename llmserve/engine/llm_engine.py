@@ -30,6 +30,7 @@ from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
 from llmserve.quantization.int8_activations import calibration_prompts, record_input_ranges
 from llmserve.quantization.weight_only import WeightOnlyLinear
 from llmserve.sampling_params import SamplingParams
+from llmserve.spec_decode.draft_proposer import DraftModelProposer
 from llmserve.spec_decode.speculator import SpecDecodeStats, Speculator
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,12 @@ class LLMEngine:
         self.tokenizer = ckpt.tokenizer
         self.eos_token_ids = ckpt.eos_token_ids or [ckpt.tokenizer.eos_token_id]
         self.plan = resolve_plan(config, ckpt.config, ckpt.source_formats)
+        spec = config.speculative
+        draft_kv_bytes = 0
+        if spec is not None and spec.method == "draft_model":  # the draft's cache comes out of the same budget
+            draft_blocks = int(self.plan.num_kv_blocks * spec.draft_kv_cache_fraction)
+            draft_kv_bytes = draft_blocks * self.plan.kv_cache.bytes_per_block
+            self.plan = dataclasses.replace(self.plan, num_kv_blocks=self.plan.num_kv_blocks - draft_blocks)
         logger.info(self.plan.describe())
         self.runner = ModelRunner(self.plan, ckpt)
         block_size = self.plan.kv_cache.block_size
@@ -69,7 +76,7 @@ class LLMEngine:
         del ckpt
         self.kv_cache = KVCacheManager(self.plan.num_kv_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
-        self.speculator = Speculator(config.speculative) if config.speculative else None
+        self.speculator = self._speculator(draft_kv_bytes) if spec else None
         self._backend_tokenizer = getattr(self.tokenizer, "backend_tokenizer", None) or self.tokenizer._tokenizer
         self.token_bytes = TokenBytes(self._backend_tokenizer)  # for logprobs' `bytes`
         if self.plan.int8_activations:
@@ -241,6 +248,27 @@ class LLMEngine:
             self.add_request(request_id, prompt, params, cache_salt=salt)
         while self.has_unfinished_requests():
             self.step()
+
+    def _speculator(self, draft_kv_bytes: int) -> Speculator:
+        """The speculator, with its draft engine for draft_model (refused here if the draft's vocabulary
+        is not the target's: its token ids would mean other tokens)."""
+        spec = self.config.speculative
+        if spec.method != "draft_model":
+            return Speculator(spec)
+        mc = self.config.model
+        draft = LLMEngine(EngineConfig(
+            model=dataclasses.replace(mc, model=spec.model, quantization="auto", int8_activations=None,
+                                      compile=False, max_model_len=self.plan.max_model_len),
+            cache=dataclasses.replace(self.config.cache, kv_cache_memory_gb=draft_kv_bytes / 2**30,
+                                      enable_prefix_caching=True),
+            scheduler=self.config.scheduler))
+        if draft.tokenizer.get_vocab() != self.tokenizer.get_vocab():
+            raise ValueError(f"speculative_config: the draft model {draft.model_name!r} has another vocabulary "
+                             f"than {self.model_name!r} ({len(draft.tokenizer)} and {len(self.tokenizer)} tokens): "
+                             "a draft must share the target's tokenizer")
+        logger.info("speculative decoding: draft model %s, %d KV blocks of its own", draft.model_name,
+                    draft.kv_cache.num_blocks)
+        return Speculator(spec, DraftModelProposer(draft))
 
     def _reset_stats(self) -> None:
         """Forget the counts of the engine's own requests (calibration, warm-up): nobody's traffic."""

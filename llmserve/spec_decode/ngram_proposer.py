@@ -8,7 +8,12 @@ scan of the request's own tokens, and a sequence without such a match proposes n
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from llmserve.engine.request import Request
 
 
 class NgramProposer:
@@ -17,7 +22,12 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, token_ids: list[int], num_tokens: int | None = None) -> list[int]:
+    def propose(self, requests: list[Request], num_tokens: dict[str, int]) -> dict[str, list[int]]:
+        """The speculator's call: up to num_tokens[id] tokens for each request that has a match."""
+        drafts = {r.request_id: self.lookup(r.all_token_ids, num_tokens[r.request_id]) for r in requests}
+        return {rid: draft for rid, draft in drafts.items() if draft}
+
+    def lookup(self, token_ids: list[int], num_tokens: int | None = None) -> list[int]:
         """Up to `num_tokens` (default: the configured number) tokens to follow `token_ids`."""
         k = self.num_tokens if num_tokens is None else num_tokens
         if k < 1 or len(token_ids) <= self.min_n:

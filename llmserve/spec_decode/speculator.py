@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from llmserve.config import SpeculativeConfig
 from llmserve.spec_decode.ngram_proposer import NgramProposer
@@ -36,6 +36,14 @@ DECAY = 0.8  # weight of a request's older outcomes per step
 RECOVERY = 0.95  # ... and per step it runs without proposals
 # Until steps of two different sizes were timed: an extra token costs this fraction of a 1-token step
 PRIOR_COST_PER_TOKEN = 0.5
+
+
+class Proposer(Protocol):
+    """Where proposal tokens come from (prompt lookup, a draft model): one batched call a step."""
+
+    def propose(self, requests: list[Request], num_tokens: dict[str, int]) -> dict[str, list[int]]:
+        """Up to num_tokens[id] tokens to follow each request's tokens; requests without any left out."""
+        ...
 
 
 @dataclass
@@ -80,10 +88,11 @@ class StepCost:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
+        """`proposer`: the draft model's (built by the engine, which owns engines); n-gram by default."""
         self.config = config
-        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
-                                      config.prompt_lookup_max)
+        self.proposer = proposer or NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                                                  config.prompt_lookup_max)
         self.cost = StepCost()
         self.stats = SpecDecodeStats()
         # per request: decayed kept proposal tokens, and proposal tokens tried up to a rejection (from the prior)
@@ -99,27 +108,27 @@ class Speculator:
         limit = self.config.disable_by_batch_size
         if not decoding or (limit is not None and len(running) >= limit):
             return {}
-        if not self.config.adaptive:
-            k = self.config.num_speculative_tokens
-            return {r.request_id: draft for r in decoding if (draft := self._draft(r, k))}
+        k = self.config.num_speculative_tokens
+        room = {r.request_id: n for r in decoding if (n := min(k, r.max_tokens - r.num_output_tokens - 1)) > 0}
+        wanted = room if not self.config.adaptive else self._worth_it(room, len(running))
+        for r in decoding:
+            if r.request_id not in wanted:
+                self._forget(r.request_id)
+        if not wanted:
+            return {}
+        return self.proposer.propose([r for r in decoding if r.request_id in wanted], wanted)
+
+    def _worth_it(self, room: dict[str, int], batch_size: int) -> dict[str, int]:
+        """How many proposal tokens each request should carry: tokens are added, best expected yield first
+        (a request's j-th yields a^j), while the step's expected tokens per second rise."""
         line = self.cost.line()
-        if line is None:
+        if line is None or not room:
             return {}  # the first step is timed plain
         intercept, per_token = line
-        size = len(running)  # running requests that are not decoding run prompt chunks: part of the step
-        tokens, seconds = float(size), intercept + per_token * size
-        rates = {r.request_id: self.acceptance(r.request_id) for r in decoding}
-        # quick exit: not even the best request's first proposal token would pay
-        if max(rates.values()) <= per_token * tokens / seconds:
-            for r in decoding:
-                self._forget(r.request_id)
-            return {}
-        drafts: dict[str, list[int]] = {}
-        for r in decoding:
-            if draft := self._draft(r, self.config.num_speculative_tokens):
-                drafts[r.request_id] = draft
-        # add proposal tokens, best expected yield first, while the step's expected tokens per second rise
-        heap = [(-rates[rid], rid, 1) for rid in drafts]
+        # running requests that are not decoding run prompt chunks: part of the step, counted as one token
+        tokens, seconds = float(batch_size), intercept + per_token * batch_size
+        rates = {rid: self.acceptance(rid) for rid in room}
+        heap = [(-rates[rid], rid, 1) for rid in room]
         heapq.heapify(heap)
         take: dict[str, int] = {}
         while heap:
@@ -129,16 +138,9 @@ class Speculator:
                 break
             tokens, seconds = tokens + gain, seconds + per_token
             take[rid] = j
-            if j < len(drafts[rid]):
+            if j < room[rid]:
                 heapq.heappush(heap, (-gain * rates[rid], rid, j + 1))
-        for r in decoding:
-            if r.request_id not in take:
-                self._forget(r.request_id)
-        return {rid: drafts[rid][:n] for rid, n in take.items()}
-
-    def _draft(self, r: Request, num_tokens: int) -> list[int]:
-        room = min(num_tokens, r.max_tokens - r.num_output_tokens - 1)
-        return self.proposer.propose(r.all_token_ids, room) if room > 0 else []
+        return take
 
     def _forget(self, request_id: str) -> None:
         """A step without proposals moves the request's estimate back toward the prior, so a request that

@@ -49,7 +49,7 @@ def test_speculative_text_streams_and_equals_the_plain_servers(spec_server: Serv
 
 
 def test_a_bad_speculative_config_stops_the_server_with_its_reason(tmp_path) -> None:
-    proc = ServerProcess(tmp_path / "server.log", "--speculative-config", '{"method": "draft_model"}')
+    proc = ServerProcess(tmp_path / "server.log", "--speculative-config", '{"method": "medusa"}')
     with pytest.raises(RuntimeError, match="not supported yet"):
         proc.wait_ready()
     assert proc.stop() != 0

@@ -85,7 +85,9 @@ def test_disable_by_batch_size_and_fixed_proposals():
 
 
 @pytest.mark.parametrize(("value", "message"), [
-    ({"method": "draft_model", "model": "qwen2.5-coder-0.5b"}, "not supported yet"),
+    ({"method": "eagle", "model": "qwen2.5-coder-0.5b"}, "not supported yet"),
+    ({"method": "draft_model"}, "needs a 'model'"),
+    ({"method": "ngram", "model": "qwen2.5-coder-0.5b"}, "only it takes one"),
     ({"method": "ngarm"}, "unknown method"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
@@ -102,4 +104,5 @@ def test_the_config_forms_agree():
     as_dict = engine_config(speculative_config={"method": "ngram", "num_speculative_tokens": 5}).speculative
     as_json = engine_config(speculative_config='{"method": "ngram", "num_speculative_tokens": 5}').speculative
     assert as_dict == as_json == SpeculativeConfig(num_speculative_tokens=5)
+    assert engine_config(speculative_config="ngram").speculative == SpeculativeConfig()  # a method alone
     assert engine_config().speculative is None and engine_config(speculative_config="off").speculative is None
