@@ -195,9 +195,20 @@ class Workload:
     def __init__(self, cfg: WorkloadConfig, counter: TokenCounter) -> None:
         self.cfg = cfg
         self.counter = counter
+        self._perms: dict[str, list[int]] = {}
 
     def rng(self, stream: str, index: int, salt: str = "") -> random.Random:
         return random.Random(f"{self.cfg.seed}:{self.name}:{stream}:{index}:{salt}")
+
+    def permuted(self, stream: str, index: int, size: int) -> int:
+        """Which of a set of `size` items request `index` takes: each stream walks its own seeded permutation
+        of the set (items repeat after `size` requests)."""
+        perm = self._perms.get(stream)
+        if perm is None:
+            perm = list(range(size))
+            random.Random(f"{self.cfg.seed}:{self.name}:{stream}").shuffle(perm)
+            self._perms[stream] = perm
+        return perm[index % size]
 
     def prompt_len(self, messages: list[Message]) -> int:
         return self.counter.count_prompt(messages, chat=self.cfg.chat)
@@ -384,15 +395,9 @@ class ChatDatasetWorkload(Workload):
             raise ValueError(
                 f"{self.source}: no usable prompts (expected messages/prompt/turns/conversations per line)"
             )
-        self._perms: dict[str, list[int]] = {}
 
     def request(self, stream: str, index: int) -> BenchRequest:
-        perm = self._perms.get(stream)
-        if perm is None:
-            perm = list(range(len(self.items)))
-            random.Random(f"{self.cfg.seed}:chat:{stream}").shuffle(perm)
-            self._perms[stream] = perm
-        messages, mt = self.items[perm[index % len(perm)]]
+        messages, mt = self.items[self.permuted(stream, index, len(self.items))]
         rng = self.rng(stream, index)
         max_tokens = mt if mt else draw_len(rng, self.cfg.output_len, self.cfg.output_len_range)
         return BenchRequest(stream, index, [dict(m) for m in messages], max_tokens, self.prompt_len(messages))
@@ -446,15 +451,9 @@ class CodeEditWorkload(Workload):
         self.functions = stdlib_functions()
         if not self.functions:
             raise FileNotFoundError("the code-edit workload found no standard-library sources to edit")
-        self._perms: dict[str, list[int]] = {}
 
     def request(self, stream: str, index: int) -> BenchRequest:
-        perm = self._perms.get(stream)
-        if perm is None:
-            perm = list(range(len(self.functions)))
-            random.Random(f"{self.cfg.seed}:code-edit:{stream}").shuffle(perm)
-            self._perms[stream] = perm
-        _, source = self.functions[perm[index % len(perm)]]
+        _, source = self.functions[self.permuted(stream, index, len(self.functions))]
         rng = self.rng(stream, index)
         task = rng.choice(EDIT_TASKS)
         content = f"{task} Answer with the whole function in one ```python block and nothing else.\n\n" \
