@@ -23,7 +23,10 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -45,8 +48,6 @@ def serve(name: str, spec: str | None, args: argparse.Namespace) -> tuple[subpro
     mem = TreeMemory(proc.pid)
     mem.start()
     deadline = time.time() + 900
-    import urllib.request
-
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{name}: server exited with {proc.returncode}; see {log.name}")
@@ -73,15 +74,11 @@ def bench(name: str, workload: str, args: argparse.Namespace, suffix: str = "") 
 
 
 def metrics(port: int) -> dict[str, float]:
-    import urllib.request
-
+    """The llmserve:spec_decode_* samples, by name without the prefix."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("llmserve:spec_decode"):
-            key, value = line.rsplit(" ", 1)
-            out[key.split("{")[0].removeprefix("llmserve:spec_decode_")] = float(value)
-    return out
+    return {sample.name.removeprefix("llmserve:spec_decode_"): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples
+            if sample.name.startswith("llmserve:spec_decode")}
 
 
 def main() -> int:
