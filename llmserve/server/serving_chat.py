@@ -30,15 +30,14 @@ from llmserve.server.serving_engine import (
     Choice,
     ChoiceStreams,
     OpenAIServing,
-    SSEResponse,
     TextChunk,
     new_request_id,
     primed,
     sse_events,
     top_logprobs,
-    unless_disconnected,
     usage,
 )
+from llmserve.server.sse import SSEResponse, unless_disconnected
 
 
 class OpenAIServingChat(OpenAIServing):

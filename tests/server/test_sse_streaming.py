@@ -28,7 +28,8 @@ from llmserve.server.protocol import (
 )
 from llmserve.server.serving_chat import OpenAIServingChat
 from llmserve.server.serving_completion import OpenAIServingCompletion
-from llmserve.server.serving_engine import ModelInfo, SSEResponse, TextChunk
+from llmserve.server.serving_engine import ModelInfo, TextChunk
+from llmserve.server.sse import SSEResponse
 
 # Everything JSON escapes (quote, backslash, every control character), what it must not (DEL, '/', non-ASCII,
 # U+2028), multi-byte UTF-8 and text that looks like JSON or SSE framing.
