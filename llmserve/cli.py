@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("llmserve.server.cli", "Serve a model over an OpenAI-compatible HTTP API."),
     "generate": ("llmserve.entrypoints.generate_cli", "Generate text offline and print it as it streams."),
     "bench": ("llmserve.bench.cli", "Load-test any OpenAI-compatible server (TTFT, ITL, throughput)."),
+    "gateway": ("llmserve.gateway.cli", "One OpenAI endpoint in front of many servers: balancing, failover, caches."),
     "eval": ("llmserve.evaluate.cli", "Measure quality: perplexity, HumanEval pass@1, agreement with a reference."),
     "download": ("llmserve.entrypoints.download_cli", "Install a registered model into the cache, checked."),
     "models": ("llmserve.entrypoints.models_cli", "List the registered models and where they are installed."),

@@ -14,7 +14,6 @@ import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
-from typing import TypeVar
 
 from llmserve.engine.async_engine import (
     AsyncLLM,
@@ -35,7 +34,6 @@ from llmserve.server.sse import SSE_DONE
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 ADMITTED = b""  # the first item of an SSE generator: every engine request was accepted (see `primed`)
 RETRY_AFTER_S = "1"  # what a 429 tells the client to wait; the queue drains at engine speed
 

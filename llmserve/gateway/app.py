@@ -1,0 +1,399 @@
+"""The gateway's FastAPI app: one chain per request, each link a small object.
+
+    key and limits ─▶ cache (exact, then semantic) ─▶ balance (a replica of the model) ─▶ upstream ─▶ cache store
+
+A failure before the client's first byte (connection refused, timeout, 5xx, a stream that dies before its
+first event) is retried on another replica, at most `retries` times; after the first byte it cannot be, and
+the stream ends with an error event. A client that goes away closes the upstream connection, which aborts
+the upstream request.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from llmserve import __version__
+from llmserve.gateway.balancing import make_balancer, prefix_chunks
+from llmserve.gateway.cache.response_cache import CachePlan, ResponseCache
+from llmserve.gateway.cache.store import open_store
+from llmserve.gateway.config import APIKey, GatewayConfig
+from llmserve.gateway.metrics import GatewayMetrics
+from llmserve.gateway.ratelimit import RateLimiter
+from llmserve.gateway.responses import StreamAssembler, replay_events, replayable
+from llmserve.gateway.upstream import Replica, UpstreamPool, auth_headers
+from llmserve.server.errors import APIError, install_handlers
+from llmserve.server.middleware import RequestBodyMiddleware
+from llmserve.server.sse import SSE_DONE, SSEResponse, unless_disconnected
+
+logger = logging.getLogger(__name__)
+
+CACHE_HEADER = "x-llmserve-cache"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+OPEN_NAMESPACE = APIKey(key="", namespace="default")
+_RETRYABLE_UPSTREAM = frozenset({429, 500, 502, 503, 504})  # another replica may well answer
+
+
+class _UpstreamFailed(Exception):
+    """This replica failed before the client got a byte: try another."""
+
+    def __init__(self, why: str, status: int | None = None, body: bytes | None = None) -> None:
+        super().__init__(why)
+        self.status, self.body = status, body
+
+
+@dataclass
+class _Call:
+    """One request on its way upstream."""
+
+    route: str  # "chat" or "completions"
+    model: str
+    key: APIKey
+    body: dict[str, Any]
+    stream: bool
+    include_usage: bool
+    plan: CachePlan | None
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, semantic: Any = None) -> None:
+        self.config = config
+        self.pool = UpstreamPool(config)
+        self.metrics = GatewayMetrics(self.pool.all)
+        self.balancers = {name: make_balancer(route.balancing, config.prefix_balance_slack)
+                          for name, route in config.models.items()}
+        self.limiter = RateLimiter()
+        self.keys = config.key_table()
+        self.store = open_store(config.cache.redis_url)
+        if semantic is None and config.cache.semantic:
+            semantic = _semantic_cache(config, self.store)
+        self.cache = ResponseCache(config.cache, self.store, self.metrics, semantic)
+
+    async def start(self) -> None:
+        await self.pool.start()
+
+    async def close(self) -> None:
+        await self.pool.close()
+        await self.store.close()
+
+    # --- the chain -----------------------------------------------------------------------------
+
+    async def handle(self, route: str, request: Request) -> Response:
+        key = self._authenticate(request)
+        try:
+            body = orjson.loads(await request.body())
+        except orjson.JSONDecodeError as e:
+            raise APIError(400, f"request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        model = body.get("model")
+        if not isinstance(model, str):
+            raise APIError(400, "model: required, a string", param="model")
+        if self.pool.route(model) is None:
+            raise APIError(404, f"the model {model!r} does not exist; known: {', '.join(self.config.models)}",
+                           param="model", code="model_not_found")
+        refusal = self.limiter.admit(key)
+        if refusal is not None:
+            self.metrics.rate_limited.labels(key.namespace, refusal.limit).inc()
+            raise APIError(429, refusal.message, code="rate_limit_exceeded",
+                           headers={"Retry-After": str(refusal.retry_after)})
+        stream = bool(body.get("stream"))
+        options = body.get("stream_options")
+        include_usage = stream and isinstance(options, dict) and bool(options.get("include_usage"))
+        plan = self.cache.plan(key.namespace, route, body, request.headers.get("cache-control", ""))
+        call = _Call(route, model, key, body, stream, include_usage, plan)
+        if plan is not None:
+            hit = await self.cache.lookup(plan)
+            if hit is not None:
+                return self._from_cache(call, hit.kind, hit.answer)
+        if stream:
+            return await self._stream(call, request)
+        return await unless_disconnected(request, self._complete(call))
+
+    def _authenticate(self, request: Request) -> APIKey:
+        if not self.keys:
+            return OPEN_NAMESPACE
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer":
+            for key, entry in self.keys.items():  # constant time per key: timing must not reveal a prefix
+                if hmac.compare_digest(given.strip().encode(), key.encode()):
+                    return entry
+        raise APIError(401, "missing or invalid API key (expected 'Authorization: Bearer <key>')",
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    def _from_cache(self, call: _Call, kind: str, answer_bytes: bytes) -> Response:
+        answer = orjson.loads(answer_bytes)
+        usage = answer.get("usage") or {}
+        self.metrics.saved_tokens.labels("prompt").inc(usage.get("prompt_tokens") or 0)
+        self.metrics.saved_tokens.labels("completion").inc(usage.get("completion_tokens") or 0)
+        self.metrics.requests.labels(call.model, "200").inc()
+        headers = {CACHE_HEADER: kind}
+        if call.stream:
+            events = replay_events(call.route, answer, call.include_usage, call.model)
+            return SSEResponse(_iterate(events), headers=headers)
+        answer["model"] = call.model
+        return Response(orjson.dumps(answer), media_type="application/json", headers=headers)
+
+    # --- upstream --------------------------------------------------------------------------------
+
+    async def _send(self, call: _Call) -> tuple[Replica, aiohttp.ClientResponse, float]:
+        """A replica's 200 response (headers read), trying others on failure; APIError when none answers.
+        The caller owns the response and the replica's outstanding count."""
+        route = self.config.models[call.model]
+        payload = dict(call.body)
+        if route.upstream_model:
+            payload["model"] = route.upstream_model
+        if call.stream:  # usage always: for the tokens/min limits and to cache the answer whole
+            payload["stream_options"] = {**(payload.get("stream_options") or {}), "include_usage": True}
+        data = orjson.dumps(payload)
+        path = "/v1/chat/completions" if call.route == "chat" else "/v1/completions"
+        balancer = self.balancers[call.model]
+        prefix = prefix_chunks(call.body) if route.balancing == "prefix_aware" else []
+        tried: set[str] = set()
+        last: _UpstreamFailed | None = None
+        for attempt in range(self.config.retries + 1):
+            candidates = [r for r in self.pool.available(call.model) if r.url not in tried]
+            if not candidates:
+                break
+            if attempt:
+                self.metrics.retries.labels(call.model).inc()
+            replica = balancer.pick(candidates, prefix)
+            tried.add(replica.url)
+            replica.started(time.monotonic())
+            sent = time.perf_counter()
+            try:
+                response = await self._post(replica, path, data)
+            except _UpstreamFailed as e:
+                replica.finished()
+                self._failed(replica, e)
+                last = e
+                continue
+            self.metrics.upstream_ttfb.labels(replica.url).observe(time.perf_counter() - sent)
+            return replica, response, sent
+        if last is not None and last.status is not None:  # the upstream's own error, as it sent it
+            raise _PassThrough(last.status, last.body or b"")
+        raise APIError(503, f"no replica of {call.model!r} could take the request"
+                       + (f" (last error: {last})" if last else " (none is healthy)"),
+                       code="no_healthy_upstream", headers={"Retry-After": "1"})
+
+    async def _post(self, replica: Replica, path: str, data: bytes) -> aiohttp.ClientResponse:
+        assert self.pool.session is not None
+        headers = {"Content-Type": "application/json", **auth_headers(replica)}
+        try:
+            response = await self.pool.session.post(replica.url + path, data=data, headers=headers)
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            raise _UpstreamFailed(f"{type(e).__name__}: {e}") from None
+        if response.status != 200:
+            body = await _read_or_empty(response)
+            if response.status in _RETRYABLE_UPSTREAM:
+                raise _UpstreamFailed(f"HTTP {response.status}", response.status, body)
+            raise _PassThrough(response.status, body)  # the request's own fault: no other replica would differ
+        return response
+
+    def _failed(self, replica: Replica, e: _UpstreamFailed) -> None:
+        kind = "timeout" if "Timeout" in str(e) else ("http" if e.status else "connection")
+        self.metrics.upstream_errors.labels(replica.url, kind).inc()
+        if replica.failed(self.config.health, str(e)):
+            logger.warning("replica %s ejected", replica.url)
+
+    async def _complete(self, call: _Call) -> Response:
+        for _ in range(self.config.retries + 1):
+            replica, response, sent = await self._send(call)
+            try:
+                body = await response.read()
+            except (aiohttp.ClientError, TimeoutError, OSError) as e:  # died before we sent a byte: retry
+                self._failed(replica, _UpstreamFailed(f"{type(e).__name__}: {e}"))
+                continue
+            finally:
+                response.release()
+                replica.finished()
+            replica.succeeded()
+            self.metrics.upstream_latency.labels(replica.url).observe(time.perf_counter() - sent)
+            self.metrics.requests.labels(call.model, "200").inc()
+            answer = _json_or_none(body)
+            if answer is not None:
+                await self._account(call, answer, answer if call.plan is not None else None)
+            return Response(body, media_type="application/json", headers={CACHE_HEADER: "miss"})
+        raise APIError(502, "upstream connections failed while reading the answer", code="upstream_error")
+
+    async def _stream(self, call: _Call, request: Request) -> Response:
+        """Headers of a 200 only once an upstream has sent its first event: until then, failures retry."""
+        for _ in range(self.config.retries + 1):
+            replica, response, sent = await self._send(call)
+            events = _sse_events(response)
+            try:
+                first = await anext(events)
+            except (aiohttp.ClientError, TimeoutError, OSError, StopAsyncIteration) as e:
+                response.release()
+                replica.finished()
+                self._failed(replica, _UpstreamFailed(f"stream ended before its first event ({type(e).__name__})"))
+                continue
+            self.metrics.requests.labels(call.model, "200").inc()
+            relay = self._relay(call, replica, response, events, first, sent)
+            return SSEResponse(relay, headers={CACHE_HEADER: "miss"})
+        raise APIError(502, "upstream streams failed before their first event", code="upstream_error")
+
+    async def _relay(self, call: _Call, replica: Replica, response: aiohttp.ClientResponse,
+                     events: AsyncIterator[bytes], first: bytes, sent: float) -> AsyncGenerator[bytes, None]:
+        """Forward the upstream's events as they come; the answer is accounted (and cached) before [DONE] goes
+        out, since a client may hang up the moment it reads [DONE]."""
+        assembler = StreamAssembler(call.route)
+        done = False
+        try:
+            event: bytes | None = first
+            while event is not None:
+                if event.startswith(b"data: [DONE]"):
+                    done = True
+                    await self._finished_stream(call, replica, assembler, sent)
+                elif event.startswith(b"data:"):
+                    parsed = _json_or_none(event[5:])
+                    if isinstance(parsed, dict):
+                        assembler.feed(parsed)
+                        if not call.include_usage and parsed.get("usage") and not parsed.get("choices"):
+                            event = await anext(events, None)  # the usage chunk the gateway asked for, not the client
+                            continue
+                yield event
+                if done:
+                    return
+                event = await anext(events, None)
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            self._failed(replica, _UpstreamFailed(f"stream broken: {type(e).__name__}"))
+            yield APIError(502, f"the upstream stream broke ({type(e).__name__})", code="upstream_error").sse_event()
+            yield SSE_DONE
+            return
+        finally:
+            if done:
+                response.release()
+            else:
+                response.close()  # aborts the upstream request (a client that left, a broken stream)
+            replica.finished()
+        self._failed(replica, _UpstreamFailed("stream ended without [DONE]"))
+        yield APIError(502, "the upstream stream ended early", code="upstream_error").sse_event()
+        yield SSE_DONE
+
+    async def _finished_stream(self, call: _Call, replica: Replica, assembler: StreamAssembler, sent: float) -> None:
+        replica.succeeded()
+        self.metrics.upstream_latency.labels(replica.url).observe(time.perf_counter() - sent)
+        answer = assembler.result()
+        if answer is not None:
+            await self._account(call, answer, answer if call.plan is not None else None)
+
+    async def _account(self, call: _Call, answer: dict[str, Any], cacheable: dict[str, Any] | None) -> None:
+        usage = answer.get("usage") or {}
+        self.limiter.spend(call.key, int(usage.get("total_tokens") or 0))
+        if cacheable is not None and call.plan is not None and replayable(call.route, cacheable) \
+                and all(c.get("finish_reason") for c in cacheable.get("choices", ())):
+            await self.cache.put(call.plan, orjson.dumps(cacheable))
+
+
+class _PassThrough(APIError):
+    """An upstream's own non-retryable answer (e.g. 400 for a bad parameter), sent on as it came."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(status, body.decode("utf-8", "replace"))
+        self.body = body
+
+    def response(self) -> Response:  # type: ignore[override]
+        media = "application/json" if _json_or_none(self.body) is not None else "text/plain"
+        return Response(self.body, status_code=self.status, media_type=media)
+
+
+def create_app(config: GatewayConfig, semantic: Any = None) -> FastAPI:
+    gateway = Gateway(config, semantic)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await gateway.start()
+        logger.info("gateway serving %s", ", ".join(f"{name} ({len(r.upstreams)} upstream(s), {r.balancing})"
+                                                    for name, r in config.models.items()))
+        yield
+        await gateway.close()
+
+    app = FastAPI(title="llmserve gateway", version=__version__, lifespan=lifespan)
+    app.state.gateway = gateway
+    install_handlers(app)
+
+    app.add_middleware(RequestBodyMiddleware, max_bytes=config.max_request_body_bytes, timeout=30.0)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await gateway.handle("chat", request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await gateway.handle("completions", request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        gateway._authenticate(request)
+        now = int(time.time())
+        return JSONResponse({"object": "list", "data": [
+            {"id": name, "object": "model", "created": now, "owned_by": "llmserve-gateway"}
+            for name in config.models]})
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health() -> JSONResponse:
+        available = {name: len(gateway.pool.available(name)) for name in config.models}
+        ok = any(available.values())
+        return JSONResponse({"status": "ok" if ok else "no healthy upstream", "replicas": available},
+                            status_code=200 if ok else 503)
+
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
+    async def metrics() -> Response:
+        return Response(gateway.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+async def _sse_events(response: aiohttp.ClientResponse) -> AsyncGenerator[bytes, None]:
+    """The upstream's SSE events, each as its lines + a blank line (comments and keep-alives dropped)."""
+    lines: list[bytes] = []
+    async for line in response.content:
+        line = line.rstrip(b"\r\n")
+        if line:
+            if not line.startswith(b":"):
+                lines.append(line)
+        elif lines:
+            yield b"\n".join(lines) + b"\n\n"
+            lines = []
+    if lines:
+        yield b"\n".join(lines) + b"\n\n"
+
+
+async def _iterate(items: list[bytes]) -> AsyncGenerator[bytes, None]:
+    for item in items:
+        yield item
+
+
+async def _read_or_empty(response: aiohttp.ClientResponse) -> bytes:
+    try:
+        return await response.read()
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        return b""
+    finally:
+        response.release()
+
+
+def _json_or_none(data: bytes) -> Any:
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+
+
+def _semantic_cache(config: GatewayConfig, store: Any) -> Any:
+    from llmserve.gateway.cache.embedder import Embedder
+    from llmserve.gateway.cache.semantic import SemanticCache
+
+    return SemanticCache(store, Embedder(), threshold=config.cache.semantic_threshold, ttl=config.cache.ttl)
+

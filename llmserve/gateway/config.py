@@ -1,0 +1,176 @@
+"""The gateway's configuration: a YAML file (`--config`) or, for the simple case, flags; one dataclass tree.
+
+```yaml
+models:
+  smollm2:                      # the name clients send as "model"
+    upstreams: [http://127.0.0.1:8001, http://127.0.0.1:8002]
+    balancing: prefix_aware     # round_robin | least_outstanding | prefix_aware
+    upstream_model: null        # the name to send upstream (default: the same)
+    api_key_env: null           # e.g. OPENAI_API_KEY for a hosted API: read from the environment at start
+    health_path: /health        # a hosted API: /v1/models
+keys:                           # none: open, every caller in namespace "default"
+  - {key_env: TEAM_A_KEY, namespace: team-a, requests_per_minute: 600, tokens_per_minute: 200000}
+cache:
+  redis_url: redis://127.0.0.1:6379/0   # none: an in-process store
+  ttl: 3600
+  exact: true
+  semantic: false
+  semantic_threshold: 0.92
+  deterministic_only: true
+health: {interval: 2.0, timeout: 2.0, eject_after: 3, eject_seconds: 5.0}
+retries: 2
+```
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+BALANCING = ("round_robin", "least_outstanding", "prefix_aware")
+
+
+@dataclass(frozen=True)
+class ModelRoute:
+    name: str
+    upstreams: tuple[str, ...]
+    balancing: str = "least_outstanding"
+    upstream_model: str | None = None
+    api_key: str | None = None  # resolved from api_key_env at load time, never written in the file
+    health_path: str = "/health"  # what the prober GETs; a hosted API has none: "/v1/models"
+
+    def __post_init__(self) -> None:
+        if not self.upstreams:
+            raise ValueError(f"model {self.name!r}: no upstreams")
+        for url in self.upstreams:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"model {self.name!r}: upstream {url!r} is not an http(s) URL")
+        if self.balancing not in BALANCING:
+            raise ValueError(f"model {self.name!r}: balancing must be one of {', '.join(BALANCING)}, "
+                             f"not {self.balancing!r}")
+
+
+@dataclass(frozen=True)
+class APIKey:
+    key: str
+    namespace: str = "default"
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    redis_url: str | None = None
+    ttl: float = 3600.0
+    exact: bool = True
+    semantic: bool = False
+    semantic_threshold: float = 0.92
+    deterministic_only: bool = True  # cache only temperature-0 or seeded requests
+
+    def __post_init__(self) -> None:
+        if self.ttl <= 0:
+            raise ValueError("cache.ttl must be > 0 seconds")
+        if not 0.0 < self.semantic_threshold <= 1.0:
+            raise ValueError("cache.semantic_threshold must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    interval: float = 2.0  # seconds between active /health probes of each replica
+    timeout: float = 2.0
+    eject_after: int = 3  # consecutive failures (errors, timeouts) that eject a replica
+    eject_seconds: float = 5.0  # first ejection; doubles on each failed half-open trial, up to 60 s
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    models: dict[str, ModelRoute]
+    keys: tuple[APIKey, ...] = ()
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    retries: int = 2  # other replicas tried after a failure before the first byte
+    connect_timeout: float = 5.0
+    read_timeout: float = 600.0  # between two bytes of an upstream answer
+    max_request_body_bytes: int = 4 * 1024 * 1024
+    prefix_balance_slack: int = 4  # prefix_aware: outstanding requests a warm replica may carry above the least
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError("no models: give --upstream NAME=URL[,URL...] or a config file with 'models'")
+        if self.retries < 0:
+            raise ValueError("retries must be >= 0")
+
+    def key_table(self) -> dict[str, APIKey]:
+        return {k.key: k for k in self.keys}
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> GatewayConfig:
+    """The file (if any), then the flags' values on top (None: not given)."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        import yaml
+
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: the top level must be a mapping")
+    models = {name: _model(name, spec) for name, spec in (raw.get("models") or {}).items()}
+    for name, route in (overrides.pop("models", None) or {}).items():
+        models[name] = route
+    keys = tuple(_key(entry) for entry in raw.get("keys") or ()) + tuple(overrides.pop("keys", None) or ())
+    cache = _section(CacheConfig, raw.get("cache"), "cache", overrides.pop("cache", None))
+    health = _section(HealthConfig, raw.get("health"), "health", None)
+    top = {k: v for k, v in raw.items() if k not in ("models", "keys", "cache", "health")}
+    top.update({k: v for k, v in overrides.items() if v is not None})
+    known = {f.name for f in fields(GatewayConfig)}
+    unknown = set(top) - known
+    if unknown:
+        raise ValueError(f"unknown gateway setting(s): {', '.join(sorted(unknown))}")
+    return GatewayConfig(models=models, keys=keys, cache=cache, health=health, **top)
+
+
+def parse_upstream(spec: str, balancing: str | None = None) -> ModelRoute:
+    """NAME=URL[,URL...] (the --upstream flag)."""
+    name, sep, urls = spec.partition("=")
+    if not sep or not name or not urls:
+        raise ValueError(f"--upstream {spec!r}: expected NAME=URL[,URL...]")
+    return ModelRoute(name=name, upstreams=tuple(u.strip().rstrip("/") for u in urls.split(",") if u.strip()),
+                      **({"balancing": balancing} if balancing else {}))
+
+
+def _model(name: str, spec: dict[str, Any]) -> ModelRoute:
+    spec = dict(spec or {})
+    env = spec.pop("api_key_env", None)
+    api_key = os.environ.get(env) if env else None
+    if env and not api_key:
+        raise ValueError(f"model {name!r}: api_key_env names {env}, which is not set")
+    upstreams = spec.pop("upstreams", None) or []
+    if isinstance(upstreams, str):
+        upstreams = [upstreams]
+    return ModelRoute(name=name, upstreams=tuple(u.rstrip("/") for u in upstreams), api_key=api_key,
+                      **_only(ModelRoute, spec, f"models.{name}"))
+
+
+def _key(entry: dict[str, Any]) -> APIKey:
+    entry = dict(entry)
+    env = entry.pop("key_env", None)
+    key = os.environ.get(env) if env else entry.pop("key", None)
+    if not key:
+        raise ValueError(f"keys: an entry has no key (key_env {env} is not set)" if env else
+                         "keys: every entry needs 'key' or 'key_env'")
+    return APIKey(key=key, **_only(APIKey, entry, "keys"))
+
+
+def _section(cls: type, raw: dict[str, Any] | None, where: str, override: dict[str, Any] | None) -> Any:
+    values = dict(raw or {})
+    values.update({k: v for k, v in (override or {}).items() if v is not None})
+    return cls(**_only(cls, values, where))
+
+
+def _only(cls: type, values: dict[str, Any], where: str) -> dict[str, Any]:
+    known = {f.name for f in fields(cls)} - {"name", "upstreams", "api_key", "key"}
+    unknown = set(values) - known
+    if unknown:
+        raise ValueError(f"{where}: unknown setting(s) {', '.join(sorted(unknown))}")
+    return values

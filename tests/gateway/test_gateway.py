@@ -1,0 +1,203 @@
+"""The gateway with real replicas, a real redis-server and the official `openai` client."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import httpx
+import openai
+import pytest
+
+from tests.gateway.conftest import MODEL, GatewayProcess, RedisProcess, gateway_config
+from tests.server.conftest import ServerProcess
+
+QUESTION = [{"role": "user", "content": "Name three colors."}]
+
+
+def client(gateway: GatewayProcess, key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway.base}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def ask(c: openai.OpenAI, messages=QUESTION, stream: bool = False, **kw):
+    """(text, x-llmserve-cache header) of a greedy chat completion."""
+    args = dict(model=MODEL, messages=messages, max_tokens=kw.pop("max_tokens", 16), temperature=0, **kw)
+    if stream:
+        raw = c.chat.completions.with_raw_response.create(stream=True, **args)
+        text = "".join(ch.choices[0].delta.content or "" for ch in raw.parse() if ch.choices)
+    else:
+        raw = c.chat.completions.with_raw_response.create(**args)
+        text = raw.parse().choices[0].message.content
+    return text, raw.headers.get("x-llmserve-cache")
+
+
+def urls(replicas: list[ServerProcess]) -> list[str]:
+    return [r.base for r in replicas]
+
+
+@pytest.fixture
+def gateway(tmp_path, replicas) -> GatewayProcess:
+    proc = GatewayProcess(tmp_path, gateway_config(urls(replicas)))
+    yield proc
+    proc.stop()
+
+
+def test_cached_answer_equals_live_streamed_or_not(gateway, replicas):
+    c = client(gateway)
+    direct = openai.OpenAI(base_url=f"{replicas[0].base}/v1", api_key="none", max_retries=0)
+    reference, _ = ask(direct, max_tokens=20)
+    live, live_kind = ask(c, max_tokens=20)
+    assert (live, live_kind) == (reference, "miss")
+    assert ask(c, max_tokens=20) == (reference, "exact")
+    assert ask(c, stream=True, max_tokens=20) == (reference, "exact")
+    # a cached answer replays with usage when asked, as a live stream would end
+    chunks = list(c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=20, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    # the same question streamed first: the assembled stream is cached and equals the live answer
+    other = [{"role": "user", "content": "Name three animals."}]
+    streamed, kind = ask(c, messages=other, stream=True)
+    assert kind == "miss"
+    assert ask(c, messages=other) == (streamed, "exact")
+    # Cache-Control: no-cache skips the lookup (and stores the fresh answer)
+    assert ask(c, max_tokens=20, extra_headers={"Cache-Control": "no-cache"}) == (reference, "miss")
+    m = gateway.metrics()
+    assert m['llmserve:gateway_cache_lookups_total{result=exact}'] == 4
+    assert m["llmserve:gateway_cache_saved_tokens_total{kind=completion}"] > 0
+
+
+def test_sampled_requests_bypass_the_cache(gateway):
+    c = client(gateway)
+    for _ in range(2):
+        raw = c.chat.completions.with_raw_response.create(model=MODEL, messages=QUESTION, max_tokens=4,
+                                                          temperature=0.8)
+        assert raw.headers.get("x-llmserve-cache") == "miss"
+    assert gateway.total("llmserve:gateway_cache_lookups_total") == 0
+
+
+def test_errors_in_openai_envelope(gateway):
+    c = client(gateway)
+    with pytest.raises(openai.NotFoundError) as e:
+        c.chat.completions.create(model="no-such-model", messages=QUESTION)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError):  # the replica's own 400, passed through, not retried
+        c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=-1)
+    r = httpx.post(f"{gateway.base}/v1/chat/completions", content=b"{not json",
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    assert gateway.total("llmserve:gateway_retries_total") == 0
+
+
+def test_killed_replica_costs_no_request_that_had_not_begun(tmp_path, replicas):
+    spare = ServerProcess(tmp_path / "spare.log")
+    spare.wait_ready()
+    gw = GatewayProcess(tmp_path, gateway_config([replicas[0].base, spare.base], balancing="round_robin",
+                                                 health={"interval": 30.0, "eject_seconds": 60.0}))
+    try:
+        c = client(gw)
+        spare.proc.kill()  # no warning: the prober will not look again for 30 s
+        spare.proc.wait()
+        texts = [ask(c, messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=6,
+                     extra_headers={"Cache-Control": "no-store"}, stream=bool(i % 2))[0] for i in range(6)]
+        assert all(texts)
+        m = gw.metrics()
+        assert gw.total("llmserve:gateway_retries_total") >= 1
+        assert m[f"llmserve:gateway_replica_healthy{{model={MODEL},replica={spare.base}}}"] == 0
+        assert m[f"llmserve:gateway_replica_ejections{{model={MODEL},replica={spare.base}}}"] == 1
+        assert gw.total("llmserve:gateway_upstream_errors_total") >= 3  # ejected after 3 connection failures
+    finally:
+        gw.stop()
+        spare.stop()
+
+
+def test_client_disconnect_aborts_the_upstream_request(gateway, replicas):
+    with httpx.stream("POST", f"{gateway.base}/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 1000,
+            "temperature": 0.7, "stream": True, "ignore_eos": True}) as r:
+        for n, _ in enumerate(r.iter_lines()):
+            if n > 5:
+                break
+    for replica in replicas:  # the request stopped within a few steps, its blocks all returned
+        m = replica.wait_idle()
+        assert m["llmserve:num_requests_running"] == 0
+        assert m["llmserve:num_kv_blocks_free"] == m["llmserve:num_kv_blocks_total"]
+    generated = sum(r.metrics().get("llmserve:generation_tokens_total", 0.0) for r in replicas)
+    assert generated < 1000
+
+
+def test_prefix_aware_sends_a_shared_prefix_to_one_replica(tmp_path, replicas):
+    gw = GatewayProcess(tmp_path, gateway_config(urls(replicas), balancing="prefix_aware"))
+    try:
+        c = client(gw)
+        before = [r.metrics().get("llmserve:prefix_cache_hits_total", 0.0) for r in replicas]
+        system = "You are a careful assistant for the Acme Corporation. " * 12  # ~650 characters
+        for i in range(6):
+            ask(c, messages=[{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}?"}],
+                max_tokens=2, extra_headers={"Cache-Control": "no-store"})
+        after = [r.metrics().get("llmserve:prefix_cache_hits_total", 0.0) for r in replicas]
+        gained = [a - b for a, b in zip(after, before, strict=True)]
+        assert sorted(gained)[0] == 0 and sorted(gained)[1] > 0, gained  # one replica served them all, warm
+    finally:
+        gw.stop()
+
+
+def test_two_gateways_share_a_redis_cache_and_a_restart_keeps_it(tmp_path, replicas, redis_server: RedisProcess):
+    config = gateway_config(urls(replicas), cache={"redis_url": redis_server.url})
+    first, second = GatewayProcess(tmp_path, config), GatewayProcess(tmp_path, config)
+    try:
+        live, kind = ask(client(first))
+        assert kind == "miss"
+        assert ask(client(second)) == (live, "exact")
+        first.stop()
+        restarted = GatewayProcess(tmp_path, config)
+        try:
+            assert ask(client(restarted), stream=True) == (live, "exact")
+        finally:
+            restarted.stop()
+    finally:
+        first.stop()
+        second.stop()
+
+
+def test_redis_gone_still_serves(tmp_path, replicas, redis_server: RedisProcess):
+    gw = GatewayProcess(tmp_path, gateway_config(urls(replicas), cache={"redis_url": redis_server.url}))
+    try:
+        live, _ = ask(client(gw))
+        redis_server.stop()
+        for stream in (False, True):
+            assert ask(client(gw), stream=stream) == (live, "miss")
+        assert gw.total("llmserve:gateway_cache_errors_total") >= 1
+    finally:
+        gw.stop()
+
+
+def test_namespaces_never_leak_and_keys_are_enforced(tmp_path, replicas):
+    keys = [{"key": "key-a", "namespace": "team-a"}, {"key": "key-b", "namespace": "team-b"},
+            {"key": "key-slow", "namespace": "team-a", "requests_per_minute": 2}]
+    gw = GatewayProcess(tmp_path, gateway_config(urls(replicas), keys=keys))
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            ask(client(gw, "wrong"))
+        text, kind = ask(client(gw, "key-a"))
+        assert kind == "miss"
+        assert ask(client(gw, "key-a")) == (text, "exact")
+        assert ask(client(gw, "key-b")) == (text, "miss")  # same question, another namespace: no hit
+        assert ask(client(gw, "key-slow")) == (text, "exact")  # a key of team-a shares team-a's cache
+        ask(client(gw, "key-slow"))
+        with pytest.raises(openai.RateLimitError) as e:
+            ask(client(gw, "key-slow"))
+        assert int(e.value.response.headers["retry-after"]) >= 1
+        assert ask(client(gw, "key-a"))[1] == "exact"  # other keys are not limited by it
+    finally:
+        gw.stop()
+
+
+def test_concurrent_streams_pass_through_whole(gateway):
+    """Many concurrent streams at once: each one's text equals its non-streamed answer."""
+    c = client(gateway)
+    prompts = [[{"role": "user", "content": f"Tell me a fact about the number {i}."}] for i in range(8)]
+    headers = {"Cache-Control": "no-store"}
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        streamed = list(pool.map(lambda m: ask(c, messages=m, stream=True, extra_headers=headers)[0], prompts))
+    plain = [ask(c, messages=m, extra_headers=headers)[0] for m in prompts]
+    assert streamed == plain
+
