@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+import pytest
+
+from llmserve.gateway.config import load_config, parse_upstream
+
+
+def test_flags_and_file_merge(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOSTED_KEY", "sk-test")
+    monkeypatch.setenv("TEAM_KEY", "team-secret")
+    path = tmp_path / "gw.yaml"
+    path.write_text("""
+models:
+  big: {upstreams: [http://a:1/, http://b:2], balancing: prefix_aware, api_key_env: HOSTED_KEY,
+        health_path: /v1/models}
+keys:
+  - {key_env: TEAM_KEY, namespace: team, requests_per_minute: 5}
+cache: {ttl: 60, semantic: true}
+retries: 1
+""")
+    config = load_config(path, models={"small": parse_upstream("small=http://c:3")}, cache={"ttl": 30.0})
+    assert config.models["big"].upstreams == ("http://a:1", "http://b:2")
+    assert config.models["big"].api_key == "sk-test" and config.models["big"].health_path == "/v1/models"
+    assert config.models["small"].balancing == "least_outstanding"
+    assert config.key_table()["team-secret"].namespace == "team"
+    assert (config.cache.ttl, config.cache.semantic, config.retries) == (30.0, True, 1)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("models: {m: {upstreams: [http://a]}}\nbogus: 1", "unknown gateway setting"),
+    ("models: {m: {upstreams: [http://a], weight: 2}}", "models.m: unknown setting"),
+    ("models: {m: {upstreams: [ftp://a]}}", "not an http"),
+    ("models: {m: {upstreams: [http://a], balancing: random}}", "balancing must be one of"),
+    ("models: {m: {upstreams: [http://a], api_key_env: SURELY_UNSET_VAR}}", "SURELY_UNSET_VAR, which is not set"),
+    ("models: {m: {upstreams: []}}", "no upstreams"),
+    ("models: {m: {upstreams: [http://a]}}\ncache: {semantic_threshold: 1.5}", "semantic_threshold"),
+    ("keys: [{namespace: x}]\nmodels: {m: {upstreams: [http://a]}}", "needs 'key'"),
+    ("{}", "no models"),
+])
+def test_bad_config_is_refused_with_a_clear_message(tmp_path, text, message):
+    path = tmp_path / "gw.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_config(path)
+
+
+def test_upstream_flag():
+    route = parse_upstream("m=http://a:1/,http://b:2", "round_robin")
+    assert (route.name, route.upstreams, route.balancing) == ("m", ("http://a:1", "http://b:2"), "round_robin")
+    with pytest.raises(ValueError, match="NAME=URL"):
+        parse_upstream("http://a:1")
