@@ -117,6 +117,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--output-len-range", type=float, default=0.0, metavar="R")
     w.add_argument("--prefix-len", type=int, default=200,
                    help="shared-prefix: shared system prompt tokens, at least (default %(default)s)")
+    w.add_argument("--num-prefixes", type=int, default=1,
+                   help="shared-prefix: distinct system prompts, each request drawing one (default %(default)s)")
     w.add_argument("--long-input-len", type=int, default=2048, help="long-prompt-mix (default %(default)s)")
     w.add_argument("--long-fraction", type=float, default=0.1, help="long-prompt-mix (default %(default)s)")
     w.add_argument("--dataset", default=None, metavar="FILE.jsonl",
@@ -183,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
         return _err(str(exc))
     wcfg = WorkloadConfig(name=args.workload, input_len=args.input_len, input_len_range=args.input_len_range,
                           output_len=args.output_len, output_len_range=args.output_len_range,
-                          prefix_len=args.prefix_len, long_input_len=args.long_input_len,
+                          prefix_len=args.prefix_len, num_prefixes=args.num_prefixes,
+                          long_input_len=args.long_input_len,
                           long_fraction=args.long_fraction, dataset=args.dataset, seed=args.seed,
                           chat=args.endpoint == "chat")
     try:

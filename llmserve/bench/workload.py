@@ -9,7 +9,8 @@ included) with `--tokenizer`, approximate otherwise, and the counter says which.
 Kinds:
   random           random common words, --input-len tokens (optionally spread by --input-len-range)
   shared-prefix    one shared system prompt of >= --prefix-len tokens + a distinct user question,
-                   padded so the whole prompt is --input-len tokens (peerbench's workload)
+                   padded so the whole prompt is --input-len tokens (peerbench's workload); with
+                   --num-prefixes N, N distinct system prompts, each request drawing one
   chat             real prompts: the 80 MT-Bench questions (first turns) or --dataset file.jsonl
   long-prompt-mix  random prompts of --input-len, with a --long-fraction of --long-input-len ones
   code-edit        "add type hints to this function" and kin, over functions of Python's standard library:
@@ -135,6 +136,7 @@ class WorkloadConfig:
     output_len: int = 128
     output_len_range: float = 0.0
     prefix_len: int = 200  # shared-prefix: system prompt tokens (at least)
+    num_prefixes: int = 1  # shared-prefix: distinct system prompts (tenants, apps), each request draws one
     long_input_len: int = 2048  # long-prompt-mix
     long_fraction: float = 0.1
     dataset: str | None = None  # chat: JSONL file; None = MT-Bench
@@ -272,34 +274,42 @@ class SharedPrefixWorkload(Workload):
 
     def __init__(self, cfg: WorkloadConfig, counter: TokenCounter) -> None:
         super().__init__(cfg, counter)
-        sentences: list[str] = []
-        i = 0
+        if cfg.num_prefixes < 1:
+            raise ValueError("num_prefixes must be >= 1")
+        self.systems = [self._system(k) for k in range(cfg.num_prefixes)]
+        self.system = self.systems[0]
+        self.system_tokens = counter.count(self.system)
+
+    def _system(self, k: int) -> str:
+        """The k-th system prompt: its own opening words and sentence order (k = 0: peerbench's)."""
+        sentences: list[str] = [f"You are assistant number {k} of the team."] if k else []
+        i = k
         while True:  # cycle the sentences until the system prompt has >= prefix_len tokens
             sentences.append(SYSTEM_SENTENCES[i % len(SYSTEM_SENTENCES)])
             i += 1
-            if counter.count(" ".join(sentences)) >= cfg.prefix_len:
-                break
-        self.system = " ".join(sentences)
-        self.system_tokens = counter.count(self.system)
+            if self.counter.count(" ".join(sentences)) >= self.cfg.prefix_len:
+                return " ".join(sentences)
 
     def request(self, stream: str, index: int) -> BenchRequest:
         rng = self.rng(stream, index)
         target = draw_len(rng, self.cfg.input_len, self.cfg.input_len_range)
         max_tokens = draw_len(rng, self.cfg.output_len, self.cfg.output_len_range)
+        system_text = self.systems[rng.randrange(len(self.systems))] if len(self.systems) > 1 else self.system
         q = rng.choice(QUESTION_TEMPLATES).format(a=rng.choice(TOPICS), b=rng.choice(TOPICS))
         head = f"Request ({stream}, {index}): {q} Background keywords from my notes:"
         words = [rng.choice(COMMON_WORDS) for _ in range(target + 16)]
 
         def measure(user: str) -> int:
-            system = {"role": "system", "content": self.system}
+            system = {"role": "system", "content": system_text}
             return self.prompt_len([system, {"role": "user", "content": user}])
 
         user, n = fit_words(measure, head, words, target, tail=".")
-        messages = [{"role": "system", "content": self.system}, {"role": "user", "content": user}]
+        messages = [{"role": "system", "content": system_text}, {"role": "user", "content": user}]
         return BenchRequest(stream, index, messages, max_tokens, n)
 
     def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "system_prompt_tokens": self.system_tokens}
+        return {**super().describe(), "system_prompt_tokens": self.system_tokens,
+                "num_prefixes": len(self.systems)}
 
 
 def find_mtbench_questions() -> Path | None:

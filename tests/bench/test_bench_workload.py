@@ -61,6 +61,16 @@ def test_shared_prefix_mirrors_peerbench(counter: TokenCounter) -> None:
     assert wl.describe()["system_prompt_tokens"] == wl.system_tokens
 
 
+def test_shared_prefix_with_several_system_prompts(counter: TokenCounter) -> None:
+    wl = make_workload(WorkloadConfig(name="shared-prefix", input_len=256, prefix_len=200, num_prefixes=8), counter)
+    reqs = [wl.request("s", i) for i in range(64)]
+    systems = [r.messages[0]["content"] for r in reqs]
+    assert len(set(systems)) == 8 and all(counter.count(s) >= 200 for s in set(systems))
+    assert len({s[:40] for s in set(systems)}) == 8  # they differ from their first words: no shared KV prefix
+    assert [r.messages for r in reqs] == [wl.request("s", i).messages for i in range(64)]  # reproducible
+    assert wl.describe()["num_prefixes"] == 8
+
+
 def test_long_prompt_mix(counter: TokenCounter) -> None:
     wl = make_workload(WorkloadConfig(name="long-prompt-mix", input_len=64, long_input_len=600,
                                       long_fraction=0.25), counter)
