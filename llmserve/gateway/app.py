@@ -10,13 +10,14 @@ the upstream request.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
@@ -26,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from llmserve import __version__
 from llmserve.gateway.balancing import make_balancer, prefix_chunks
 from llmserve.gateway.cache.response_cache import CachePlan, ResponseCache
-from llmserve.gateway.cache.store import open_store
+from llmserve.gateway.cache.store import CacheStore, StoreUnavailable, open_store
 from llmserve.gateway.config import APIKey, GatewayConfig
 from llmserve.gateway.metrics import GatewayMetrics
 from llmserve.gateway.ratelimit import RateLimiter
@@ -36,11 +37,15 @@ from llmserve.server.errors import APIError, install_handlers
 from llmserve.server.middleware import RequestBodyMiddleware
 from llmserve.server.sse import SSE_DONE, SSEResponse, unless_disconnected
 
+if TYPE_CHECKING:
+    from llmserve.gateway.cache.semantic import SemanticCache
+
 logger = logging.getLogger(__name__)
 
 CACHE_HEADER = "x-llmserve-cache"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OPEN_NAMESPACE = APIKey(key="", namespace="default")
+_EMPTY_CHOICES = (b'"choices":[]', b'"choices": []')  # the usage chunk, compact or not
 _RETRYABLE_UPSTREAM = frozenset({429, 500, 502, 503, 504})  # another replica may well answer
 
 
@@ -66,7 +71,7 @@ class _Call:
 
 
 class Gateway:
-    def __init__(self, config: GatewayConfig, semantic: Any = None) -> None:
+    def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.pool = UpstreamPool(config)
         self.metrics = GatewayMetrics(self.pool.all)
@@ -75,15 +80,25 @@ class Gateway:
         self.limiter = RateLimiter()
         self.keys = config.key_table()
         self.store = open_store(config.cache.redis_url)
-        if semantic is None and config.cache.semantic:
-            semantic = _semantic_cache(config, self.store)
+        semantic = _semantic_cache(config, self.store) if config.cache.semantic else None
         self.cache = ResponseCache(config.cache, self.store, self.metrics, semantic)
 
     async def start(self) -> None:
         await self.pool.start()
+        if self.cache.semantic is not None:  # rebuild the indexes from a shared store without holding requests
+            self._sync = asyncio.create_task(self._sync_semantic())
+
+    async def _sync_semantic(self) -> None:
+        try:
+            await self.cache.semantic.sync()
+        except StoreUnavailable:
+            logger.warning("semantic cache: the store is unavailable; its index fills as requests come")
 
     async def close(self) -> None:
         await self.pool.close()
+        if self.cache.semantic is not None:
+            self.cache.semantic.close()
+            self.cache.semantic.embedder.close()
         await self.store.close()
 
     # --- the chain -----------------------------------------------------------------------------
@@ -248,6 +263,9 @@ class Gateway:
         """Forward the upstream's events as they come; the answer is accounted (and cached) before [DONE] goes
         out, since a client may hang up the moment it reads [DONE]."""
         assembler = StreamAssembler(call.route)
+        # parse every event only to cache the answer; else only the usage chunk (choices: []), which is read
+        # for the tokens/min budget and withheld from a client that did not ask for it
+        assemble = call.plan is not None
         done = False
         try:
             event: bytes | None = first
@@ -255,7 +273,8 @@ class Gateway:
                 if event.startswith(b"data: [DONE]"):
                     done = True
                     await self._finished_stream(call, replica, assembler, sent)
-                elif event.startswith(b"data:"):
+                elif event.startswith(b"data:") and (assemble or _EMPTY_CHOICES[0] in event
+                                                     or _EMPTY_CHOICES[1] in event):
                     parsed = _json_or_none(event[5:])
                     if isinstance(parsed, dict):
                         assembler.feed(parsed)
@@ -284,9 +303,8 @@ class Gateway:
     async def _finished_stream(self, call: _Call, replica: Replica, assembler: StreamAssembler, sent: float) -> None:
         replica.succeeded()
         self.metrics.upstream_latency.labels(replica.url).observe(time.perf_counter() - sent)
-        answer = assembler.result()
-        if answer is not None:
-            await self._account(call, answer, answer if call.plan is not None else None)
+        answer = assembler.result() if call.plan is not None else None
+        await self._account(call, answer or {"usage": assembler.usage}, answer)
 
     async def _account(self, call: _Call, answer: dict[str, Any], cacheable: dict[str, Any] | None) -> None:
         usage = answer.get("usage") or {}
@@ -308,8 +326,8 @@ class _PassThrough(APIError):
         return Response(self.body, status_code=self.status, media_type=media)
 
 
-def create_app(config: GatewayConfig, semantic: Any = None) -> FastAPI:
-    gateway = Gateway(config, semantic)
+def create_app(config: GatewayConfig) -> FastAPI:
+    gateway = Gateway(config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -391,8 +409,8 @@ def _json_or_none(data: bytes) -> Any:
         return None
 
 
-def _semantic_cache(config: GatewayConfig, store: Any) -> Any:
-    from llmserve.gateway.cache.embedder import Embedder
+def _semantic_cache(config: GatewayConfig, store: CacheStore) -> SemanticCache:
+    from llmserve.gateway.cache.embedder import Embedder  # torch and hnswlib: only where switched on
     from llmserve.gateway.cache.semantic import SemanticCache
 
     return SemanticCache(store, Embedder(), threshold=config.cache.semantic_threshold, ttl=config.cache.ttl)

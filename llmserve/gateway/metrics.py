@@ -28,6 +28,8 @@ class GatewayMetrics:
                                      ["result"], registry=r)
         self.cache_errors = Counter(f"{PREFIX}cache_errors", "Cache store failures (the cache was bypassed).",
                                     ["operation"], registry=r)
+        self.guard_rejections = Counter(f"{PREFIX}cache_guard_rejections",
+                                        "Semantic neighbours refused: another number, negation or name.", registry=r)
         self.saved_tokens = Counter(f"{PREFIX}cache_saved_tokens", "Tokens not sent upstream thanks to the cache.",
                                     ["kind"], registry=r)
         self.upstream_latency = Histogram(f"{PREFIX}upstream_latency_seconds",

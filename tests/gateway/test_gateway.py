@@ -201,3 +201,27 @@ def test_concurrent_streams_pass_through_whole(gateway):
     plain = [ask(c, messages=m, extra_headers=headers)[0] for m in prompts]
     assert streamed == plain
 
+
+
+def test_semantic_hits_stay_in_scope_and_the_guard_refuses_another_name(tmp_path, replicas):
+    gw = GatewayProcess(tmp_path, gateway_config(urls(replicas), cache={"semantic": True}))
+    try:
+        c = client(gw)
+        france = [{"role": "user", "content": "What is the capital of France?"}]
+        live, kind = ask(c, messages=france)
+        assert kind == "miss"
+        reworded = [{"role": "user", "content": "Which city is the capital of France?"}]  # cosine 0.94
+        assert ask(c, messages=reworded) == (live, "semantic")
+        assert ask(c, messages=reworded, stream=True) == (live, "semantic")
+        # the same words after another system prompt, or with other parameters: another scope, no hit
+        assert ask(c, messages=[{"role": "system", "content": "Answer in French."}, *reworded])[1] == "miss"
+        assert ask(c, messages=reworded, max_tokens=17)[1] == "miss"
+        # close in meaning (cosine 0.95) but another day: the guard sends it upstream
+        saturday = [{"role": "user", "content": "Is the museum open on Saturday?"}]
+        ask(c, messages=saturday)
+        assert ask(c, messages=[{"role": "user", "content": "Is the museum open on Sunday?"}])[1] == "miss"
+        m = gw.metrics()
+        assert m["llmserve:gateway_cache_lookups_total{result=semantic}"] == 2
+        assert m["llmserve:gateway_cache_guard_rejections_total"] == 1
+    finally:
+        gw.stop()

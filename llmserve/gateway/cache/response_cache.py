@@ -3,19 +3,24 @@ lookup, then the semantic one, and what to do when the store fails (count it, se
 
 Per request, `Cache-Control: no-cache` skips the lookup (the answer is still stored: a refresh) and
 `no-store` skips both. By default only deterministic requests (temperature 0, or a seed) are cached:
-replaying one sample of a random answer would silently change what users get.
+replaying one sample of a random answer would silently change what users get. A semantic hit must also
+pass the lexical guard (`guard.py`: same numbers, negations and names).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from llmserve.gateway.cache.guard import compatible
 from llmserve.gateway.cache.keys import CacheKeys, cache_keys, is_deterministic
 from llmserve.gateway.cache.store import CacheStore, StoreUnavailable
 from llmserve.gateway.config import CacheConfig
 from llmserve.gateway.metrics import GatewayMetrics
+
+if TYPE_CHECKING:  # the semantic cache pulls in torch and hnswlib: only where it is switched on
+    from llmserve.gateway.cache.semantic import SemanticCache
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +42,8 @@ class CacheHit:
 
 
 class ResponseCache:
-    def __init__(self, config: CacheConfig, store: CacheStore, metrics: GatewayMetrics, semantic: Any = None) -> None:
+    def __init__(self, config: CacheConfig, store: CacheStore, metrics: GatewayMetrics,
+                 semantic: SemanticCache | None = None) -> None:
         self.config = config
         self.store = store
         self.metrics = metrics
@@ -65,9 +71,11 @@ class ResponseCache:
                     return CacheHit("exact", answer)
             if self.semantic is not None and plan.keys.query is not None:
                 hit = await self.semantic.lookup(plan.keys.scope, plan.keys.query)
-                if hit is not None:
+                if hit is not None and compatible(hit.query, plan.keys.query):
                     self.metrics.cache_lookups.labels("semantic").inc()
                     return CacheHit("semantic", hit.response, hit.similarity)
+                if hit is not None:  # close in meaning, but another number, negation or name
+                    self.metrics.guard_rejections.inc()
         except StoreUnavailable:
             self.metrics.cache_errors.labels("lookup").inc()
             return None
