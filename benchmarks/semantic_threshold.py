@@ -12,6 +12,7 @@ Each with and without the lexical guard (`llmserve/gateway/cache/guard.py`: numb
 must match). Embeddings: all-MiniLM-L6-v2, as the gateway computes them.
 
     .venv/bin/python benchmarks/semantic_threshold.py     # writes results/semantic_threshold.{md,json,png}
+    .venv/bin/python benchmarks/semantic_threshold.py --only fow-cache   # prints one set, writes nothing
 """
 
 from __future__ import annotations
@@ -69,7 +70,9 @@ def main() -> int:
              "`benchmarks/semantic_threshold.py`. False-hit rate: share of different-answer pairs that would be "
              "served the other's answer; missed-hit rate: share of same-answer pairs sent upstream anyway."]
     curves = {}
-    for name, pairs in (("fow-cache", fow_pairs()), ("STS-B", sts_pairs())):
+    sets = (("fow-cache", fow_pairs()), ("STS-B", sts_pairs()))
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else None
+    for name, pairs in [(n, p) for n, p in sets if only in (None, n)]:
         started = time.perf_counter()
         cos = cosines(embedder, pairs)
         same = np.array([p[2] for p in pairs])
@@ -92,15 +95,21 @@ def main() -> int:
         lines.append(f"## {name}: {len(pairs)} pairs ({int(same.sum())} same-answer)\n\n" + "\n".join(table))
         if name == "fow-cache":
             cats = sorted({p[3] for p in pairs})
-            cat_rows = ["| category | pairs | mean cosine | hits at 0.92 | hits at 0.92, guarded |",
-                        "|---|---:|---:|---:|---:|"]
+            shown = (0.92, 0.95, 0.97)
+            cat_rows = ["| category | pairs | mean cosine | " + " | ".join(f"hits at {t}" for t in shown) + " | "
+                        + " | ".join(f"hits at {t}, guarded" for t in shown) + " |",
+                        "|---|---:|---:|" + "---:|" * (2 * len(shown))]
             for c in cats:
                 mask = np.array([p[3] == c for p in pairs])
-                hit = cos[mask] >= 0.92
+                plain = [(cos[mask] >= t).mean() for t in shown]
+                guarded = [((cos[mask] >= t) & guard[mask]).mean() for t in shown]
                 cat_rows.append(f"| {c} ({'same' if same[mask][0] else 'different'}) | {int(mask.sum())} | "
-                                f"{cos[mask].mean():.3f} | {hit.mean():.1%} | {(hit & guard[mask]).mean():.1%} |")
+                                f"{cos[mask].mean():.3f} | " + " | ".join(f"{v:.1%}" for v in plain + guarded) + " |")
             lines.append("### fow-cache by category\n\n" + "\n".join(cat_rows))
             record[name]["categories"] = cat_rows
+    if only is not None:
+        print("\n\n".join(lines))
+        return 0
     (out_dir / "semantic_threshold.json").write_text(json.dumps(record, indent=1))
     (out_dir / "semantic_threshold.md").write_text("\n\n".join(lines) + "\n")
     plot(curves, out_dir / "semantic_threshold.png")

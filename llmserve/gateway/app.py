@@ -82,10 +82,14 @@ class Gateway:
         self.store = open_store(config.cache.redis_url)
         semantic = _semantic_cache(config, self.store) if config.cache.semantic else None
         self.cache = ResponseCache(config.cache, self.store, self.metrics, semantic)
+        self._sync: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.pool.start()
-        if self.cache.semantic is not None:  # rebuild the indexes from a shared store without holding requests
+        if self.cache.semantic is not None:
+            # MiniLM loads now (seconds), not inside the first request; the indexes are rebuilt from a shared
+            # store in the background, without holding requests
+            await self.cache.semantic.embedder.aembed(["warm-up"])
             self._sync = asyncio.create_task(self._sync_semantic())
 
     async def _sync_semantic(self) -> None:
@@ -104,6 +108,14 @@ class Gateway:
     # --- the chain -----------------------------------------------------------------------------
 
     async def handle(self, route: str, request: Request) -> Response:
+        """The chain for one request; every answer, refusals included, is counted by model and status."""
+        try:
+            return await self._handle(route, request)
+        except APIError as e:
+            self.metrics.requests.labels(getattr(request.state, "model", "-"), str(e.status)).inc()
+            raise
+
+    async def _handle(self, route: str, request: Request) -> Response:
         key = self._authenticate(request)
         try:
             body = orjson.loads(await request.body())
@@ -114,6 +126,7 @@ class Gateway:
         model = body.get("model")
         if not isinstance(model, str):
             raise APIError(400, "model: required, a string", param="model")
+        request.state.model = model if self.pool.route(model) is not None else "-"  # no label per unknown name
         if self.pool.route(model) is None:
             raise APIError(404, f"the model {model!r} does not exist; known: {', '.join(self.config.models)}",
                            param="model", code="model_not_found")
@@ -152,7 +165,7 @@ class Gateway:
         self.metrics.saved_tokens.labels("prompt").inc(usage.get("prompt_tokens") or 0)
         self.metrics.saved_tokens.labels("completion").inc(usage.get("completion_tokens") or 0)
         self.metrics.requests.labels(call.model, "200").inc()
-        headers = {CACHE_HEADER: kind}
+        headers = {CACHE_HEADER: "hit" if kind == "exact" else kind}  # the header's words: hit | semantic | miss
         if call.stream:
             events = replay_events(call.route, answer, call.include_usage, call.model)
             return SSEResponse(_iterate(events), headers=headers)

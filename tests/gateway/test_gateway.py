@@ -47,8 +47,8 @@ def test_cached_answer_equals_live_streamed_or_not(gateway, replicas):
     reference, _ = ask(direct, max_tokens=20)
     live, live_kind = ask(c, max_tokens=20)
     assert (live, live_kind) == (reference, "miss")
-    assert ask(c, max_tokens=20) == (reference, "exact")
-    assert ask(c, stream=True, max_tokens=20) == (reference, "exact")
+    assert ask(c, max_tokens=20) == (reference, "hit")
+    assert ask(c, stream=True, max_tokens=20) == (reference, "hit")
     # a cached answer replays with usage when asked, as a live stream would end
     chunks = list(c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=20, temperature=0, stream=True,
                                             stream_options={"include_usage": True}))
@@ -57,7 +57,7 @@ def test_cached_answer_equals_live_streamed_or_not(gateway, replicas):
     other = [{"role": "user", "content": "Name three animals."}]
     streamed, kind = ask(c, messages=other, stream=True)
     assert kind == "miss"
-    assert ask(c, messages=other) == (streamed, "exact")
+    assert ask(c, messages=other) == (streamed, "hit")
     # Cache-Control: no-cache skips the lookup (and stores the fresh answer)
     assert ask(c, max_tokens=20, extra_headers={"Cache-Control": "no-cache"}) == (reference, "miss")
     m = gateway.metrics()
@@ -146,11 +146,11 @@ def test_two_gateways_share_a_redis_cache_and_a_restart_keeps_it(tmp_path, repli
     try:
         live, kind = ask(client(first))
         assert kind == "miss"
-        assert ask(client(second)) == (live, "exact")
+        assert ask(client(second)) == (live, "hit")
         first.stop()
         restarted = GatewayProcess(tmp_path, config)
         try:
-            assert ask(client(restarted), stream=True) == (live, "exact")
+            assert ask(client(restarted), stream=True) == (live, "hit")
         finally:
             restarted.stop()
     finally:
@@ -179,14 +179,14 @@ def test_namespaces_never_leak_and_keys_are_enforced(tmp_path, replicas):
             ask(client(gw, "wrong"))
         text, kind = ask(client(gw, "key-a"))
         assert kind == "miss"
-        assert ask(client(gw, "key-a")) == (text, "exact")
+        assert ask(client(gw, "key-a")) == (text, "hit")
         assert ask(client(gw, "key-b")) == (text, "miss")  # same question, another namespace: no hit
-        assert ask(client(gw, "key-slow")) == (text, "exact")  # a key of team-a shares team-a's cache
+        assert ask(client(gw, "key-slow")) == (text, "hit")  # a key of team-a shares team-a's cache
         ask(client(gw, "key-slow"))
         with pytest.raises(openai.RateLimitError) as e:
             ask(client(gw, "key-slow"))
         assert int(e.value.response.headers["retry-after"]) >= 1
-        assert ask(client(gw, "key-a"))[1] == "exact"  # other keys are not limited by it
+        assert ask(client(gw, "key-a"))[1] == "hit"  # other keys are not limited by it
     finally:
         gw.stop()
 
@@ -204,7 +204,7 @@ def test_concurrent_streams_pass_through_whole(gateway):
 
 
 def test_semantic_hits_stay_in_scope_and_the_guard_refuses_another_name(tmp_path, replicas):
-    gw = GatewayProcess(tmp_path, gateway_config(urls(replicas), cache={"semantic": True}))
+    gw = GatewayProcess(tmp_path, gateway_config(urls(replicas), cache={"semantic": True, "semantic_threshold": 0.92}))
     try:
         c = client(gw)
         france = [{"role": "user", "content": "What is the capital of France?"}]

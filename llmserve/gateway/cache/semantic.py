@@ -135,7 +135,7 @@ class _ScopeIndex:
 class SemanticCache:
     """Answers by meaning, within a scope. `lookup` then, on a miss, `put` once the upstream has answered."""
 
-    def __init__(self, store: CacheStore, embedder: TextEmbedder, threshold: float = 0.92, ttl: float = 3600.0,
+    def __init__(self, store: CacheStore, embedder: TextEmbedder, threshold: float = 0.97, ttl: float = 3600.0,
                  log: str = "semantic", max_log: int = 1_000_000, catch_up_per_lookup: int = 1024) -> None:
         self.store, self.embedder = store, embedder
         self.threshold, self.ttl, self.log, self.max_log = threshold, ttl, log, max_log

@@ -87,7 +87,7 @@ def test_expired_and_evicted_entries_miss(embedder):
         assert await cache.lookup("scope-a", PARAPHRASE) is None
         assert await SemanticCache(cache.store, embedder).lookup("scope-a", QUESTION) is None  # replay skips it
 
-        small = SemanticCache(MemoryStore(max_entries=1), embedder)  # room for one answer
+        small = SemanticCache(MemoryStore(max_entries=1), embedder, threshold=0.92)  # room for one answer
         await small.put("scope-a", QUESTION, ANSWER)
         await small.put("scope-b", "What is the capital of France?", b"Paris")
         assert await small.lookup("scope-a", PARAPHRASE) is None  # its answer was evicted
@@ -102,9 +102,9 @@ def test_expired_and_evicted_entries_miss(embedder):
 def test_two_gateways_over_one_store_see_each_others_entries(embedder):
     async def main() -> None:
         store = MemoryStore()
-        first = SemanticCache(store, embedder)
+        first = SemanticCache(store, embedder, threshold=0.92)
         await first.put("scope-a", QUESTION, ANSWER)
-        second = SemanticCache(store, embedder)  # built after the put: it replays the log
+        second = SemanticCache(store, embedder, threshold=0.92)  # built after the put: it replays the log
         hit = await second.lookup("scope-a", PARAPHRASE)
         assert hit is not None and hit.response == ANSWER
         await second.put("scope-a", "What is the capital of France?", b"Paris")
