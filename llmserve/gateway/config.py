@@ -66,8 +66,9 @@ class CacheConfig:
     ttl: float = 3600.0
     exact: bool = True
     semantic: bool = False
-    # 0.97: on fow-cache's hard negatives, the least expected cost when a wrong answer costs 5-10 upstream
-    # calls (benchmarks/README.md, "semantic threshold"); the seeds' 0.92 served 8.7 % of them a wrong answer
+    # 0.97: on fow-cache's hard negatives, about the least expected cost when a wrong answer costs 5-10
+    # upstream calls (benchmarks/README.md, "semantic cache threshold"); the seeds' 0.92, guarded, served
+    # 8.7 % of them a wrong answer
     semantic_threshold: float = 0.97
     deterministic_only: bool = True  # cache only temperature-0 or seeded requests
 
