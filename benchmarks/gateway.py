@@ -8,8 +8,8 @@
 prefix: two replicas, one core each (OMP_NUM_THREADS=1), each with a KV cache that holds about half of the
 8 system prompts of a shared-prefix workload; restarted for every policy so each starts cold. Reports the
 replicas' prefix-cache hit rate (tokens, from their /metrics) and the bench's TTFT.
-overhead: one replica; the same bench straight and through the gateway (`--no-cache`), in ABBA order: TTFT
-p50 at c = 1 and output tok/s at c = 64.
+overhead: one replica on CPU 0, the gateway (`--no-cache`) and the client on CPU 1: paired single-token requests
+straight and through the gateway (TTFT added, per pair), and output tok/s at c = 64 in ABBA rounds.
 cache: one replica; the gateway without a cache, then with the exact and semantic caches, on 300 questions of
 which 40 % are rewordings of earlier ones (`repeated_queries`): upstream calls saved, false hits, e2e p50/p99.
 Writes benchmarks/results/gateway_<part>.md and .json (and the bench result files beside them).
@@ -18,8 +18,10 @@ Writes benchmarks/results/gateway_<part>.md and .json (and the bench result file
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -36,7 +38,10 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from bench_vs_peers import machine_facts, port_free, stop_group  # noqa: E402
 
+from llmserve.bench.client import BenchClient, ClientConfig  # noqa: E402
 from llmserve.bench.report import load_result, render_table  # noqa: E402
+from llmserve.bench.tokens import approximate_counter  # noqa: E402
+from llmserve.bench.workload import WorkloadConfig, make_workload  # noqa: E402
 
 MODEL = "smollm2-135m"
 
@@ -76,16 +81,21 @@ class Proc:
 
 
 def replica(name: str, port: int, args: argparse.Namespace, threads: int | None = None,
-            flags: tuple[str, ...] = ()) -> Proc:
-    cmd = [sys.executable, "-m", "llmserve.cli", "serve", "--model", MODEL, "--port", str(port), "--no-access-log",
-           *flags]
+            flags: tuple[str, ...] = (), cpus: str | None = None) -> Proc:
+    cmd = [*_pinned(cpus), sys.executable, "-m", "llmserve.cli", "serve", "--model", MODEL, "--port", str(port),
+           "--no-access-log", *flags]
     return Proc(name, cmd, port, args.out_dir, {"OMP_NUM_THREADS": str(threads)} if threads else None)
 
 
-def gateway(name: str, port: int, upstreams: list[str], args: argparse.Namespace, *flags: str) -> Proc:
-    cmd = [sys.executable, "-m", "llmserve.cli", "gateway", "--upstream", f"{MODEL}={','.join(upstreams)}",
-           "--port", str(port), "--no-access-log", *flags]
+def gateway(name: str, port: int, upstreams: list[str], args: argparse.Namespace, *flags: str,
+            cpus: str | None = None) -> Proc:
+    cmd = [*_pinned(cpus), sys.executable, "-m", "llmserve.cli", "gateway", "--upstream",
+           f"{MODEL}={','.join(upstreams)}", "--port", str(port), "--no-access-log", *flags]
     return Proc(name, cmd, port, args.out_dir)
+
+
+def _pinned(cpus: str | None) -> list[str]:
+    return ["taskset", "-c", cpus] if cpus else []
 
 
 def bench(label: str, url: str, args: argparse.Namespace, *flags: str) -> dict[str, Any]:
@@ -154,43 +164,72 @@ def part_prefix(args: argparse.Namespace) -> str:
 
 
 def part_overhead(args: argparse.Namespace) -> str:
-    rep = replica("overhead_replica", args.port + 1, args)
-    gw = gateway("overhead_gw", args.port, [rep.url], args, "--no-cache")
-    record: dict[str, list[dict[str, float]]] = {"direct": [], "gateway": []}
+    """What the gateway adds, with the cores split so that neither side steals the other's: the replica on
+    CPU 0 (one thread), the gateway and the load generator on CPU 1. TTFT: `--pairs` pairs of single-token
+    requests, each pair one straight to the replica and one through the gateway in random order, on kept-alive
+    connections, each request its own prompt (no prefix-cache hit between the two); the added time is the
+    median of the per-pair differences, which cancels the replica's drift. Throughput: c = 64 in ABBA rounds."""
+    pin = (os.cpu_count() or 1) >= 2
+    rep = replica("overhead_replica", args.port + 1, args, threads=1, cpus="0" if pin else None)
+    gw = gateway("overhead_gw", args.port, [rep.url], args, "--no-cache", cpus="1" if pin else None)
+    if pin:
+        os.sched_setaffinity(0, {1})  # this process and the `llmserve bench` children it starts
+    tput: dict[str, list[float]] = {"direct": [], "gateway": []}
     try:
         # a fresh server's first requests are slower (caches, allocator, lazily built paths): not measured
         for url in (rep.url, gw.url):
             bench("overhead_warmup", url, args, "--workload", "random", "--input-len", "32", "--output-len", "64",
                   "--concurrency", "1,64", "--num-requests", "8,64", "--warmup", "2")
+        ttft = asyncio.run(paired_ttft(rep.url, gw.url, args.pairs))
         for round_ in range(args.rounds):
             order = [("direct", rep.url), ("gateway", gw.url)]
             for name, url in order if round_ % 2 == 0 else order[::-1]:
-                # short prompts, long answers: the gateway's work is per streamed token, so decode is where it shows
-                c1 = bench(f"overhead_{name}_c1_r{round_ + 1}", url, args, "--workload", "random", "--input-len", "32",
-                           "--output-len", "64", "--concurrency", "1", "--num-requests", "16", "--warmup", "2")
+                # long answers: the gateway's work is per streamed token, so decode is where it shows
                 c64 = bench(f"overhead_{name}_c64_r{round_ + 1}", url, args, "--workload", "random", "--input-len",
                             "32", "--output-len", "128", "--concurrency", "64", "--num-requests", "128",
                             "--warmup", "0")
-                record[name].append({"ttft_p50_ms": c1["summary"][0]["ttft_p50_ms"],
-                                     "itl_p50_ms": c1["summary"][0]["itl_p50_ms"],
-                                     "out_tok_s_c64": c64["summary"][0]["output_tok_per_s"]})
+                tput[name].append(c64["summary"][0]["output_tok_per_s"])
     finally:
         gw.stop()
         rep.stop()
-    d, g = record["direct"], record["gateway"]
-    added = statistics.median(b["ttft_p50_ms"] - a["ttft_p50_ms"] for a, b in zip(d, g, strict=True))
-    share = statistics.median(b["out_tok_s_c64"] / a["out_tok_s_c64"] for a, b in zip(d, g, strict=True))
-    rows = [[name, f"{statistics.median(r['ttft_p50_ms'] for r in runs):.1f}",
-             f"{statistics.median(r['itl_p50_ms'] for r in runs):.2f}",
-             f"{statistics.median(r['out_tok_s_c64'] for r in runs):.1f}"] for name, runs in record.items()]
-    (args.out_dir / "gateway_overhead.json").write_text(json.dumps(record, indent=1))
+    added = [g - d for d, g in zip(ttft["direct"], ttft["gateway"], strict=True)]
+    q1, q2, q3 = statistics.quantiles(added, n=4)
+    share = statistics.median(g / d for d, g in zip(tput["direct"], tput["gateway"], strict=True))
+    rows = [[name, f"{statistics.median(ttft[name]):.2f}", f"{statistics.quantiles(ttft[name], n=100)[98]:.2f}",
+             f"{statistics.median(tput[name]):.1f}"] for name in ("direct", "gateway")]
+    (args.out_dir / "gateway_overhead.json").write_text(json.dumps({"ttft_ms": ttft, "out_tok_s_c64": tput,
+                                                                    "pinned": pin}, indent=1))
+    cores = "replica on CPU 0 (1 thread), gateway and client on CPU 1" if pin else "unpinned (one CPU)"
     return ("## Overhead: through the gateway vs straight to the replica (one replica, cache off)\n\n"
-            f"random workload, 32 prompt tokens; c = 1: 16 requests of 64 output tokens; c = 64: 128 requests of "
-            f"128; median of {args.rounds} round(s) (ABBA).\n\n"
-            + render_table(["path", "TTFT p50 ms (c=1)", "ITL p50 ms (c=1)", "output tok/s (c=64)"], rows,
-                           markdown=True)
-            + f"\n\nTTFT p50 added: {added:+.1f} ms; throughput at c = 64: {share:.1%} of direct "
-              "(per-round, median).")
+            f"{cores}. TTFT: {args.pairs} pairs of single-token requests (32 prompt tokens), direct and through "
+            f"the gateway in random order within each pair, kept-alive connections. c = 64: 128 requests of 128 "
+            f"output tokens, median of {args.rounds} round(s) (ABBA).\n\n"
+            + render_table(["path", "TTFT p50 ms", "TTFT p99 ms", "output tok/s (c=64)"], rows, markdown=True)
+            + f"\n\nTTFT added by the gateway, per pair: median {q2:+.2f} ms (quartiles {q1:+.2f} / {q3:+.2f}); "
+              f"throughput at c = 64: {share:.1%} of direct (per-round ratios, median).")
+
+
+async def paired_ttft(direct: str, via_gateway: str, pairs: int, seed: int = 1234) -> dict[str, list[float]]:
+    """TTFT in ms of `pairs` requests down each path, interleaved pair by pair in a seeded random order."""
+    workload = make_workload(WorkloadConfig(name="random", input_len=32, output_len=1, seed=seed),
+                             approximate_counter())
+    rng = random.Random(seed)
+    out: dict[str, list[float]] = {"direct": [], "gateway": []}
+    configs = {name: ClientConfig(base_url=url, model=MODEL, keepalive=True)
+               for name, url in (("direct", direct), ("gateway", via_gateway))}
+    async with BenchClient(configs["direct"]) as d, BenchClient(configs["gateway"]) as g:
+        clients = {"direct": d, "gateway": g}
+        for i in range(pairs):
+            names = ["direct", "gateway"]
+            rng.shuffle(names)
+            for j, name in enumerate(names):
+                rec = await clients[name].send(workload.request("paired", 2 * i + j))
+                if not rec.ok or rec.ttft_s is None:
+                    raise RuntimeError(f"{name} request failed: {rec.error_kind} {rec.error}")
+                out[name].append(rec.ttft_s * 1000)
+            if (i + 1) % 50 == 0:
+                print(f"[gateway-bench] paired TTFT: {i + 1}/{pairs}", flush=True)
+    return out
 
 
 def repeated_queries(seed: int = 1234) -> list[tuple[str, str]]:
@@ -292,6 +331,7 @@ def main() -> int:
     ap.add_argument("--prefix-len", type=int, default=400)
     ap.add_argument("--kv-gb", type=float, default=0.12, help="prefix part: each replica's KV cache")
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--pairs", type=int, default=200, help="overhead part: paired TTFT probes")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
     args = ap.parse_args()
