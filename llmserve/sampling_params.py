@@ -2,12 +2,59 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 # Below this a temperature is greedy (as vLLM): dividing logits by it would overflow to inf and NaN.
 GREEDY_TEMPERATURE = 1e-5
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What a constrained request's output must match: exactly one of these (vLLM's names).
+
+    json: a JSON schema (dict or its text); json_object: any JSON object (OpenAI's JSON mode); regex; choice:
+    one of these strings exactly; grammar: a Lark grammar in llguidance's dialect (which can embed JSON
+    schemas with `%json {...}`)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("structured outputs take exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {', '.join(given) or 'none'}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured outputs: choice must be a non-empty list of non-empty strings")
+        if isinstance(self.json, str):
+            try:
+                parsed = json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured outputs: the JSON schema is not valid JSON: {e}") from None
+            if not isinstance(parsed, (dict, bool)):
+                raise ValueError("structured outputs: a JSON schema must be an object")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): equal for equal constraints, so compiled grammars can be shared."""
+        if self.json is not None:
+            schema = json.loads(self.json) if isinstance(self.json, str) else self.json
+            return "json", json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        if self.json_object:
+            return "json_object", ""
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        if self.regex is not None:
+            return "regex", self.regex
+        return "grammar", self.grammar or ""
 
 
 @dataclass
@@ -39,6 +86,8 @@ class SamplingParams:
     # prefix cache (a cached block has no logits).
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # the output must match a JSON schema, regex, choice or grammar (constrained decoding)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

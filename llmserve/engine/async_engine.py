@@ -31,6 +31,7 @@ from llmserve.engine.request import Request
 from llmserve.engine.stat_logger import StatLogger
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
+from llmserve.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,11 @@ class AsyncLLM:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def structured_outputs(self) -> StructuredOutputManager:
+        """Compiles constraints (thread-safe, off the engine's lock: call it from a worker thread)."""
+        return self.engine.structured
 
     @property
     def processor(self) -> InputProcessor:

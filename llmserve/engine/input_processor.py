@@ -34,15 +34,24 @@ class InputProcessor:
         """A plain-text prompt's token ids."""
         return self.tokenizer.encode(text)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    @property
+    def template_renders_tools(self) -> bool:
+        """Whether the chat template writes a conversation's tools itself (Qwen2.5's does, SmolLM2's does not)."""
+        return bool(self.chat_template) and "tools" in self.chat_template
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template; use a plain prompt")
         return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+                                                  add_generation_prompt=add_generation_prompt, tools=tools or None)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """A conversation's token ids, through the model's chat template."""
-        return self.tokenizer.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
+        """A conversation's token ids, through the model's chat template (`tools`: OpenAI's tool objects, for
+        a template that renders them)."""
+        return self.tokenizer.encode(self.render_chat(messages, add_generation_prompt, tools),
+                                     add_special_tokens=False)
 
     def output_budget(self, prompt_len: int, requested: int | None, default_cap: int | None = None,
                       prompt_param: str = "prompt") -> int:

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +33,10 @@ from llmserve.quantization.weight_only import WeightOnlyLinear
 from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.draft_proposer import DraftModelProposer
 from llmserve.spec_decode.speculator import SpecDecodeStats, Speculator
+from llmserve.structured_output import StructuredOutputManager
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +78,7 @@ class LLMEngine:
         block_size = self.plan.kv_cache.block_size
         self.processor = InputProcessor(ckpt.tokenizer, ckpt.chat_template, ckpt.config.vocab_size,
                                         self.plan.max_model_len, self.plan.num_kv_blocks * block_size)
+        self.structured = StructuredOutputManager(ckpt.tokenizer, ckpt.config.vocab_size, self.eos_token_ids)
         del ckpt
         self.kv_cache = KVCacheManager(self.plan.num_kv_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
@@ -124,6 +130,8 @@ class LLMEngine:
             params.skip_special_tokens,
         )
         req = Request(request_id, text, token_ids, params, max_tokens, self.eos_token_ids, detok, cache_salt)
+        if params.structured_outputs is not None:
+            req.grammar = self.structured.new_matcher(params.structured_outputs)
         self.scheduler.add_request(req)
         return req
 
@@ -142,7 +150,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine iteration: the output delta of every request that gained tokens or finished."""
         proposals = self.speculator.propose(self.scheduler.running) if self.speculator else None
+        if proposals:
+            proposals = self.structured.filter_proposals(proposals, {r.request_id: r.grammar for r in
+                                                                     self.scheduler.running if r.grammar})
         scheduled = self.scheduler.schedule(proposals)
+        scheduled.grammar_bitmasks = self.structured.bitmasks(self._constrained_rows(scheduled))
         self.runner.update_states(scheduled)
         if not scheduled.num_scheduled_tokens:
             return []
@@ -165,6 +177,15 @@ class LLMEngine:
         return self.processor.render_chat(messages, add_generation_prompt)
 
     # --- internals --------------------------------------------------------------------------
+
+    def _constrained_rows(self, scheduled: SchedulerOutput) -> list[tuple[str, LLMatcher, list[int]]]:
+        """(request id, matcher, proposal tokens) of the constrained requests that sample this step."""
+        rows = []
+        for request_id, n in scheduled.num_scheduled_tokens.items():
+            req = self.requests[request_id]
+            if req.grammar is not None and req.num_computed_tokens + n >= req.num_tokens:
+                rows.append((request_id, req.grammar, scheduled.spec_token_ids.get(request_id, [])))
+        return rows
 
     def _execute(
         self, scheduled: SchedulerOutput, request_ids: list[str]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from llmserve.engine.build_plan import BuildPlan
@@ -174,6 +175,8 @@ class ModelRunner:
         sampling_meta = self._sampling_metadata([rows[i] for i in sampling], logits.shape[1])
         native_argmax = self.plan.argmax == "native"
         requests = list(dict.fromkeys(rows[i].request for i in sampling))  # in the order of their rows
+        if out.grammar_bitmasks:
+            sampling_meta.allowed = _allowed_tokens(out, [ids[index] for index in requests])
         if out.spec_token_ids:
             drafts = [out.spec_token_ids.get(ids[index], []) for index in requests]
             sampled = verify(logits, sampling_meta, drafts, native_argmax)
@@ -254,3 +257,19 @@ class ModelRunner:
             banned=banned,
             num_logprobs=[p.logprobs for p in params],
         )
+
+
+def _allowed_tokens(out: SchedulerOutput, request_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The constrained sampling rows and their bitmasks, for requests whose rows come in this order (a request
+    with proposal tokens has one row per proposal token after its first)."""
+    rows: list[int] = []
+    masks = []
+    first = 0
+    for request_id in request_ids:
+        n = 1 + len(out.spec_token_ids.get(request_id, ()))
+        mask = out.grammar_bitmasks.get(request_id)
+        if mask is not None:
+            rows.extend(range(first, first + n))
+            masks.append(mask)
+        first += n
+    return torch.tensor(rows), torch.from_numpy(np.concatenate(masks))

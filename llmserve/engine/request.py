@@ -8,10 +8,17 @@ recompute after preemption are the same operation.
 from __future__ import annotations
 
 import enum
+import logging
 import time
+from typing import TYPE_CHECKING
 
 from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
+logger = logging.getLogger(__name__)
 
 
 class RequestStatus(enum.Enum):
@@ -60,6 +67,7 @@ class Request:
         self.arrival_time = time.monotonic()
         self.scheduled_time: float | None = None  # first admitted to the running batch (queue time ends)
         self.first_token_time: float | None = None
+        self.grammar: LLMatcher | None = None  # a constrained request's matcher, advanced token by token
 
     @property
     def num_tokens(self) -> int:
@@ -90,10 +98,23 @@ class Request:
             self.status = RequestStatus.FINISHED_STOPPED
             self.stop_reason = None if is_eos else token_id
             return
+        grammar_complete = self.grammar is not None and self._advance_grammar(token_id)
         stop_str = self.detokenizer.append(token_id, check_stop=n > self.params.min_tokens)
         if stop_str is not None:
             self.status = RequestStatus.FINISHED_STOPPED
             self.stop_reason = stop_str
+        elif grammar_complete:  # nothing but EOS could follow: stop now rather than spend a step on it
+            self.detokenizer.finish()
+            self.status = RequestStatus.FINISHED_STOPPED
         elif n >= self.max_tokens:
             self.detokenizer.finish()
             self.status = RequestStatus.FINISHED_LENGTH
+
+    def _advance_grammar(self, token_id: int) -> bool:
+        """Feed the grammar a token; True once it is complete (or, never expected since every sampled row is
+        masked, refused the token: the request then stops rather than go on unconstrained)."""
+        if not self.grammar.consume_token(token_id):
+            logger.error("request %s: the grammar refused token %d (%s); stopping it", self.request_id, token_id,
+                         self.grammar.get_error())
+            return True
+        return self.grammar.is_stopped()

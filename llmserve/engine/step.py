@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from llmserve.sampling_params import SamplingParams
 
 
@@ -47,6 +49,8 @@ class SchedulerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     finished_request_ids: set[str] = field(default_factory=set)  # finished or aborted since the last step
     preempted_request_ids: list[str] = field(default_factory=list)  # their blocks went back this step
+    # constrained requests that sample: int32 bitmasks of the allowed tokens [1 + proposal tokens, ceil(V / 32)]
+    grammar_bitmasks: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -55,7 +59,8 @@ class SchedulerOutput:
     def restricted_to(self, request_ids: list[str]) -> SchedulerOutput:
         """The same step for some of its requests only (the state changes stay with the whole step's)."""
         return SchedulerOutput(num_scheduled_tokens={r: self.num_scheduled_tokens[r] for r in request_ids},
-                               spec_token_ids={r: t for r, t in self.spec_token_ids.items() if r in request_ids})
+                               spec_token_ids={r: t for r, t in self.spec_token_ids.items() if r in request_ids},
+                               grammar_bitmasks={r: m for r, m in self.grammar_bitmasks.items() if r in request_ids})
 
 
 @dataclass

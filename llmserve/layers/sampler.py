@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -28,6 +29,8 @@ class SamplingMetadata:
     repetition_penalty: torch.Tensor | None  # [B]
     banned: list[tuple[int, list[int]]]  # (row, token ids) that may not be sampled yet (min_tokens)
     num_logprobs: list[int | None]  # per row: top-k logprobs wanted, None = none
+    # constrained rows and their allowed tokens: ([n] row indices, [n, ceil(V / 32)] int32 bitmasks)
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -59,6 +62,8 @@ def apply_constraints(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Ten
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
     for row, ids in meta.banned:
         logits[row, ids] = float("-inf")
+    if meta.allowed is not None:
+        _apply_token_bitmask(logits, *meta.allowed)
     if meta.output_counts is not None:
         _apply_penalties(logits, meta)
     return raw_logprobs
@@ -68,6 +73,18 @@ def greedy_tokens(logits: torch.Tensor, native_argmax: bool) -> torch.Tensor:
     if native_argmax:
         return torch.ops.llmserve.argmax_rows(logits)
     return logits.max(dim=-1).indices  # the first maximum, as argmax, in a third of its time on CPU
+
+
+def _apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Tokens whose bit is clear in their row's bitmask get -inf. The int32 words are little-endian, so bit t of
+    the bitmask's bytes is token t: numpy unpacks them in one call (~20 us a row of 49k tokens with the fill, a few
+    times faster than shifts in torch or a byte lookup table)."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]]
+    refused = ~torch.from_numpy(bits.view(np.bool_))
+    if len(rows) == len(logits):  # every row constrained, in order
+        logits.masked_fill_(refused, float("-inf"))
+    else:
+        logits[rows] = logits[rows].masked_fill(refused, float("-inf"))
 
 
 def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> None:

@@ -24,7 +24,17 @@ from llmserve.server.config import ServerConfig
 from llmserve.server.errors import APIError, install_handlers
 from llmserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from llmserve.server.middleware import GateMiddleware, RequestBodyMiddleware
-from llmserve.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from llmserve.server.openapi import API_ERRORS, OPEN_ERRORS, complete_openapi, json_or_sse
+from llmserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    HealthStatus,
+    ModelCard,
+    ModelList,
+    VersionInfo,
+)
 from llmserve.server.serving_chat import OpenAIServingChat
 from llmserve.server.serving_completion import OpenAIServingCompletion
 from llmserve.server.serving_engine import ModelInfo
@@ -73,6 +83,7 @@ class ServerState:
             max_tokens_default=config.max_tokens_default,
         )
         self.metrics.bind(self.info.served_names[0])
+        llm.structured_outputs.prepare()  # the grammar library's tokenizer index, built in the background
         self.chat = OpenAIServingChat(llm, self.info, self.metrics)
         self.completion = OpenAIServingCompletion(llm, self.info, self.metrics)
         self.llm = llm  # last: from here on the routes serve
@@ -109,13 +120,15 @@ def create_app(config: ServerConfig, on_load_failure: Callable[[BaseException], 
                            allow_headers=["*"], expose_headers=["Retry-After"])
     app.include_router(_open_routes(state))
     app.include_router(_api_routes(state), prefix="/v1")
+    complete_openapi(app)
     return app
 
 
 def _open_routes(state: ServerState) -> APIRouter:
     router = APIRouter()
 
-    @router.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with HEAD
+    @router.get("/health", response_model=HealthStatus, responses={503: {"model": HealthStatus}})
+    @router.head("/health", include_in_schema=False)  # load balancers probe with HEAD
     async def health() -> JSONResponse:
         if state.draining:
             return JSONResponse({"status": "shutting down"}, status_code=503)
@@ -126,12 +139,15 @@ def _open_routes(state: ServerState) -> APIRouter:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @router.api_route("/metrics", methods=["GET", "HEAD"])
+    @router.get("/metrics", response_class=Response, responses={
+        200: {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}}, "description": "Prometheus text"}})
+    @router.head("/metrics", include_in_schema=False)
     async def metrics() -> Response:
         body = await asyncio.to_thread(state.metrics.render)  # stats() waits for the engine lock
         return Response(body, media_type=CONTENT_TYPE)
 
-    @router.api_route("/version", methods=["GET", "HEAD"])
+    @router.get("/version", response_model=VersionInfo)
+    @router.head("/version", include_in_schema=False)
     async def version() -> JSONResponse:
         return JSONResponse({"version": __version__})
 
@@ -143,7 +159,8 @@ def _api_routes(state: ServerState) -> APIRouter:
     # was already answered 415)
     router = APIRouter(route_class=_StrictJSONRoute, strict_content_type=False)
 
-    @router.api_route("/models", methods=["GET", "HEAD"])
+    @router.get("/models", response_model=ModelList, responses=OPEN_ERRORS)
+    @router.head("/models", include_in_schema=False)
     async def models() -> JSONResponse:
         state.ready()
         info = state.info
@@ -151,12 +168,14 @@ def _api_routes(state: ServerState) -> APIRouter:
                  for name in info.served_names]
         return JSONResponse(ModelList(data=cards).model_dump())
 
-    @router.post("/chat/completions")
+    @router.post("/chat/completions", response_class=Response,
+                 responses={200: json_or_sse(ChatCompletionResponse), **API_ERRORS})
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         state.ready()
         return await _guarded(state.chat.create(body, raw), "chat completion")
 
-    @router.post("/completions")
+    @router.post("/completions", response_class=Response, responses={200: json_or_sse(CompletionResponse),
+                                                                      **API_ERRORS})
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         state.ready()
         return await _guarded(state.completion.create(body, raw), "completion")

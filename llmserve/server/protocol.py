@@ -20,6 +20,36 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaSpec(BaseModel):
+    """OpenAI's `response_format.json_schema`."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's `structured_outputs` extra parameter: exactly one of these."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _SamplingRequest(BaseModel):
     """Fields chat and completions share. Unknown fields are ignored, as OpenAI's server does."""
 
@@ -49,6 +79,14 @@ class _SamplingRequest(BaseModel):
     # Accepted so that clients sending their neutral values work; anything else is refused (400)
     # rather than silently ignored, since the answer would not be what the client asked for.
     logit_bias: dict[str, float] | None = None
+    # Structured outputs: OpenAI's response_format, or vLLM's extra parameters (its current spelling,
+    # structured_outputs, and the older guided_* names); at most one of them per request.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -62,18 +100,52 @@ class TextContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's format)
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this result answers
 
 
-class ResponseFormat(BaseModel):
+class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    type: str
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -82,8 +154,30 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
-    response_format: ResponseFormat | None = None  # only {"type": "text"}
-    tools: list[dict[str, Any]] | None = None  # only absent or empty
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
+    parallel_tool_calls: bool = True
+    # OpenAI parameters for what this server does not produce: refused (400) unless absent or neutral, since
+    # the answer would not be what the client asked for. Hints that leave the answer as it is (store, metadata,
+    # service_tier, prediction, reasoning_effort, prompt_cache_key, ...) are accepted and ignored.
+    modalities: list[str] | None = None  # ["text"] only
+    audio: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None  # the deprecated form of tools
+    function_call: str | dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(parameter, why) for the first parameter asking for what this server cannot give."""
+        if self.modalities is not None and self.modalities != ["text"]:
+            return "modalities", "only ['text'] is supported"
+        if self.audio is not None:
+            return "audio", "audio output is not supported"
+        if self.functions is not None or self.function_call is not None:
+            return ("functions" if self.functions is not None else "function_call",
+                    "the deprecated functions API is not supported; use tools and tool_choice")
+        if self.web_search_options is not None:
+            return "web_search_options", "web search is not supported"
+        return None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -144,6 +238,7 @@ class CompletionLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(BaseModel):
@@ -164,7 +259,8 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatStreamChoice(BaseModel):
     index: int
-    delta: dict[str, str]  # {"role": ..., "content": ...}, {"content": ...} or {} on the last chunk
+    # {"role": ..., "content": ...}, {"content": ...}, {"tool_calls": [...]} or {} on the last chunk
+    delta: dict[str, Any]
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
 
@@ -206,3 +302,11 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class HealthStatus(BaseModel):
+    status: str  # "ok" (200); "loading", "failed", "shutting down" or "engine stopped" (503)
+
+
+class VersionInfo(BaseModel):
+    version: str

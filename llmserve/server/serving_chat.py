@@ -23,6 +23,8 @@ from llmserve.server.protocol import (
     ChatResponseMessage,
     ChatStreamChoice,
     ChatTokenLogprob,
+    Tool,
+    ToolCall,
     TopLogprob,
     UsageInfo,
 )
@@ -38,46 +40,51 @@ from llmserve.server.serving_engine import (
     usage,
 )
 from llmserve.server.sse import SSEResponse, unless_disconnected
+from llmserve.server.tool_calls import ToolCallParser, active_tools, chat_messages, tool_call_constraint
 
 
 class OpenAIServingChat(OpenAIServing):
     async def create(self, request: ChatCompletionRequest, raw: Request) -> Response:
         model = self.check_model(request.model)
         self.check_unsupported(request)
-        prompt_ids = self._render(request)
+        if (unsupported := request.unsupported()) is not None:
+            raise APIError(400, f"{unsupported[0]}: {unsupported[1]}", param=unsupported[0])
+        tools = active_tools(request)
+        prompt_ids = self._render(request, tools)
         num_logprobs = self._num_logprobs(request)
         requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         max_tokens = self.max_tokens(requested, len(prompt_ids), "messages")
-        params = self.sampling_params(request, max_tokens, num_logprobs)
+        constraint = await self.constraint(request, tool_call_constraint(request, tools))
+        params = self.sampling_params(request, max_tokens, num_logprobs, structured_outputs=constraint)
         choices = self.choices([prompt_ids], [params], request.n, request.cache_salt)
+        tool_names = {t.function.name for t in tools}  # calls are parsed out of the text where tools are offered
         request_id = new_request_id("chatcmpl")
         streams = self.streams(request_id, choices)
         if request.stream:
-            events = await primed(self._stream(streams, choices, request, request_id, model, num_logprobs))
+            events = await primed(self._stream(streams, choices, request, request_id, model, num_logprobs,
+                                               tool_names))
             return SSEResponse(events)
-        return await unless_disconnected(raw, self._complete(streams, choices, request_id, model, num_logprobs))
+        return await unless_disconnected(raw, self._complete(streams, choices, request_id, model, num_logprobs,
+                                                             tool_names))
 
     # --- request → prompt ---------------------------------------------------------------------
 
-    def _render(self, request: ChatCompletionRequest) -> list[int]:
-        if request.tools:
-            raise APIError(400, "tools are not supported", param="tools")
-        if request.response_format is not None and request.response_format.type != "text":
-            raise APIError(400, f"response_format {request.response_format.type!r} is not supported (only 'text')",
-                           param="response_format")
-        messages = []
+    def _render(self, request: ChatCompletionRequest, tools: list[Tool]) -> list[int]:
+        texts = []
         for i, m in enumerate(request.messages):
             if isinstance(m.content, list):
                 if any(part.type != "text" or part.text is None for part in m.content):
                     raise APIError(400, f"messages[{i}].content: only text parts are supported",
                                    param=f"messages[{i}].content")
-                content = "\n".join(part.text for part in m.content)
+                texts.append("\n".join(part.text for part in m.content))
             else:
-                content = m.content or ""
-            role = "system" if m.role == "developer" else m.role  # templates predate the 'developer' role
-            messages.append({"role": role, "content": content})
+                texts.append(m.content or "")
+        processor = self.llm.processor
+        messages = chat_messages(request.messages, texts, tools, processor.template_renders_tools)
+        tool_objects = [t.model_dump(exclude_none=True) for t in tools] if processor.template_renders_tools else None
         try:
-            return self.llm.processor.encode_chat(messages, add_generation_prompt=request.add_generation_prompt)
+            return processor.encode_chat(messages, add_generation_prompt=request.add_generation_prompt,
+                                         tools=tool_objects)
         except (ValueError, TemplateError) as e:
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
 
@@ -90,28 +97,28 @@ class OpenAIServingChat(OpenAIServing):
     # --- non-streaming ------------------------------------------------------------------------
 
     async def _complete(self, streams: ChoiceStreams, choices: list[Choice], request_id: str, model: str,
-                        num_logprobs: int | None) -> JSONResponse:
+                        num_logprobs: int | None, tool_names: set[str]) -> JSONResponse:
         async with streams:
             finals = await streams.collect()
-        response = ChatCompletionResponse(
-            id=request_id, model=model, usage=usage(choices, finals),
-            choices=[
-                ChatCompletionChoice(
-                    index=i,
-                    message=ChatResponseMessage(content=finals[i].outputs[0].text),
-                    logprobs=_logprobs(finals[i], num_logprobs, self.llm.token_bytes),
-                    finish_reason=finals[i].outputs[0].finish_reason,
-                )
-                for i in sorted(finals)
-            ],
-        )
+        response = ChatCompletionResponse(id=request_id, model=model, usage=usage(choices, finals), choices=[])
+        for i in sorted(finals):
+            completion = finals[i].outputs[0]
+            content, calls = ToolCallParser(tool_names).parse(completion.text) if tool_names else (completion.text, [])
+            response.choices.append(ChatCompletionChoice(
+                index=i,
+                message=ChatResponseMessage(content=content, tool_calls=calls),
+                logprobs=_logprobs(finals[i], num_logprobs, self.llm.token_bytes),
+                finish_reason=_finish_reason(completion.finish_reason, bool(calls)),
+            ))
         return JSONResponse(response.model_dump())
 
     # --- streaming ----------------------------------------------------------------------------
 
     def _stream(self, streams: ChoiceStreams, choices: list[Choice], request: ChatCompletionRequest,
-                request_id: str, model: str, num_logprobs: int | None) -> AsyncGenerator[bytes, None]:
-        """SSE as OpenAI sends it: role chunk, content deltas, finish chunk, [usage chunk], [DONE]."""
+                request_id: str, model: str, num_logprobs: int | None, tool_names: set[str]
+                ) -> AsyncGenerator[bytes, None]:
+        """SSE as OpenAI sends it: role chunk, content deltas (tool calls as `delta.tool_calls`, each whole once
+        its closing tag came), finish chunk, [usage chunk], [DONE]."""
         created = int(time.time())
         exclude = None if request.include_usage else {"usage"}
 
@@ -124,10 +131,23 @@ class OpenAIServingChat(OpenAIServing):
             return chunk(ChatStreamChoice(index=index, delta={"content": text}))
 
         content = {c.index: TextChunk(partial(content_chunk, c.index)) for c in choices}  # the per-token chunks
+        parsers = {c.index: ToolCallParser(tool_names) for c in choices} if tool_names else {}
+        num_calls = dict.fromkeys(parsers, 0)
+
+        def tool_calls_chunk(index: int, calls: list[ToolCall]) -> bytes:
+            first = num_calls[index]
+            num_calls[index] += len(calls)
+            return chunk(ChatStreamChoice(index=index, delta={"tool_calls": [
+                {"index": first + k, **call.model_dump()} for k, call in enumerate(calls)]}))
 
         def render(index: int, out: RequestOutput) -> bytes:  # out: a delta
             completion = out.outputs[0]
-            delta = completion.text
+            delta, calls = completion.text, []
+            if parsers:
+                delta, calls = parsers[index].feed(delta)
+                if out.finished:
+                    rest, more = parsers[index].finish()
+                    delta, calls = delta + rest, calls + more
             if num_logprobs is None:
                 event = content[index](delta) if delta else b""
             else:
@@ -135,14 +155,22 @@ class OpenAIServingChat(OpenAIServing):
                 has_content = delta or lps.content
                 event = chunk(ChatStreamChoice(index=index, delta={"content": delta}, logprobs=lps)) if has_content \
                     else b""
+            if calls:
+                event += tool_calls_chunk(index, calls)
             if out.finished:
-                event += chunk(ChatStreamChoice(index=index, delta={}, finish_reason=completion.finish_reason))
+                reason = _finish_reason(completion.finish_reason, bool(num_calls.get(index)))
+                event += chunk(ChatStreamChoice(index=index, delta={}, finish_reason=reason))
             return event
 
         intro = (chunk(ChatStreamChoice(index=c.index, delta={"role": "assistant", "content": ""})) for c in choices)
         usage_event = (lambda finals, generated: chunk(None, usage(choices, finals, generated))) \
             if request.include_usage else None
         return sse_events(streams, request_id, intro, render, usage_event)
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """OpenAI's "tool_calls" where the model ended by calling tools."""
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def _logprobs(out: RequestOutput, k: int | None, token_bytes: TokenBytes) -> ChatChoiceLogprobs | None:

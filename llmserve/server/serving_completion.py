@@ -44,9 +44,10 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = self._tokenize(request.prompt)
         # echo with logprobs: the prompt's tokens are scored too (what perplexity through an API reads)
         prompt_logprobs = request.logprobs if request.echo else None
+        constraint = await self.constraint(request)
         params = [
             self.sampling_params(request, self.max_tokens(request.max_tokens, len(ids), "prompt"), request.logprobs,
-                                 prompt_logprobs)
+                                 prompt_logprobs, constraint)
             for ids in prompts
         ]
         choices = self.choices(prompts, params, request.n, request.cache_salt)

@@ -26,11 +26,12 @@ from llmserve.engine.async_engine import (
 )
 from llmserve.engine.input_processor import ContextLengthError
 from llmserve.outputs import Logprob, RequestOutput
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 from llmserve.server.errors import APIError, bad_value
 from llmserve.server.metrics import ServerMetrics
 from llmserve.server.protocol import PromptTokensDetails, UsageInfo, _SamplingRequest
 from llmserve.server.sse import SSE_DONE
+from llmserve.structured_output import GrammarError
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +90,30 @@ class OpenAIServing:
         except ContextLengthError as e:
             raise bad_value(e) from None
 
+    async def constraint(self, request: _SamplingRequest, implied: StructuredOutputsParams | None = None
+                         ) -> StructuredOutputsParams | None:
+        """The request's structured-output constraint, from whichever spelling it used (response_format,
+        structured_outputs or guided_*; at most one, besides an `implied` one such as a required tool call),
+        compiled now, off the engine's lock: an invalid or unsupported one is a 400 with the reason, before any
+        work is queued."""
+        found = _constraints(request)
+        if implied is not None:
+            found.append(("tool_choice", implied))
+        if len(found) > 1:
+            raise APIError(400, f"{' and '.join(name for name, _ in found)} each constrain the output: give one",
+                           param=found[1][0])
+        if not found:
+            return None
+        param, spec = found[0]
+        try:
+            await asyncio.to_thread(self.llm.structured_outputs.compile, spec)
+        except GrammarError as e:
+            raise APIError(400, f"{param}: {e}", param=param) from None
+        return spec
+
     def sampling_params(self, request: _SamplingRequest, max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """Parameters for choice 0; `for_choice` derives the others. Engine range checks → 400."""
         try:
             return SamplingParams(
@@ -101,6 +124,7 @@ class OpenAIServing:
                 stop_token_ids=request.stop_token_ids or [], ignore_eos=request.ignore_eos, logprobs=logprobs,
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 skip_special_tokens=request.skip_special_tokens, prompt_logprobs=prompt_logprobs,
+                structured_outputs=structured_outputs,
             )
         except ValueError as e:
             raise bad_value(e) from None
@@ -117,6 +141,34 @@ class OpenAIServing:
 
     def streams(self, request_id: str, choices: list[Choice]) -> ChoiceStreams:
         return ChoiceStreams(self.llm, self.metrics, request_id, choices)
+
+
+def _constraints(request: _SamplingRequest) -> list[tuple[str, StructuredOutputsParams]]:
+    """(parameter name, constraint) for each constraining parameter the request set."""
+    found: list[tuple[str, dict]] = []
+    rf = request.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(("response_format", {"json_object": True}))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise APIError(400, "response_format: json_schema.schema is required for type 'json_schema'",
+                           param="response_format")
+        found.append(("response_format", {"json": rf.json_schema.schema_}))
+    so = request.structured_outputs
+    if so is not None:
+        found.append(("structured_outputs", {"json": so.json_, "regex": so.regex, "choice": so.choice,
+                                             "grammar": so.grammar, "json_object": bool(so.json_object)}))
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "grammar")):
+        if getattr(request, name) is not None:
+            found.append((name, {key: getattr(request, name)}))
+    out = []
+    for name, fields in found:
+        try:
+            out.append((name, StructuredOutputsParams(**fields)))
+        except ValueError as e:
+            raise APIError(400, f"{name}: {e}", param=name) from None
+    return out
 
 
 def usage(choices: list[Choice], finals: dict[int, RequestOutput], completion_tokens: int | None = None
