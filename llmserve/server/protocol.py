@@ -92,6 +92,13 @@ class _SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def unsupported(self) -> tuple[str, str] | None:
+        """(parameter, why) for the first parameter asking for what this server cannot give: refused with a 400
+        rather than ignored, since the answer would not be what the client asked for."""
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported"
+        return None
+
 
 class TextContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -167,9 +174,10 @@ class ChatCompletionRequest(_SamplingRequest):
     web_search_options: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        """(parameter, why) for the first parameter asking for what this server cannot give."""
+        if (refused := super().unsupported()) is not None:
+            return refused
         if self.modalities is not None and self.modalities != ["text"]:
-            return "modalities", "only ['text'] is supported"
+            return "modalities", "modalities: only ['text'] is supported"
         if self.audio is not None:
             return "audio", "audio output is not supported"
         if self.functions is not None or self.function_call is not None:
@@ -187,6 +195,15 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: str | None = None  # not supported; accepted only when absent
     best_of: int | None = None  # supported only when equal to n
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if (refused := super().unsupported()) is not None:
+            return refused
+        if self.suffix:
+            return "suffix", "suffix is not supported"
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of", "best_of is supported only when equal to n"
+        return None
 
 
 # --- responses --------------------------------------------------------------------------------

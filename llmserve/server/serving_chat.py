@@ -47,8 +47,6 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, request: ChatCompletionRequest, raw: Request) -> Response:
         model = self.check_model(request.model)
         self.check_unsupported(request)
-        if (unsupported := request.unsupported()) is not None:
-            raise APIError(400, f"{unsupported[0]}: {unsupported[1]}", param=unsupported[0])
         tools = active_tools(request)
         prompt_ids = self._render(request, tools)
         num_logprobs = self._num_logprobs(request)

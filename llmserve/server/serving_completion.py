@@ -37,10 +37,6 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create(self, request: CompletionRequest, raw: Request) -> Response:
         model = self.check_model(request.model)
         self.check_unsupported(request)
-        if request.suffix:
-            raise APIError(400, "suffix is not supported", param="suffix")
-        if request.best_of is not None and request.best_of != request.n:
-            raise APIError(400, "best_of is supported only when equal to n", param="best_of")
         prompts = self._tokenize(request.prompt)
         # echo with logprobs: the prompt's tokens are scored too (what perplexity through an API reads)
         prompt_logprobs = request.logprobs if request.echo else None

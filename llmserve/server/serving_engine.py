@@ -78,8 +78,8 @@ class OpenAIServing:
         return model
 
     def check_unsupported(self, request: _SamplingRequest) -> None:
-        if request.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        if (refused := request.unsupported()) is not None:
+            raise APIError(400, refused[1], param=refused[0])
 
     def max_tokens(self, requested: int | None, prompt_len: int, prompt_param: str) -> int:
         """The output budget of one prompt (the engine's rule, with the server's default cap); 400 naming

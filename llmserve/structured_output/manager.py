@@ -103,9 +103,6 @@ class StructuredOutputManager:
                 matcher.rollback(n)
         return {request_id: masks[starts[i]: starts[i + 1]] for i, (request_id, _, _) in enumerate(rows)}
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
     def _compiled_matcher(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
         key = spec.key
         with self._lock:
