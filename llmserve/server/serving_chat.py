@@ -130,11 +130,9 @@ class OpenAIServingChat(OpenAIServing):
 
         content = {c.index: TextChunk(partial(content_chunk, c.index)) for c in choices}  # the per-token chunks
         parsers = {c.index: ToolCallParser(tool_names) for c in choices} if tool_names else {}
-        num_calls = dict.fromkeys(parsers, 0)
 
         def tool_calls_chunk(index: int, calls: list[ToolCall]) -> bytes:
-            first = num_calls[index]
-            num_calls[index] += len(calls)
+            first = parsers[index].num_calls - len(calls)  # the choice's calls are numbered from 0, in order
             return chunk(ChatStreamChoice(index=index, delta={"tool_calls": [
                 {"index": first + k, **call.model_dump()} for k, call in enumerate(calls)]}))
 
@@ -156,7 +154,7 @@ class OpenAIServingChat(OpenAIServing):
             if calls:
                 event += tool_calls_chunk(index, calls)
             if out.finished:
-                reason = _finish_reason(completion.finish_reason, bool(num_calls.get(index)))
+                reason = _finish_reason(completion.finish_reason, bool(parsers and parsers[index].num_calls))
                 event += chunk(ChatStreamChoice(index=index, delta={}, finish_reason=reason))
             return event
 
