@@ -7,23 +7,34 @@ workloads against each, one after the other on this machine's cores, one table o
     .venv/bin/python benchmarks/spec_decode.py --workloads code-edit --levels 1:8 --variant \
         'fixed-k4={"method": "ngram", "num_speculative_tokens": 4, "adaptive": false}'
 
-Variants: "off" (no flag: the default server) and "on" ({"method": "ngram"}: the adaptive speculator), plus
-any --variant NAME=JSON. Workloads: code-edit (functions of Python's standard library, an edit that repeats
-most of them) and chat (MT-Bench first turns); temperature 0, EOS honoured (answers end where the model ends
-them: a model looping past its answer would flatter prompt lookup), --output-len tokens at most. Greedy
-output is the same in every variant, so output tok/s compare directly. Writes
-benchmarks/results/spec_<variant>_<workload>.json, spec_decode.md and spec_decode.png (--out-dir).
+    .venv/bin/python benchmarks/spec_decode.py --model qwen2.5-coder-1.5b --workloads humaneval --levels 1:8 \
+        --no-ngram --variant 'draft={"method": "draft_model", "model": "qwen2.5-coder-0.5b"}' \
+        --llama-cpp --llama-cpp-draft qwen2.5-coder-0.5b
+
+Variants: "off" (no flag: the default server) and "on" ({"method": "ngram"}: the adaptive speculator; left
+out by --no-ngram), plus any --variant NAME=JSON. With --llama-cpp, llama.cpp's own `llama-server` (peerbench's
+build under $PEERS, one slot per concurrent request) on the same GGUF file joins as "llama.cpp", and with
+--llama-cpp-draft MODEL also as "llama.cpp-draft" (`--model-draft`, llama.cpp's default draft settings).
+Workloads: code-edit (functions of Python's standard library, an edit that repeats most of them), chat
+(MT-Bench first turns) and humaneval (the problems as `llmserve eval` asks them); temperature 0, EOS honoured
+(answers end where the model ends them: a model looping past its answer would flatter prompt lookup),
+--output-len tokens at most. Greedy output is the same in every llmserve variant, so output tok/s compare
+directly. Writes benchmarks/results/spec_<variant>_<workload>.json, spec_decode.md and spec_decode.png
+(--out-dir).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -32,19 +43,55 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_vs_peers import TreeMemory, machine_facts, port_free, stop_group  # noqa: E402
+from bench_vs_peers import TreeMemory, find_shared_peers, machine_facts, port_free, stop_group  # noqa: E402
 
 from llmserve.bench.report import compare_table, load_result, plot_results, render_table  # noqa: E402
 
 
-def serve(name: str, spec: str | None, args: argparse.Namespace) -> tuple[subprocess.Popen, int, TreeMemory]:
-    cmd = [sys.executable, "-m", "llmserve.cli", "serve", "--model", args.model, "--host", "127.0.0.1",
-           "--port", str(args.port), "--no-access-log", *args.serve_flags.split()]
-    if spec:
-        cmd += ["--speculative-config", spec]
+@dataclass(frozen=True)
+class Variant:
+    """One server to measure: an llmserve with a speculative config (None: off), or llama.cpp's."""
+
+    name: str
+    spec: str | None = None
+    llama_cpp_draft: str | None = None  # a llama.cpp variant: "" without a draft, else the draft's GGUF
+    llama_cpp: bool = False
+
+    def command(self, args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+        if self.llama_cpp:
+            slots = max(int(c) for c, _ in (level.split(":") for level in args.levels.split(",")))
+            shared = find_shared_peers()
+            if shared is None:
+                raise SystemExit("llama.cpp runs from peerbench's scripts (shared/peers), not found")
+            cmd = [str(shared / "servers" / "llama_server.sh"), "-m", model_file(args.model),
+                   "--alias", args.model, "-c", str(slots * args.context_per_slot)]
+            if self.llama_cpp_draft:
+                cmd += ["--model-draft", self.llama_cpp_draft]
+            return cmd, {"NP": str(slots), "PORT": str(args.port)}
+        cmd = [sys.executable, "-m", "llmserve.cli", "serve", "--model", args.model, "--host", "127.0.0.1",
+               "--port", str(args.port), "--no-access-log", *args.serve_flags.split()]
+        if self.spec:
+            cmd += ["--speculative-config", self.spec]
+        return cmd, {}
+
+
+def model_file(model: str) -> str:
+    """The GGUF file a registered name (or a path) stands for: llama.cpp serves the very file we load."""
+    from llmserve.loader.default_models import resolve_model_path
+
+    path, _ = resolve_model_path(model)
+    if not path.endswith(".gguf"):
+        raise SystemExit(f"llama.cpp needs a GGUF file; {model} is {path}")
+    return path
+
+
+def serve(variant: Variant, args: argparse.Namespace) -> tuple[subprocess.Popen, int, TreeMemory]:
+    name = variant.name
+    cmd, env = variant.command(args)
     log = (args.out_dir / f"spec_{name}.server.log").open("w")
     print(f"[spec] {name}: {' '.join(cmd)}", flush=True)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+                            env={**os.environ, **env})
     mem = TreeMemory(proc.pid)
     mem.start()
     deadline = time.time() + 900
@@ -74,8 +121,11 @@ def bench(name: str, workload: str, args: argparse.Namespace, suffix: str = "") 
 
 
 def metrics(port: int) -> dict[str, float]:
-    """The llmserve:spec_decode_* samples, by name without the prefix."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    """The llmserve:spec_decode_* samples, by name without the prefix (none from a server without them)."""
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    except urllib.error.HTTPError:  # llama-server without --metrics
+        return {}
     return {sample.name.removeprefix("llmserve:spec_decode_"): sample.value
             for family in text_string_to_metric_families(text) for sample in family.samples
             if sample.name.startswith("llmserve:spec_decode")}
@@ -91,21 +141,31 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1, help="rounds of every variant, in ABBA order: the host "
                     "drifts over minutes, so ratios are taken per round and their median reported")
     ap.add_argument("--serve-flags", default="", help="flags for every variant's `llmserve serve`")
+    ap.add_argument("--no-ngram", action="store_true", help='leave out the "on" (n-gram) variant')
+    ap.add_argument("--llama-cpp", action="store_true", help="add llama.cpp's llama-server on the same file")
+    ap.add_argument("--llama-cpp-draft", default=None, metavar="MODEL",
+                    help="add llama-server with --model-draft MODEL's GGUF (implies --llama-cpp)")
+    ap.add_argument("--context-per-slot", type=int, default=2048, help="llama-server context per slot")
     ap.add_argument("--port", type=int, default=8030)
     ap.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
     args = ap.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    variants = [("off", None), ("on", json.dumps({"method": "ngram"}))]
-    variants += [tuple(v.split("=", 1)) for v in args.variant]
-    names = [name for name, _ in variants]
+    variants = [Variant("off")] + ([] if args.no_ngram else [Variant("on", json.dumps({"method": "ngram"}))])
+    variants += [Variant(*v.split("=", 1)) for v in args.variant]
+    if args.llama_cpp or args.llama_cpp_draft:
+        variants.append(Variant("llama.cpp", llama_cpp=True))
+    if args.llama_cpp_draft:
+        variants.append(Variant("llama.cpp-draft", llama_cpp=True, llama_cpp_draft=model_file(args.llama_cpp_draft)))
+    names = [v.name for v in variants]
     workloads = args.workloads.split(",")
     results: dict[str, dict[str, list[Path]]] = {w: {name: [] for name in names} for w in workloads}
     spec_counts: dict[str, dict[str, dict[str, float]]] = {w: {} for w in workloads}
     for round_ in range(args.rounds):
-        for name, spec in variants if round_ % 2 == 0 else variants[::-1]:
+        for variant in variants if round_ % 2 == 0 else variants[::-1]:
+            name = variant.name
             if not port_free(args.port):
                 raise SystemExit(f"port {args.port} is busy")
-            proc, pgid, mem = serve(name, spec, args)
+            proc, pgid, mem = serve(variant, args)
             try:
                 for workload in workloads:
                     before = metrics(args.port)

@@ -57,6 +57,9 @@ class ModelConfig:
                            "fused norm/rotary/SwiGLU, argmax): auto = where they build and pay (the fused "
                            "elementwise ops in bfloat16 only), native = always (an error where they cannot run), "
                            "torch = PyTorch's ops only", choices=KERNEL_CHOICES)
+    draft: bool = _option(False, "a speculative draft (the engine sets it for the draft it builds): its weights "
+                          "decide which tokens are proposed, never which are kept, so auto picks the fastest "
+                          "ones, output head included", cli=False)
 
     def __post_init__(self) -> None:
         if self.kernels not in KERNEL_CHOICES:

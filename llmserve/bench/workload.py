@@ -15,6 +15,8 @@ Kinds:
   long-prompt-mix  random prompts of --input-len, with a --long-fraction of --long-input-len ones
   code-edit        "add type hints to this function" and kin, over functions of Python's standard library:
                    answers that largely repeat their prompt (where speculative decoding pays)
+  humaneval        the 164 HumanEval problems, asked as `llmserve eval` asks a chat model (a code model's
+                   real work: new code, where only a draft model can guess what comes next)
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from llmserve.bench.tokens import Message, TokenCounter, messages_to_text
+from llmserve.evaluate.datasets import humaneval_problems
+from llmserve.evaluate.humaneval import CHAT_PROMPT
 
-WORKLOADS = ("random", "shared-prefix", "chat", "long-prompt-mix", "code-edit")
+WORKLOADS = ("random", "shared-prefix", "chat", "long-prompt-mix", "code-edit", "humaneval")
 
 # Common English words: one token each in the usual BPE vocabularies, so approximate counts stay close.
 COMMON_WORDS = (
@@ -476,12 +480,33 @@ class CodeEditWorkload(Workload):
         return {**super().describe(), "python": sys.version.split()[0], "num_functions": len(self.functions)}
 
 
+class HumanEvalWorkload(Workload):
+    """HumanEval's problems in `llmserve eval`'s chat prompt, so a speed figure sits beside the pass@1 of the
+    same requests; each stream a seeded permutation of the problems. --output-len is the answer budget."""
+
+    name = "humaneval"
+
+    def __init__(self, cfg: WorkloadConfig, counter: TokenCounter) -> None:
+        super().__init__(cfg, counter)
+        self.problems = humaneval_problems()
+
+    def request(self, stream: str, index: int) -> BenchRequest:
+        problem = self.problems[self.permuted(stream, index, len(self.problems))]
+        messages: list[Message] = [{"role": "user", "content": CHAT_PROMPT.format(prompt=problem["prompt"])}]
+        max_tokens = draw_len(self.rng(stream, index), self.cfg.output_len, self.cfg.output_len_range)
+        return BenchRequest(stream, index, messages, max_tokens, self.prompt_len(messages))
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "num_problems": len(self.problems)}
+
+
 _KINDS: dict[str, type[Workload]] = {
     "random": RandomWorkload,
     "shared-prefix": SharedPrefixWorkload,
     "chat": ChatDatasetWorkload,
     "long-prompt-mix": LongPromptMixWorkload,
     "code-edit": CodeEditWorkload,
+    "humaneval": HumanEvalWorkload,
 }
 
 

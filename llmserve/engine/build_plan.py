@@ -35,7 +35,7 @@ class BuildPlan:
     device: str
     dtype: torch.dtype
     weights: str  # "as loaded" | "int8" | "int4" | "int4+int8" (linear layers: int4 where the file is 4-bit,
-    # int8 where it holds more bits); a quantized model's output head is int8
+    # int8 where it holds more bits)
     small_step_kernels: str  # quantized weights: "native" (llmserve's) | "torch" (PyTorch's) | "" (dense)
     small_step_max_tokens: int  # steps up to this many tokens take the small-step kernel (0: dense weights)
     int8_activations: bool  # quantized weights: large steps multiply int8 x int8 (SmoothQuant)
@@ -48,6 +48,7 @@ class BuildPlan:
     kv_cache: KVCacheSpec
     num_kv_blocks: int
     max_model_len: int
+    head: str = "int8"  # a quantized model's output head: "int8" (it ranks every token), "int4" for a draft
     reasons: dict[str, str] = field(default_factory=dict, compare=False)  # why, per choice
 
     def step_route(self, decode_only: bool, num_tokens: int, has_graph: bool) -> str:
@@ -62,7 +63,7 @@ class BuildPlan:
     def describe(self) -> str:
         rows = [
             ("dtype", str(self.dtype).removeprefix("torch.")),
-            ("weights", self.weights),
+            ("weights", self.weights + (f", output head {self.head}" if self.head != "int8" else "")),
             ("small steps", f"{self.small_step_kernels} kernels, <= {self.small_step_max_tokens} tokens"
              if self.small_step_max_tokens else "-"),
             ("large steps", f"int8 x int8 ({self.int8_products})" if self.int8_activations else "dense products"),
@@ -109,6 +110,11 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
     attention = "native" if built else "torch"
     argmax = "native" if built else "torch"
     weights = _weights(mc.quantization, source_formats, on_cpu, reasons)
+    head = "int8"
+    if mc.draft and mc.quantization == "auto" and built and native_quantized_kernels():
+        weights = head = "int4"  # on PyTorch's int4 kernel a step would cost more than the target's
+        reasons["weights"] = ("auto: a speculative draft, whose weights decide which tokens are proposed, never "
+                              "which are kept: the fastest (int4 head: 12 % more tokens/s, benchmarks/README.md)")
     small, small_max, products = "", 0, ""
     int8_activations = bool(mc.int8_activations)
     if int8_activations and weights == "as loaded":
@@ -171,7 +177,7 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
         int8_activations=int8_activations, int8_products=products, attention=attention,
         elementwise=elementwise, argmax=argmax, compile=compile_mode,
         fused_decode_max_tokens=small_max if fused else 0, kv_cache=spec, num_kv_blocks=num_blocks,
-        max_model_len=max_model_len, reasons=reasons,
+        max_model_len=max_model_len, head=head, reasons=reasons,
     )
 
 

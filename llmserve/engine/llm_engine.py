@@ -39,6 +39,10 @@ if TYPE_CHECKING:
     from llguidance import LLMatcher
 
 logger = logging.getLogger(__name__)
+# A draft request is made anew each step over the request's tokens and catches up from its prefix cache,
+# which holds whole blocks only: with blocks of 4 the catch-up (the last partial block + the tokens verified
+# since) stays a small step, where blocks of 16 often made it a large, dense one (9 % less draft time).
+DRAFT_BLOCK_SIZE = 4
 
 
 @dataclass
@@ -279,8 +283,9 @@ class LLMEngine:
         mc = self.config.model
         draft = LLMEngine(EngineConfig(
             model=dataclasses.replace(mc, model=spec.model, quantization="auto", int8_activations=None,
-                                      compile=False, max_model_len=self.plan.max_model_len),
+                                      compile=False, max_model_len=self.plan.max_model_len, draft=True),
             cache=dataclasses.replace(self.config.cache, kv_cache_memory_gb=draft_kv_bytes / 2**30,
+                                      block_size=DRAFT_BLOCK_SIZE,
                                       enable_prefix_caching=True),
             scheduler=self.config.scheduler))
         if draft.tokenizer.get_vocab() != self.tokenizer.get_vocab():

@@ -74,7 +74,7 @@ class ModelRunner:
         model = build_model(ckpt, plan.dtype, plan.device, methods)
         if plan.weights != "as loaded":
             quantize_model(model, plan.weights, plan.small_step_kernels == "native", plan.small_step_max_tokens,
-                           ckpt.int4_grids)
+                           ckpt.int4_grids, plan.head)
         if packed := prepack_linears(model):
             logger.info("%d linear weights prepacked for oneDNN", packed)
             if plan.compile == "off" and not plan.int8_activations:

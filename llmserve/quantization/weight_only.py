@@ -189,9 +189,10 @@ def layer_method_of(method: str, grid: tuple[torch.Tensor, torch.Tensor] | None)
 
 def quantize_model(model: nn.Module, method: str, native_kernels: bool = False,
                    max_quantized_tokens: int | None = None,
-                   grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> nn.Module:
+                   grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None, head: str = "int8") -> nn.Module:
     """Replace every `nn.Linear` of the decoder layers by a `WeightOnlyLinear` (its bias, if any, kept), and
-    give the output head int8 weights (a tied embedding stays as it is: a lookup reads one row).
+    give the output head `head` weights, int8 unless asked (its logits rank every token; a speculative draft
+    takes int4), a tied embedding staying as it is (a lookup reads one row).
     `method`: "int8", "int4", or "int4+int8" (int4 where the file stored the weight on a 4-bit grid,
     int8 where it stored more bits). `native_kernels`: the caller has loaded `llmserve.kernels`; small steps
     use them. `max_quantized_tokens`: the largest step the small-step kernels take (default and ceiling:
@@ -208,5 +209,5 @@ def quantize_model(model: nn.Module, method: str, native_kernels: bool = False,
                           QUANTIZED_MAX_TOKENS[layer_method])
                 setattr(module, child_name, WeightOnlyLinear(child.weight, layer_method, native_kernels, cap,
                                                              child.bias, grid))
-    model.lm_head = WeightOnlyLinear(model.lm_head.weight, "int8", native_kernels)
+    model.lm_head = WeightOnlyLinear(model.lm_head.weight, head, native_kernels)
     return model

@@ -148,3 +148,17 @@ def test_code_edit_prompts_hold_real_standard_library_functions(counter: TokenCo
         [node] = ast.parse(code).body  # one whole function, parseable as written
         assert isinstance(node, ast.FunctionDef)
         assert r.max_tokens == 200 and r.prompt_len == counter.count_prompt(r.messages)
+
+
+def test_humaneval_prompts_are_the_problems_as_eval_asks_them(counter: TokenCounter) -> None:
+    from llmserve.evaluate.datasets import humaneval_problems
+    from llmserve.evaluate.humaneval import CHAT_PROMPT
+
+    problems = {CHAT_PROMPT.format(prompt=p["prompt"]) for p in humaneval_problems()}
+    wl = make_workload(WorkloadConfig(name="humaneval", output_len=300), counter)
+    assert wl.describe()["num_problems"] == 164
+    one_pass = [wl.request("s", i) for i in range(164)]
+    assert {r.messages[0]["content"] for r in one_pass} == problems  # every problem once per pass
+    assert [r.messages for r in one_pass[:5]] != [wl.request("t", i).messages for i in range(5)]
+    assert wl.request("s", 164).messages == one_pass[0].messages  # then the stream repeats its permutation
+    assert all(r.max_tokens == 300 and r.prompt_len == counter.count_prompt(r.messages) for r in one_pass)

@@ -79,3 +79,19 @@ def test_int8_activations_need_vnni(monkeypatch, vnni):
     else:
         with pytest.raises(ValueError, match="needs a CPU with VNNI"):
             _plan(_formats("Q4_1"), int8_activations=True)
+
+
+def test_a_draft_runs_the_fastest_weights_head_included():
+    """A speculative draft's weights decide what is proposed, never what is kept: auto takes int4 for it, output
+    head included, even for a file it would keep as loaded for a target (where the native int4 kernels run)."""
+    from llmserve.kernels import load_cpu_kernels, native_quantized_kernels
+
+    target, draft = _plan(_formats("Q5_0", down="Q8_0")), _plan(_formats("Q5_0", down="Q8_0"), draft=True)
+    assert target.weights == "as loaded" and target.head == "int8"
+    if load_cpu_kernels() and native_quantized_kernels():
+        assert (draft.weights, draft.head) == ("int4", "int4") and "draft" in draft.reasons["weights"]
+        assert "output head int4" in draft.describe()
+    else:  # PyTorch's int4 kernel would make a draft step dearer than the target's
+        assert draft.weights == "as loaded"
+    asked = _plan(_formats("Q5_0"), draft=True, quantization="int8")
+    assert (asked.weights, asked.head) == ("int8", "int8")
