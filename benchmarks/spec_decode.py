@@ -14,7 +14,8 @@ workloads against each, one after the other on this machine's cores, one table o
 Variants: "off" (no flag: the default server) and "on" ({"method": "ngram"}: the adaptive speculator; left
 out by --no-ngram), plus any --variant NAME=JSON. With --llama-cpp, llama.cpp's own `llama-server` (peerbench's
 build under $PEERS, one slot per concurrent request) on the same GGUF file joins as "llama.cpp", and with
---llama-cpp-draft MODEL also as "llama.cpp-draft" (`--model-draft`, llama.cpp's default draft settings).
+--llama-cpp-draft MODEL as "llama.cpp-draft" (`--model-draft --spec-type draft-simple`, its default draft
+settings otherwise).
 Workloads: code-edit (functions of Python's standard library, an edit that repeats most of them), chat
 (MT-Bench first turns) and humaneval (the problems as `llmserve eval` asks them); temperature 0, EOS honoured
 (answers end where the model ends them: a model looping past its answer would flatter prompt lookup),
@@ -65,8 +66,8 @@ class Variant:
                 raise SystemExit("llama.cpp runs from peerbench's scripts (shared/peers), not found")
             cmd = [str(shared / "servers" / "llama_server.sh"), "-m", model_file(args.model),
                    "--alias", args.model, "-c", str(slots * args.context_per_slot)]
-            if self.llama_cpp_draft:
-                cmd += ["--model-draft", self.llama_cpp_draft]
+            if self.llama_cpp_draft:  # without --spec-type, llama-server loads the draft and never uses it
+                cmd += ["--model-draft", self.llama_cpp_draft, "--spec-type", "draft-simple"]
             return cmd, {"NP": str(slots), "PORT": str(args.port)}
         cmd = [sys.executable, "-m", "llmserve.cli", "serve", "--model", args.model, "--host", "127.0.0.1",
                "--port", str(args.port), "--no-access-log", *args.serve_flags.split()]
@@ -144,7 +145,7 @@ def main() -> int:
     ap.add_argument("--no-ngram", action="store_true", help='leave out the "on" (n-gram) variant')
     ap.add_argument("--llama-cpp", action="store_true", help="add llama.cpp's llama-server on the same file")
     ap.add_argument("--llama-cpp-draft", default=None, metavar="MODEL",
-                    help="add llama-server with --model-draft MODEL's GGUF (implies --llama-cpp)")
+                    help="add llama-server with --model-draft MODEL's GGUF (its own default draft settings)")
     ap.add_argument("--context-per-slot", type=int, default=2048, help="llama-server context per slot")
     ap.add_argument("--port", type=int, default=8030)
     ap.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
@@ -152,7 +153,7 @@ def main() -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     variants = [Variant("off")] + ([] if args.no_ngram else [Variant("on", json.dumps({"method": "ngram"}))])
     variants += [Variant(*v.split("=", 1)) for v in args.variant]
-    if args.llama_cpp or args.llama_cpp_draft:
+    if args.llama_cpp:
         variants.append(Variant("llama.cpp", llama_cpp=True))
     if args.llama_cpp_draft:
         variants.append(Variant("llama.cpp-draft", llama_cpp=True, llama_cpp_draft=model_file(args.llama_cpp_draft)))

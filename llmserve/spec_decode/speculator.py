@@ -12,13 +12,16 @@ the batch (at 32 running requests a step is already compute-bound). So the specu
 decode-only step as a line in its token count, from the steps it times, and per request keeps a running
 estimate `a` of how often a proposed token is kept. A request's j-th proposal token yields a^j tokens in
 expectation; tokens are added, best first, while the expected tokens per second of the step rise, and a
-request or a whole step with none worth it runs without. vLLM's `disable_by_batch_size` is kept as a hard
-limit on top.
+request or a whole step with none worth it runs without. Proposing costs too: a draft model runs one step
+of its own per proposal depth (whatever the number of requests at that depth), so the first token a step
+takes at a new depth also pays the measured cost of a depth (n-gram lookup: next to nothing). vLLM's
+`disable_by_batch_size` is kept as a hard limit on top.
 """
 
 from __future__ import annotations
 
 import heapq
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -94,6 +97,7 @@ class Speculator:
         self.proposer = proposer or NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                                   config.prompt_lookup_max)
         self.cost = StepCost()
+        self.depth_cost = 0.0  # seconds the proposer takes per proposal depth (a running mean)
         self.stats = SpecDecodeStats()
         # per request: decayed kept proposal tokens, and proposal tokens tried up to a rejection (from the prior)
         self._accepted: dict[str, float] = {}
@@ -116,7 +120,11 @@ class Speculator:
                 self._forget(r.request_id)
         if not wanted:
             return {}
-        return self.proposer.propose([r for r in decoding if r.request_id in wanted], wanted)
+        start = time.perf_counter()
+        proposals = self.proposer.propose([r for r in decoding if r.request_id in wanted], wanted)
+        per_depth = (time.perf_counter() - start) / max(wanted.values())
+        self.depth_cost = per_depth if not self.depth_cost else 0.8 * self.depth_cost + 0.2 * per_depth
+        return proposals
 
     def _worth_it(self, room: dict[str, int], batch_size: int) -> dict[str, int]:
         """How many proposal tokens each request should carry: tokens are added, best expected yield first
@@ -131,12 +139,14 @@ class Speculator:
         heap = [(-rates[rid], rid, 1) for rid in room]
         heapq.heapify(heap)
         take: dict[str, int] = {}
+        depth = 0
         while heap:
             neg_gain, rid, j = heapq.heappop(heap)
             gain = -neg_gain
-            if gain * seconds <= per_token * tokens:  # (tokens + gain) / (seconds + per_token) <= tokens / seconds
-                break
-            tokens, seconds = tokens + gain, seconds + per_token
+            cost = per_token + (self.depth_cost if j > depth else 0.0)
+            if gain * seconds <= cost * tokens:  # (tokens + gain) / (seconds + cost) <= tokens / seconds
+                continue  # a cheaper token at a depth already paid for may still be worth it
+            tokens, seconds, depth = tokens + gain, seconds + cost, max(depth, j)
             take[rid] = j
             if j < room[rid]:
                 heapq.heappush(heap, (-gain * rates[rid], rid, j + 1))

@@ -54,6 +54,20 @@ def test_proposals_follow_the_cost_of_a_token():
     assert dear.propose([req]) == {}
 
 
+def test_each_proposal_depth_pays_what_the_proposer_takes():
+    """A draft model runs a step of its own per depth: the first token at a depth also pays that (measured)."""
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4))
+    plain_step(speculator, 1, 0.010)
+    plain_step(speculator, 5, 0.011)
+    req = decoding("a")
+    assert speculator.propose([req]) == {"a": [5, 6, 7, 8]}
+    assert 0 < speculator.depth_cost < 0.005  # prompt lookup: next to nothing
+    speculator.depth_cost = 0.002  # a draft step a fifth of the target's: a fourth token (0.75^4) no longer pays
+    assert speculator.propose([req]) == {"a": [5, 6, 7]}
+    speculator.depth_cost = 0.010  # a draft step as dear as the target's: none does
+    assert speculator.propose([req]) == {}
+
+
 def test_a_request_whose_proposals_fail_stops_and_later_tries_again():
     speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4))
     plain_step(speculator, 1, 0.010)
