@@ -162,11 +162,13 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
     compile_mode = "off"
     if mc.compile:
         compile_mode = "graph" if attention == "native" else "layers"
-    # (the native call has no q/k/v bias: Qwen2's decode steps run layer by layer)
-    fused = (weights == "int4" and small == "native" and elementwise == "native" and attention == "native"
-             and not model.attention_bias and all(int4_packs(*shape) for shape in _linear_shapes(model)))
+    # q/k/v biases (Qwen2) and int8 linears (a K-quant mix's) run inside the one call too; int8 layers take
+    # steps of at most 8 tokens on their kernel, so a call with any does too
+    fused = (weights != "as loaded" and small == "native" and elementwise == "native" and attention == "native"
+             and all(int4_packs(*shape) for shape in _linear_shapes(model)))
+    fused_max = small_max if weights == "int4" else min(small_max, QUANTIZED_MAX_TOKENS["int8"])
     if fused:
-        reasons["decode steps"] = "native int4 products, attention and elementwise ops: one call for all layers"
+        reasons["decode steps"] = "native quantized products, attention and elementwise ops: one call for all layers"
 
     max_model_len = min(mc.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
     spec = ATTENTION_BACKENDS[attention]().kv_cache_spec(model.num_layers, model.num_kv_heads, model.head_dim,
@@ -176,7 +178,7 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
         device=mc.device, dtype=dtype, weights=weights, small_step_kernels=small, small_step_max_tokens=small_max,
         int8_activations=int8_activations, int8_products=products, attention=attention,
         elementwise=elementwise, argmax=argmax, compile=compile_mode,
-        fused_decode_max_tokens=small_max if fused else 0, kv_cache=spec, num_kv_blocks=num_blocks,
+        fused_decode_max_tokens=fused_max if fused else 0, kv_cache=spec, num_kv_blocks=num_blocks,
         max_model_len=max_model_len, head=head, reasons=reasons,
     )
 

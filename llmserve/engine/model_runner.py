@@ -116,8 +116,13 @@ class ModelRunner:
 
         A request with proposal tokens runs its last token and each proposal as decodes of their own (one
         query token each, the same block table, contexts one longer each): every layer writes the step's
-        K/V before it attends, so each sees the ones before it, and the step stays decode-only."""
+        K/V before it attends, so each sees the ones before it, and the step stays decode-only. For the same
+        reason a step whose tokens all fit the one-call decode stack runs a short prompt chunk as decodes too
+        (a chunk after its cached context, as a speculative draft's catch-up on verified tokens is): it takes
+        that call rather than the layer-by-layer prefill path (Qwen2.5-Coder-0.5B, 5-8 tokens: 20 -> 8 ms)."""
         ids = list(out.num_scheduled_tokens)
+        as_decodes = (out.total_num_scheduled_tokens <= self.plan.fused_decode_max_tokens
+                      and all(self._requests[i].params.prompt_logprobs is None for i in ids))
         rows: list[_Row] = []
         for index, request_id in enumerate(ids):
             r = self._requests[request_id]
@@ -126,6 +131,9 @@ class ModelRunner:
             if draft:
                 rows.extend(_Row(index, r, start + j, 1, [token], draft[:j])
                             for j, token in enumerate([r.token_ids[start], *draft]))
+            elif as_decodes:
+                rows.extend(_Row(index, r, start + j, 1, [token])
+                            for j, token in enumerate(r.token_ids[start : start + n]))
             else:
                 rows.append(_Row(index, r, start, n, r.token_ids[start : start + n]))
         # decodes (one new token) first, shortest context first: they form the decode groups of the attention

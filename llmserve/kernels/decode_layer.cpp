@@ -8,8 +8,12 @@
 // kernels and the same arithmetic as an eager step on the native kernels (each op in float32 inside,
 // rounded once), with the Python between them gone.
 //
-//   h = rms_norm(x); qkv = h Wqkv; q, k = rotary(q, k); cache <- k, v; o = attention(q)
+//   h = rms_norm(x); qkv = h Wqkv (+ b); q, k = rotary(q, k); cache <- k, v; o = attention(q)
 //   x = x + o Wo; h = rms_norm(x); x = x + (silu(h Wgate) * h Wup) Wdown
+//
+// Each linear is int4 or int8 (a K-quant mix such as Q4_K_M: int4 where the file is 4-bit, int8 per channel
+// where it holds more bits), and q/k/v may carry a bias (Qwen2): the layer-by-layer path's kernels and
+// arithmetic for each (a bias added to the product in the model's dtype, as `WeightOnlyLinear` adds it).
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -41,6 +45,7 @@ struct LayerOps {
   Op<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double)> add_rms_norm{
       "llmserve::add_rms_norm"};
   Op<Tensor(const Tensor&, const Tensor&, int64_t)> int4_gemv{"llmserve::int4_gemv"};
+  Op<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t)> int8_gemv{"llmserve::int8_gemv"};
   Op<Tensor(const Tensor&, const Tensor&, const Tensor&)> rotary{"llmserve::rotary"};
   Op<void(const Tensor&, const Tensor&, Tensor&, Tensor&, const Tensor&)> write_kv{"llmserve::write_kv"};
   Op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double)> attention{
@@ -53,10 +58,26 @@ const LayerOps& layer_ops() {
   return ops;
 }
 
-// x [tokens, hidden]; cos, signed_sin [tokens, 1, head_dim]; weights packed by `pack_int4`; caches
-// [blocks, kv_heads, block_size, head_dim], written at `slots` (one per token and KV head, as write_kv).
+// A linear's small-step weights: packed by `pack_int4` (no scales), or by `pack_int8` with its row scales.
+struct Linear {
+  at::Tensor packed, scales;  // scales undefined: int4
+
+  at::Tensor operator()(const LayerOps& ops, const at::Tensor& x, int64_t out_features) const {
+    return scales.defined() ? ops.int8_gemv.call(x, packed, scales, out_features)
+                            : ops.int4_gemv.call(x, packed, out_features);
+  }
+};
+
+// x [tokens, hidden]; cos, signed_sin [tokens, 1, head_dim]; caches [blocks, kv_heads, block_size, head_dim],
+// written at `slots` (one per token and KV head, as write_kv); qkv_bias undefined where q/k/v have none.
 struct LayerWeights {
-  at::Tensor input_norm, qkv, o, post_norm, gate_up, down, k_cache, v_cache;
+  at::Tensor input_norm;
+  Linear qkv;
+  at::Tensor qkv_bias;
+  Linear o;
+  at::Tensor post_norm;
+  Linear gate_up, down;
+  at::Tensor k_cache, v_cache;
 };
 
 at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin,
@@ -67,37 +88,43 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
   const int64_t tokens = x.size(0), hidden = x.size(1);
   const int64_t num_kv_heads = w.k_cache.size(1), head_dim = w.k_cache.size(3);
   const int64_t q_and_k = num_heads + num_kv_heads;
-  const at::Tensor qkv = ops.int4_gemv.call(ops.rms_norm.call(x, w.input_norm, eps), w.qkv,
-                                            (q_and_k + num_kv_heads) * head_dim);
+  at::Tensor qkv = w.qkv(ops, ops.rms_norm.call(x, w.input_norm, eps), (q_and_k + num_kv_heads) * head_dim);
+  if (w.qkv_bias.defined()) qkv = qkv + w.qkv_bias;
   const at::Tensor qk = ops.rotary.call(qkv.narrow(1, 0, q_and_k * head_dim).view({tokens, q_and_k, head_dim}),
                                         cos, signed_sin);
   const at::Tensor v = qkv.narrow(1, q_and_k * head_dim, num_kv_heads * head_dim).view({tokens, num_kv_heads, head_dim});
   ops.write_kv.call(qk.narrow(1, num_heads, num_kv_heads), v, w.k_cache, w.v_cache, slots);
   const at::Tensor attended =
       ops.attention.call(qk.narrow(1, 0, num_heads), w.k_cache, w.v_cache, block_table, context_lens, scale);
-  const at::Tensor o = ops.int4_gemv.call(attended.view({tokens, num_heads * head_dim}), w.o, hidden);
+  const at::Tensor o = w.o(ops, attended.view({tokens, num_heads * head_dim}), hidden);
   auto [residual, normed] = ops.add_rms_norm.call(x, o, w.post_norm, eps);
-  const at::Tensor gated = ops.silu_and_mul.call(ops.int4_gemv.call(normed, w.gate_up, 2 * intermediate_size));
-  return residual.add_(ops.int4_gemv.call(gated, w.down, hidden));
+  const at::Tensor gated = ops.silu_and_mul.call(w.gate_up(ops, normed, 2 * intermediate_size));
+  return residual.add_(w.down(ops, gated, hidden));
 }
 
 // The decoder layers, built once from the model's tensors (shared, not copied) and its KV caches, so a
-// step is one call with the step's own tensors only.
+// step is one call with the step's own tensors only. `linears` and `linear_scales` hold four per layer (q/k/v,
+// o, gate/up, down; an empty scales tensor for an int4 linear), `qkv_biases` one (empty: none).
 class DecodeStack : public torch::CustomClassHolder {
  public:
-  DecodeStack(std::vector<at::Tensor> input_norms, std::vector<at::Tensor> qkv, std::vector<at::Tensor> o,
-              std::vector<at::Tensor> post_norms, std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down,
+  DecodeStack(std::vector<at::Tensor> input_norms, std::vector<at::Tensor> post_norms, std::vector<at::Tensor> linears,
+              std::vector<at::Tensor> linear_scales, std::vector<at::Tensor> qkv_biases,
               std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, int64_t num_heads,
               int64_t intermediate_size, double eps, double scale)
       : num_heads_(num_heads), intermediate_size_(intermediate_size), eps_(eps), scale_(scale) {
     const size_t n = input_norms.size();
-    TORCH_CHECK(qkv.size() == n && o.size() == n && post_norms.size() == n && gate_up.size() == n &&
-                    down.size() == n && k_caches.size() == n && v_caches.size() == n,
-                "DecodeStack: one of each tensor per layer");
+    TORCH_CHECK(post_norms.size() == n && linears.size() == 4 * n && linear_scales.size() == 4 * n &&
+                    qkv_biases.size() == n && k_caches.size() == n && v_caches.size() == n,
+                "DecodeStack: one of each tensor per layer (four linears)");
+    auto linear = [&](size_t i) {
+      return Linear{linears[i], linear_scales[i].numel() ? linear_scales[i] : at::Tensor()};
+    };
     for (size_t i = 0; i < n; ++i) {
       TORCH_CHECK(k_caches[i].dim() == 4 && k_caches[i].sizes() == v_caches[i].sizes(),
                   "DecodeStack: caches must be [blocks, kv_heads, block_size, head_dim]");
-      layers_.push_back({input_norms[i], qkv[i], o[i], post_norms[i], gate_up[i], down[i], k_caches[i], v_caches[i]});
+      layers_.push_back({input_norms[i], linear(4 * i), qkv_biases[i].numel() ? qkv_biases[i] : at::Tensor(),
+                         linear(4 * i + 1), post_norms[i], linear(4 * i + 2), linear(4 * i + 3), k_caches[i],
+                         v_caches[i]});
     }
   }
 
@@ -124,6 +151,6 @@ TORCH_LIBRARY_FRAGMENT(llmserve, m) {
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                       std::vector<at::Tensor>, std::vector<at::Tensor>, int64_t, int64_t, double, double>())
+                       std::vector<at::Tensor>, int64_t, int64_t, double, double>())
       .def("run", &DecodeStack::run);
 }

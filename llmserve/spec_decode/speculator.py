@@ -14,8 +14,10 @@ estimate `a` of how often a proposed token is kept. A request's j-th proposal to
 expectation; tokens are added, best first, while the expected tokens per second of the step rise, and a
 request or a whole step with none worth it runs without. Proposing costs too: a draft model runs one step
 of its own per proposal depth (whatever the number of requests at that depth), so the first token a step
-takes at a new depth also pays the measured cost of a depth (n-gram lookup: next to nothing). vLLM's
-`disable_by_batch_size` is kept as a hard limit on top.
+takes at a new depth also pays the measured cost of a depth (n-gram lookup: next to nothing); what a
+proposer spends once per request (a draft's prefill of a new prompt) is not a depth's cost. Every estimate
+drifts back toward trying while it goes unused, so one bad measurement never switches speculation off
+for good. vLLM's `disable_by_batch_size` is kept as a hard limit on top.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ PRIOR_COST_PER_TOKEN = 0.5
 
 class Proposer(Protocol):
     """Where proposal tokens come from (prompt lookup, a draft model): one batched call a step."""
+
+    # seconds of the last propose() spent on work a request needs once, not per proposal depth (a draft
+    # model's prefill of a prompt it has not seen): left out of the cost of a depth
+    catch_up_seconds: float
 
     def propose(self, requests: list[Request], num_tokens: dict[str, int]) -> dict[str, list[int]]:
         """Up to num_tokens[id] tokens to follow each request's tokens; requests without any left out."""
@@ -119,10 +125,12 @@ class Speculator:
             if r.request_id not in wanted:
                 self._forget(r.request_id)
         if not wanted:
+            self.depth_cost *= RECOVERY  # unmeasured while unused: drift toward trying again
             return {}
         start = time.perf_counter()
         proposals = self.proposer.propose([r for r in decoding if r.request_id in wanted], wanted)
-        per_depth = (time.perf_counter() - start) / max(wanted.values())
+        seconds = time.perf_counter() - start - self.proposer.catch_up_seconds
+        per_depth = max(seconds, 0.0) / max(wanted.values())
         self.depth_cost = per_depth if not self.depth_cost else 0.8 * self.depth_cost + 0.2 * per_depth
         return proposals
 

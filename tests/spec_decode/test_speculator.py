@@ -3,6 +3,8 @@ pay; vLLM's batch-size limit on top; the counters behind the metrics."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from llmserve.config import SpeculativeConfig, engine_config
@@ -66,6 +68,51 @@ def test_each_proposal_depth_pays_what_the_proposer_takes():
     assert speculator.propose([req]) == {"a": [5, 6, 7]}
     speculator.depth_cost = 0.010  # a draft step as dear as the target's: none does
     assert speculator.propose([req]) == {}
+
+
+class SlowFirstProposer:
+    """A draft-like proposer: its first call prefills a prompt (0.2 s, reported as catch-up), later calls take
+    `per_depth` seconds per depth."""
+
+    def __init__(self, per_depth: float) -> None:
+        self.per_depth = per_depth
+        self.catch_up_seconds = 0.0
+        self.calls = 0
+
+    def propose(self, requests, num_tokens):
+        self.calls += 1
+        self.catch_up_seconds = 0.2 if self.calls == 1 else 0.0
+        time.sleep(self.catch_up_seconds + self.per_depth * max(num_tokens.values()))
+        return {r.request_id: [5, 6, 7, 8][: num_tokens[r.request_id]] for r in requests}
+
+
+def test_a_prompts_catch_up_is_not_a_depths_cost():
+    """A draft's prefill of a new prompt is paid once per request: it must not price every later depth (it
+    once switched a draft model off for good after its first proposal)."""
+    proposer = SlowFirstProposer(per_depth=0.0005)
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4), proposer)
+    plain_step(speculator, 1, 0.030)
+    plain_step(speculator, 5, 0.032)
+    req = decoding("a")
+    assert speculator.propose([req]) == {"a": [5, 6, 7, 8]}  # the 0.2 s catch-up ...
+    assert speculator.depth_cost < 0.005  # ... is not a depth's cost
+    assert speculator.propose([req]) == {"a": [5, 6, 7, 8]}
+
+
+def test_an_unused_depth_cost_drifts_back_toward_trying():
+    """One dear measurement (a pause, a cold cache) stops proposals; without proposals nothing re-measures
+    it, so the estimate drifts down until speculation is tried again."""
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4))
+    plain_step(speculator, 1, 0.010)
+    plain_step(speculator, 5, 0.011)
+    req = decoding("a")
+    speculator.depth_cost = 1.0
+    steps = 0
+    while not speculator.propose([req]):
+        steps += 1
+        assert steps < 200
+    assert steps > 10
+    assert speculator.depth_cost < 0.01
 
 
 def test_a_request_whose_proposals_fail_stops_and_later_tries_again():
