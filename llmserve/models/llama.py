@@ -126,10 +126,10 @@ def use_native_elementwise(model: nn.Module, native: bool = True) -> None:
 
 def fused_decode_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
     """The decoder layers as one native call for small decode-only steps (kernels/decode_layer.cpp): at
-    batch 1 the Python between a layer's ~11 kernels cost ~1 ms of a ~4.3 ms step (SmolLM2; ~5 ms of a
-    ~17 ms step for Qwen2.5-Coder-0.5B's 24 layers). Built from the layers' native int4 or int8 weights, q/k/v
-    biases, norms and KV caches (shared, not copied); it computes as the layers do on the native kernels,
-    bit for bit. Raises ValueError where a layer's weights are not on the native kernels."""
+    batch 1 the Python between a layer's ~11 kernels cost ~1 ms of a ~4.3 ms step (SmolLM2). Built from the
+    layers' native int4 or int8 weights, q/k/v biases, norms and KV caches (shared, not copied); it computes
+    as the layers do on the native kernels, bit for bit. Raises ValueError where a layer's weights are not
+    on the native kernels."""
     layers = list(model.layers)
     linears = [lin for layer in layers for lin in (
         layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
