@@ -40,11 +40,15 @@ def test_fused_decode_equals_the_layer_by_layer_native_ops(dtype, prompt_token_i
     llm = LLM(dtype=dtype, quantization="int4", kernels="native", kv_cache_memory_gb=0.25, max_model_len=2048)
     runner = llm.engine.runner
     assert runner.fused_stack is not None and runner.plan.fused_decode_max_tokens == 16
-    prompts = prompt_token_ids[:3]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    _assert_fused_equals_layer_by_layer(llm, prompt_token_ids[:3], SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, logprobs=5))
+
+
+def _assert_fused_equals_layer_by_layer(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> None:
     fused, taken = _generate_recording_path(llm, prompts, params)
     assert taken and all(taken)
     # every step layer by layer, eagerly, on the same native kernels
+    runner = llm.engine.runner
     runner.plan = dataclasses.replace(runner.plan, fused_decode_max_tokens=0)
     layered, taken = _generate_recording_path(llm, prompts, params)
     assert taken and not any(taken)
@@ -83,16 +87,8 @@ def test_qwen_fused_decode_equals_the_layer_by_layer_native_ops(method):
     processor = llm.engine.processor
     prompts = [processor.encode(p) for p in ("def is_prime(n):", "The three laws of thermodynamics are",
                                              "# Sort a list of tuples by their second item\n")]
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
-    fused, taken = _generate_recording_path(llm, prompts, params)
-    assert taken and all(taken)
-    runner.plan = dataclasses.replace(runner.plan, fused_decode_max_tokens=0)
-    layered, taken = _generate_recording_path(llm, prompts, params)
-    assert taken and not any(taken)
-    for a, b in zip(fused, layered, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs
-    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
+    _assert_fused_equals_layer_by_layer(llm, prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                                      logprobs=3))
 
 
 @pytest.mark.parametrize("options", [dict(quantization=None), dict(quantization="int4", kernels="torch")])
