@@ -23,13 +23,18 @@ from llmserve.bench.tokens import approximate_counter  # noqa: E402
 from llmserve.bench.workload import WorkloadConfig, make_workload  # noqa: E402
 
 
-def run_round(llm: LLM, prompts: list[str], params: SamplingParams, tag: str) -> tuple[float, int]:
-    """Output tokens per second and steps for all prompts added at once."""
+def run_round(llm: LLM, prompts: list[str], params: SamplingParams, tag: str, stagger: int) -> tuple[float, int]:
+    """Output tokens per second and steps: the prompts added at once, or one every `stagger` steps (as a
+    server's arrive, so that prompt chunks share steps with decodes)."""
     engine = llm.engine
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", prompt, params)
+    pending = list(enumerate(prompts))
     start, steps, tokens = time.perf_counter(), 0, 0
-    while engine.has_unfinished_requests():
+    while pending or engine.has_unfinished_requests():
+        while pending and (not stagger or steps % stagger == 0):
+            i, prompt = pending.pop(0)
+            engine.add_request(f"{tag}-{i}", prompt, params)
+            if stagger:
+                break
         tokens += sum(len(out.outputs[0].token_ids) for out in engine.step())
         steps += 1
     return tokens / (time.perf_counter() - start), steps
@@ -43,6 +48,7 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--speculative-config", default='{"method": "ngram"}')
+    ap.add_argument("--stagger", type=int, default=0, help="add one prompt every N steps (default: all at once)")
     args = ap.parse_args()
     workload = make_workload(WorkloadConfig(name=args.workload, output_len=args.output_len), approximate_counter())
     requests = [workload.request(f"s{i}", 0) for i in range(args.concurrency)]
@@ -53,7 +59,7 @@ def main() -> int:
     for round_ in range(args.rounds):
         rates = {}
         for name in ("off", "on") if round_ % 2 == 0 else ("on", "off"):
-            rates[name], steps = run_round(engines[name], prompts, params, f"r{round_}")
+            rates[name], steps = run_round(engines[name], prompts, params, f"r{round_}", args.stagger)
             print(f"round {round_ + 1} {name}: {rates[name]:.1f} out tok/s, {steps} steps", flush=True)
         print(f"round {round_ + 1}: on / off {rates['on'] / rates['off']:.2f}x", flush=True)
     speculator = engines["on"].engine.speculator
