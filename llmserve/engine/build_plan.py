@@ -114,7 +114,7 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
     if mc.draft and mc.quantization == "auto" and built and native_quantized_kernels():
         weights = head = "int4"  # on PyTorch's int4 kernel a step would cost more than the target's
         reasons["weights"] = ("auto: a speculative draft, whose weights decide which tokens are proposed, never "
-                              "which are kept: the fastest (int4 head: 12 % more tokens/s, benchmarks/README.md)")
+                              "which are kept: the fastest, output head included")
     small, small_max, products = "", 0, ""
     int8_activations = bool(mc.int8_activations)
     if int8_activations and weights == "as loaded":

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 # A draft request is made anew each step over the request's tokens and catches up from its prefix cache,
 # which holds whole blocks only: with blocks of 4 the catch-up (the last partial block + the tokens verified
-# since) stays a small step, where blocks of 16 often made it a large, dense one (9 % less draft time).
+# since) stays a small step, where blocks of 16 often made it a large, dense one.
 DRAFT_BLOCK_SIZE = 4
 
 
