@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CACHE_HEADER = "x-llmserve-cache"
+COST_HEADER = "x-llmserve-cost-usd"  # also usage.cost (OpenRouter's field); a stream has it in its usage chunk only
+SAVED_HEADER = "x-llmserve-saved-usd"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OPEN_NAMESPACE = APIKey(key="", namespace="default")
 _EMPTY_CHOICES = (b'"choices":[]', b'"choices": []')  # the usage chunk, compact or not
@@ -165,7 +167,12 @@ class Gateway:
         self.metrics.saved_tokens.labels("prompt").inc(usage.get("prompt_tokens") or 0)
         self.metrics.saved_tokens.labels("completion").inc(usage.get("completion_tokens") or 0)
         self.metrics.requests.labels(call.model, "200").inc()
-        headers = {CACHE_HEADER: "hit" if kind == "exact" else kind}  # the header's words: hit | semantic | miss
+        saved = self.config.models[call.model].price.cost(usage)
+        self.metrics.saved.labels(call.model, call.key.namespace, f"cache_{kind}").inc(saved)
+        if isinstance(answer.get("usage"), dict):
+            answer["usage"]["cost"] = 0.0
+        headers = {CACHE_HEADER: "hit" if kind == "exact" else kind,  # the header's words: hit | semantic | miss
+                   COST_HEADER: "0", SAVED_HEADER: _dollars(saved)}
         if call.stream:
             events = replay_events(call.route, answer, call.include_usage, call.model)
             return SSEResponse(_iterate(events), headers=headers)
@@ -248,10 +255,15 @@ class Gateway:
             replica.succeeded()
             self.metrics.upstream_latency.labels(replica.url).observe(time.perf_counter() - sent)
             self.metrics.requests.labels(call.model, "200").inc()
+            headers = {CACHE_HEADER: "miss"}
             answer = _json_or_none(body)
-            if answer is not None:
-                await self._account(call, answer, answer if call.plan is not None else None)
-            return Response(body, media_type="application/json", headers={CACHE_HEADER: "miss"})
+            if isinstance(answer, dict):
+                cost = await self._account(call, answer, answer if call.plan is not None else None)
+                if isinstance(answer.get("usage"), dict):
+                    answer["usage"]["cost"] = cost
+                    body = orjson.dumps(answer)
+                headers[COST_HEADER] = _dollars(cost)
+            return Response(body, media_type="application/json", headers=headers)
         raise APIError(502, "upstream connections failed while reading the answer", code="upstream_error")
 
     async def _stream(self, call: _Call, request: Request) -> Response:
@@ -291,9 +303,12 @@ class Gateway:
                     parsed = _json_or_none(event[5:])
                     if isinstance(parsed, dict):
                         assembler.feed(parsed)
-                        if not call.include_usage and parsed.get("usage") and not parsed.get("choices"):
-                            event = await anext(events, None)  # the usage chunk the gateway asked for, not the client
-                            continue
+                        if isinstance(parsed.get("usage"), dict) and not parsed.get("choices"):
+                            if not call.include_usage:  # the usage chunk the gateway asked for, not the client
+                                event = await anext(events, None)
+                                continue
+                            parsed["usage"]["cost"] = self.config.models[call.model].price.cost(parsed["usage"])
+                            event = b"data: " + orjson.dumps(parsed) + b"\n\n"
                 yield event
                 if done:
                     return
@@ -319,12 +334,16 @@ class Gateway:
         answer = assembler.result() if call.plan is not None else None
         await self._account(call, answer or {"usage": assembler.usage}, answer)
 
-    async def _account(self, call: _Call, answer: dict[str, Any], cacheable: dict[str, Any] | None) -> None:
+    async def _account(self, call: _Call, answer: dict[str, Any], cacheable: dict[str, Any] | None) -> float:
+        """Spend the key's token budget and count the dollars; cache the answer. Returns its cost."""
         usage = answer.get("usage") or {}
         self.limiter.spend(call.key, int(usage.get("total_tokens") or 0))
+        cost = self.config.models[call.model].price.cost(usage)
+        self.metrics.cost.labels(call.model, call.key.namespace).inc(cost)
         if cacheable is not None and call.plan is not None and replayable(call.route, cacheable) \
                 and all(c.get("finish_reason") for c in cacheable.get("choices", ())):
             await self.cache.put(call.plan, orjson.dumps(cacheable))
+        return cost
 
 
 class _PassThrough(APIError):
@@ -413,6 +432,10 @@ async def _read_or_empty(response: aiohttp.ClientResponse) -> bytes:
         return b""
     finally:
         response.release()
+
+
+def _dollars(value: float) -> str:
+    return f"{value:.10g}"
 
 
 def _json_or_none(data: bytes) -> Any:

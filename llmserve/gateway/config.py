@@ -8,6 +8,8 @@ models:
     upstream_model: null        # the name to send upstream (default: the same)
     api_key_env: null           # e.g. OPENAI_API_KEY for a hosted API: read from the environment at start
     health_path: /health        # a hosted API: /v1/models
+    price: {input_per_million: 0.15, output_per_million: 0.60}   # an API's list price, or a machine's:
+    # price: {dollars_per_hour: 1.20, input_tokens_per_second: 9000, output_tokens_per_second: 700}
 keys:                           # none: open, every caller in namespace "default"
   - {key_env: TEAM_A_KEY, namespace: team-a, requests_per_minute: 600, tokens_per_minute: 200000}
 cache:
@@ -29,6 +31,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from llmserve.gateway.pricing import FREE, Price
+
 BALANCING = ("round_robin", "least_outstanding", "prefix_aware")
 
 
@@ -40,6 +44,7 @@ class ModelRoute:
     upstream_model: str | None = None
     api_key: str | None = None  # resolved from api_key_env at load time, never written in the file
     health_path: str = "/health"  # what the prober GETs; a hosted API has none: "/v1/models"
+    price: Price = FREE  # what its tokens cost (usage.cost, the cost metrics); none given: free
 
     def __post_init__(self) -> None:
         if not self.upstreams:
@@ -151,7 +156,11 @@ def _model(name: str, spec: dict[str, Any]) -> ModelRoute:
     upstreams = spec.pop("upstreams", None) or []
     if isinstance(upstreams, str):
         upstreams = [upstreams]
+    price = spec.pop("price", None)
+    if price is not None and not isinstance(price, dict):
+        raise ValueError(f"models.{name}.price: a mapping, e.g. {{input_per_million: 0.15, output_per_million: 0.6}}")
     return ModelRoute(name=name, upstreams=tuple(u.rstrip("/") for u in upstreams), api_key=api_key,
+                      price=Price.from_config(price, f"models.{name}.price") if price is not None else FREE,
                       **_only(ModelRoute, spec, f"models.{name}"))
 
 
@@ -172,7 +181,7 @@ def _section(cls: type, raw: dict[str, Any] | None, where: str, override: dict[s
 
 
 def _only(cls: type, values: dict[str, Any], where: str) -> dict[str, Any]:
-    known = {f.name for f in fields(cls)} - {"name", "upstreams", "api_key", "key"}
+    known = {f.name for f in fields(cls)} - {"name", "upstreams", "api_key", "key", "price"}
     unknown = set(values) - known
     if unknown:
         raise ValueError(f"{where}: unknown setting(s) {', '.join(sorted(unknown))}")

@@ -1,7 +1,8 @@
 """The gateway's Prometheus metrics (`llmserve:gateway_*`), in a registry of its own.
 
 What an operator asks of a gateway: how many requests, how many served from cache and of which kind, what
-the cache saved (upstream calls, tokens), how the replicas behave (latency, health, retries, ejections)."""
+the cache saved (upstream calls, tokens), what the traffic cost and what each lever saved (dollars), how the
+replicas behave (latency, health, retries, ejections)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,10 @@ class GatewayMetrics:
                                        ["replica", "kind"], registry=r)
         self.retries = Counter(f"{PREFIX}retries", "Requests sent to another replica after a failure.", ["model"],
                                registry=r)
+        self.cost = Counter(f"{PREFIX}cost_dollars", "Dollars spent upstream (the model's price), by model and key "
+                            "namespace.", ["model", "namespace"], registry=r)
+        self.saved = Counter(f"{PREFIX}saved_dollars", "Dollars not spent, by lever: cache_exact, cache_semantic, "
+                             "routing, compression.", ["model", "namespace", "lever"], registry=r)
         self.rate_limited = Counter(f"{PREFIX}rate_limited", "Requests refused by a key's rate limits.",
                                     ["namespace", "limit"], registry=r)
         for result in ("exact", "semantic", "miss"):

@@ -225,3 +225,43 @@ def test_semantic_hits_stay_in_scope_and_the_guard_refuses_another_name(tmp_path
         assert m["llmserve:gateway_cache_guard_rejections_total"] == 1
     finally:
         gw.stop()
+
+
+def test_every_answer_reports_its_cost_and_the_metrics_add_it_up(tmp_path, replicas):
+    price = {"input_per_million": 150.0, "output_per_million": 600.0}  # large, so the sums are far from rounding
+    config = gateway_config(urls(replicas))
+    config["models"][MODEL]["price"] = price
+    config["keys"] = [{"key": "team-key", "namespace": "team"}]
+    gw = GatewayProcess(tmp_path, config)
+
+    def expected(usage) -> float:
+        return (usage.prompt_tokens * price["input_per_million"]
+                + usage.completion_tokens * price["output_per_million"]) / 1e6
+
+    try:
+        c = client(gw, "team-key")
+        raw = c.chat.completions.with_raw_response.create(model=MODEL, messages=QUESTION, max_tokens=12,
+                                                          temperature=0)
+        answer = raw.parse()
+        cost = expected(answer.usage)
+        assert answer.usage.model_extra["cost"] == pytest.approx(cost)
+        assert float(raw.headers["x-llmserve-cost-usd"]) == pytest.approx(cost)
+        # streamed: the usage chunk carries the cost
+        chunks = list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}],
+                                                max_tokens=8, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}))
+        streamed_cost = expected(chunks[-1].usage)
+        assert chunks[-1].usage.model_extra["cost"] == pytest.approx(streamed_cost)
+        # a cache hit costs nothing and counts what it saved
+        hit = c.chat.completions.with_raw_response.create(model=MODEL, messages=QUESTION, max_tokens=12,
+                                                          temperature=0)
+        assert hit.headers["x-llmserve-cache"] == "hit"
+        assert hit.parse().usage.model_extra["cost"] == 0.0
+        assert float(hit.headers["x-llmserve-saved-usd"]) == pytest.approx(cost)
+        m = gw.metrics()
+        assert m[f"llmserve:gateway_cost_dollars_total{{model={MODEL},namespace=team}}"] == pytest.approx(
+            cost + streamed_cost)
+        assert m[f"llmserve:gateway_saved_dollars_total{{lever=cache_exact,model={MODEL},namespace=team}}"] == \
+            pytest.approx(cost)
+    finally:
+        gw.stop()
