@@ -34,7 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmserve.evaluate.datasets import perplexity_text  # noqa: E402
-from llmserve.gateway.cache.embedder import Embedder  # noqa: E402
+from llmserve.gateway.embedder import Embedder  # noqa: E402
 
 DIM, M, EF_CONSTRUCTION, EF_SEARCH = 384, 16, 64, (32, 64, 128, 256)
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -28,8 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from llmserve.evaluate.datasets import CACHE_PAIRS, STS_B, package_file  # noqa: E402
-from llmserve.gateway.cache.embedder import Embedder  # noqa: E402
 from llmserve.gateway.cache.guard import compatible  # noqa: E402
+from llmserve.gateway.embedder import Embedder  # noqa: E402
 
 THRESHOLDS = [round(0.80 + 0.01 * i, 2) for i in range(20)]
 

@@ -29,9 +29,13 @@ from llmserve.gateway.balancing import make_balancer, prefix_chunks
 from llmserve.gateway.cache.response_cache import CachePlan, ResponseCache
 from llmserve.gateway.cache.store import CacheStore, StoreUnavailable, open_store
 from llmserve.gateway.config import APIKey, GatewayConfig
+from llmserve.gateway.embedder import Embedder
 from llmserve.gateway.metrics import GatewayMetrics
 from llmserve.gateway.ratelimit import RateLimiter
 from llmserve.gateway.responses import StreamAssembler, replay_events, replayable
+from llmserve.gateway.routing import build_router
+from llmserve.gateway.routing.judge import Ask
+from llmserve.gateway.routing.router import RouteDecision
 from llmserve.gateway.upstream import Replica, UpstreamPool, auth_headers
 from llmserve.server.errors import APIError, install_handlers
 from llmserve.server.middleware import RequestBodyMiddleware
@@ -43,6 +47,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CACHE_HEADER = "x-llmserve-cache"
+ROUTE_HEADER = "x-llmserve-route"  # the model a routed name chose; x-llmserve-route-reason says why
 COST_HEADER = "x-llmserve-cost-usd"  # also usage.cost (OpenRouter's field); a stream has it in its usage chunk only
 SAVED_HEADER = "x-llmserve-saved-usd"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -70,6 +75,7 @@ class _Call:
     stream: bool
     include_usage: bool
     plan: CachePlan | None
+    decision: RouteDecision | None = None  # a routed name's choice (`model` is the chosen one)
 
 
 class Gateway:
@@ -82,16 +88,20 @@ class Gateway:
         self.limiter = RateLimiter()
         self.keys = config.key_table()
         self.store = open_store(config.cache.redis_url)
-        semantic = _semantic_cache(config, self.store) if config.cache.semantic else None
+        # one MiniLM for the semantic cache and the learned routers; loaded on first use
+        self.embedder = Embedder()
+        semantic = _semantic_cache(config, self.store, self.embedder) if config.cache.semantic else None
         self.cache = ResponseCache(config.cache, self.store, self.metrics, semantic)
+        self.routers = {name: build_router(router, self._judge(router.judge_model or router.weak), self.embedder)
+                        for name, router in config.routers.items()}
         self._sync: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.pool.start()
+        if self.cache.semantic is not None or any(r.config.router == "learned" for r in self.routers.values()):
+            await self.embedder.aembed(["warm-up"])  # MiniLM loads now (seconds), not inside the first request
         if self.cache.semantic is not None:
-            # MiniLM loads now (seconds), not inside the first request; the indexes are rebuilt from a shared
-            # store in the background, without holding requests
-            await self.cache.semantic.embedder.aembed(["warm-up"])
+            # the indexes are rebuilt from a shared store in the background, without holding requests
             self._sync = asyncio.create_task(self._sync_semantic())
 
     async def _sync_semantic(self) -> None:
@@ -104,7 +114,7 @@ class Gateway:
         await self.pool.close()
         if self.cache.semantic is not None:
             self.cache.semantic.close()
-            self.cache.semantic.embedder.close()
+        self.embedder.close()
         await self.store.close()
 
     # --- the chain -----------------------------------------------------------------------------
@@ -128,9 +138,11 @@ class Gateway:
         model = body.get("model")
         if not isinstance(model, str):
             raise APIError(400, "model: required, a string", param="model")
-        request.state.model = model if self.pool.route(model) is not None else "-"  # no label per unknown name
-        if self.pool.route(model) is None:
-            raise APIError(404, f"the model {model!r} does not exist; known: {', '.join(self.config.models)}",
+        known = self.pool.route(model) is not None or model in self.routers
+        request.state.model = model if known else "-"  # no label per unknown name
+        if not known:
+            names = [*self.config.models, *self.routers]
+            raise APIError(404, f"the model {model!r} does not exist; known: {', '.join(names)}",
                            param="model", code="model_not_found")
         refusal = self.limiter.admit(key)
         if refusal is not None:
@@ -140,8 +152,13 @@ class Gateway:
         stream = bool(body.get("stream"))
         options = body.get("stream_options")
         include_usage = stream and isinstance(options, dict) and bool(options.get("include_usage"))
+        decision = None
+        if model in self.routers:  # routed first: a cached answer is the chosen model's, priced as its own
+            decision = await self._route(model, route, body)
+            model = decision.model
+            body = {**body, "model": model}
         plan = self.cache.plan(key.namespace, route, body, request.headers.get("cache-control", ""))
-        call = _Call(route, model, key, body, stream, include_usage, plan)
+        call = _Call(route, model, key, body, stream, include_usage, plan, decision)
         if plan is not None:
             hit = await self.cache.lookup(plan)
             if hit is not None:
@@ -149,6 +166,33 @@ class Gateway:
         if stream:
             return await self._stream(call, request)
         return await unless_disconnected(request, self._complete(call))
+
+    async def _route(self, name: str, route: str, body: dict[str, Any]) -> RouteDecision:
+        try:
+            decision = await self.routers[name].decide(route, body)
+        except APIError as e:
+            logger.warning("router %s: the judge failed (%s); sending the request to the strong model", name, e)
+            decision = self.routers[name].fallback()
+        self.metrics.routed.labels(name, decision.model).inc()
+        return decision
+
+    def _judge(self, model: str) -> Ask:
+        """A judge router's way to ask its model: through the gateway's own balancing, retries and accounting."""
+        async def ask(request: dict[str, Any]) -> dict[str, Any]:
+            call = _Call("chat", model, OPEN_NAMESPACE, {**request, "model": model}, False, False, None)
+            replica, response, _ = await self._send(call)
+            try:
+                answer = orjson.loads(await response.read())
+            except (aiohttp.ClientError, TimeoutError, OSError, orjson.JSONDecodeError) as e:
+                raise APIError(502, f"the judge {model!r} failed: {e}", code="upstream_error") from None
+            finally:
+                response.release()
+                replica.finished()
+            replica.succeeded()
+            self.metrics.cost.labels(model, "router").inc(self.config.models[model].price.cost(answer.get("usage")))
+            return answer
+
+        return ask
 
     def _authenticate(self, request: Request) -> APIKey:
         if not self.keys:
@@ -171,7 +215,7 @@ class Gateway:
         self.metrics.saved.labels(call.model, call.key.namespace, f"cache_{kind}").inc(saved)
         if isinstance(answer.get("usage"), dict):
             answer["usage"]["cost"] = 0.0
-        headers = {CACHE_HEADER: "hit" if kind == "exact" else kind,  # the header's words: hit | semantic | miss
+        headers = {**_route_headers(call), CACHE_HEADER: "hit" if kind == "exact" else kind,  # hit | semantic | miss
                    COST_HEADER: "0", SAVED_HEADER: _dollars(saved)}
         if call.stream:
             events = replay_events(call.route, answer, call.include_usage, call.model)
@@ -255,7 +299,7 @@ class Gateway:
             replica.succeeded()
             self.metrics.upstream_latency.labels(replica.url).observe(time.perf_counter() - sent)
             self.metrics.requests.labels(call.model, "200").inc()
-            headers = {CACHE_HEADER: "miss"}
+            headers = {**_route_headers(call), CACHE_HEADER: "miss"}
             answer = _json_or_none(body)
             if isinstance(answer, dict):
                 cost = await self._account(call, answer, answer if call.plan is not None else None)
@@ -280,7 +324,7 @@ class Gateway:
                 continue
             self.metrics.requests.labels(call.model, "200").inc()
             relay = self._relay(call, replica, response, events, first, sent)
-            return SSEResponse(relay, headers={CACHE_HEADER: "miss"})
+            return SSEResponse(relay, headers={**_route_headers(call), CACHE_HEADER: "miss"})
         raise APIError(502, "upstream streams failed before their first event", code="upstream_error")
 
     async def _relay(self, call: _Call, replica: Replica, response: aiohttp.ClientResponse,
@@ -340,6 +384,10 @@ class Gateway:
         self.limiter.spend(call.key, int(usage.get("total_tokens") or 0))
         cost = self.config.models[call.model].price.cost(usage)
         self.metrics.cost.labels(call.model, call.key.namespace).inc(cost)
+        if call.decision is not None and not call.decision.chose_strong:
+            # against the strong model's price for the same tokens (its own answer's length is unknown)
+            strong = self.config.models[call.decision.strong_model].price.cost(usage)
+            self.metrics.saved.labels(call.model, call.key.namespace, "routing").inc(max(0.0, strong - cost))
         if cacheable is not None and call.plan is not None and replayable(call.route, cacheable) \
                 and all(c.get("finish_reason") for c in cacheable.get("choices", ())):
             await self.cache.put(call.plan, orjson.dumps(cacheable))
@@ -389,7 +437,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         now = int(time.time())
         return JSONResponse({"object": "list", "data": [
             {"id": name, "object": "model", "created": now, "owned_by": "llmserve-gateway"}
-            for name in config.models]})
+            for name in (*config.models, *config.routers)]})
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
@@ -434,6 +482,12 @@ async def _read_or_empty(response: aiohttp.ClientResponse) -> bytes:
         response.release()
 
 
+def _route_headers(call: _Call) -> dict[str, str]:
+    if call.decision is None:
+        return {}
+    return {ROUTE_HEADER: call.decision.model, f"{ROUTE_HEADER}-reason": call.decision.reason()}
+
+
 def _dollars(value: float) -> str:
     return f"{value:.10g}"
 
@@ -445,9 +499,8 @@ def _json_or_none(data: bytes) -> Any:
         return None
 
 
-def _semantic_cache(config: GatewayConfig, store: CacheStore) -> SemanticCache:
-    from llmserve.gateway.cache.embedder import Embedder  # torch and hnswlib: only where switched on
-    from llmserve.gateway.cache.semantic import SemanticCache
+def _semantic_cache(config: GatewayConfig, store: CacheStore, embedder: Embedder) -> SemanticCache:
+    from llmserve.gateway.cache.semantic import SemanticCache  # hnswlib: only where switched on
 
-    return SemanticCache(store, Embedder(), threshold=config.cache.semantic_threshold, ttl=config.cache.ttl)
+    return SemanticCache(store, embedder, threshold=config.cache.semantic_threshold, ttl=config.cache.ttl)
 

@@ -10,6 +10,8 @@ models:
     health_path: /health        # a hosted API: /v1/models
     price: {input_per_million: 0.15, output_per_million: 0.60}   # an API's list price, or a machine's:
     # price: {dollars_per_hour: 1.20, input_tokens_per_second: 9000, output_tokens_per_second: 700}
+routers:                        # names that resolve per request to a weak or a strong model (routing/router.py)
+  coder: {weak: qwen-0.5b, strong: qwen-1.5b, router: learned, file: coder-router.json, strong_share: 0.3}
 keys:                           # none: open, every caller in namespace "default"
   - {key_env: TEAM_A_KEY, namespace: team-a, requests_per_minute: 600, tokens_per_minute: 200000}
 cache:
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from llmserve.gateway.pricing import FREE, Price
+from llmserve.gateway.routing.router import RouterConfig
 
 BALANCING = ("round_robin", "least_outstanding", "prefix_aware")
 
@@ -95,6 +98,7 @@ class HealthConfig:
 @dataclass(frozen=True)
 class GatewayConfig:
     models: dict[str, ModelRoute]
+    routers: dict[str, RouterConfig] = field(default_factory=dict)
     keys: tuple[APIKey, ...] = ()
     cache: CacheConfig = field(default_factory=CacheConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
@@ -109,6 +113,13 @@ class GatewayConfig:
             raise ValueError("no models: give --upstream NAME=URL[,URL...] or a config file with 'models'")
         if self.retries < 0:
             raise ValueError("retries must be >= 0")
+        for name, router in self.routers.items():
+            if name in self.models:
+                raise ValueError(f"routers.{name}: a model has that name already")
+            for role in ("weak", "strong", "judge_model"):
+                model = getattr(router, role)
+                if model is not None and model not in self.models:
+                    raise ValueError(f"routers.{name}.{role}: {model!r} is not one of the models")
 
     def key_table(self) -> dict[str, APIKey]:
         return {k.key: k for k in self.keys}
@@ -126,16 +137,18 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> GatewayConf
     models = {name: _model(name, spec) for name, spec in (raw.get("models") or {}).items()}
     for name, route in (overrides.pop("models", None) or {}).items():
         models[name] = route
+    routers = {name: RouterConfig(name=name, **_only(RouterConfig, dict(spec or {}), f"routers.{name}"))
+               for name, spec in (raw.get("routers") or {}).items()}
     keys = tuple(_key(entry) for entry in raw.get("keys") or ()) + tuple(overrides.pop("keys", None) or ())
     cache = _section(CacheConfig, raw.get("cache"), "cache", overrides.pop("cache", None))
     health = _section(HealthConfig, raw.get("health"), "health", None)
-    top = {k: v for k, v in raw.items() if k not in ("models", "keys", "cache", "health")}
+    top = {k: v for k, v in raw.items() if k not in ("models", "routers", "keys", "cache", "health")}
     top.update({k: v for k, v in overrides.items() if v is not None})
     known = {f.name for f in fields(GatewayConfig)}
     unknown = set(top) - known
     if unknown:
         raise ValueError(f"unknown gateway setting(s): {', '.join(sorted(unknown))}")
-    return GatewayConfig(models=models, keys=keys, cache=cache, health=health, **top)
+    return GatewayConfig(models=models, routers=routers, keys=keys, cache=cache, health=health, **top)
 
 
 def parse_upstream(spec: str, balancing: str | None = None) -> ModelRoute:

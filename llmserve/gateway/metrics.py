@@ -47,6 +47,8 @@ class GatewayMetrics:
                             "namespace.", ["model", "namespace"], registry=r)
         self.saved = Counter(f"{PREFIX}saved_dollars", "Dollars not spent, by lever: cache_exact, cache_semantic, "
                              "routing, compression.", ["model", "namespace", "lever"], registry=r)
+        self.routed = Counter(f"{PREFIX}routed_requests", "Requests to a routed name, by the model it chose.",
+                              ["router", "model"], registry=r)
         self.rate_limited = Counter(f"{PREFIX}rate_limited", "Requests refused by a key's rate limits.",
                                     ["namespace", "limit"], registry=r)
         for result in ("exact", "semantic", "miss"):

