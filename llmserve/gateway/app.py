@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import orjson
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from llmserve import __version__
+from llmserve.gateway import dashboard
 from llmserve.gateway.balancing import make_balancer, prefix_chunks
 from llmserve.gateway.cache.response_cache import CachePlan, ResponseCache
 from llmserve.gateway.cache.store import CacheStore, StoreUnavailable, open_store
@@ -449,6 +450,14 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics() -> Response:
         return Response(gateway.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/dashboard")
+    async def dashboard_page() -> HTMLResponse:
+        return HTMLResponse(dashboard.page())
+
+    @app.get("/dashboard/data")
+    async def dashboard_data() -> JSONResponse:
+        return JSONResponse(dashboard.snapshot(gateway.metrics.registry))
 
     return app
 
