@@ -7,8 +7,10 @@
     python -m llmserve.gateway.routing.train judge --weak weak.json --base-url http://127.0.0.1:8000 \\
         --model qwen2.5-coder-0.5b --out coder-judge.json
 
-The learned router learns "the weak model fails this request" from the weak model's results; the judge
-router needs no labels, only its ratings of the same requests as the calibration set of its threshold.
+The learned router learns "the weak model fails this request" from the weak model's results, or, given the
+strong model's too (`--strong`), "the weak model fails and the strong one passes" (RouteLLM's "the strong model
+wins": a request neither solves then stays with the cheap one). The judge router needs no labels, only its
+ratings of the same requests as the calibration set of its threshold.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("router", choices=("learned", "judge"))
     parser.add_argument("--weak", required=True, help="the weak model's `llmserve eval --tasks humaneval` file")
+    parser.add_argument("--strong", help="learned: the strong model's results: learn where the strong model wins")
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--l2", type=float, default=1.0, help="learned: L2 penalty (default %(default)s)")
     parser.add_argument("--base-url", help="judge: the server of the judge model")
@@ -92,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         outcomes = humaneval_outcomes(args.weak)
+        strong = humaneval_outcomes(args.strong) if args.strong else None
+        if strong is not None and [o.task_id for o in strong] != [o.task_id for o in outcomes]:
+            raise ValueError(f"{args.weak} and {args.strong} hold different problems")
     except (OSError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -100,7 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         from llmserve.gateway.embedder import Embedder
         from llmserve.gateway.routing.learned import train
 
-        data = train(Embedder(), texts, [not o.passed for o in outcomes], args.l2, source=str(args.weak))
+        labels = [not o.passed and (strong is None or s.passed) for o, s in zip(outcomes, strong or outcomes,
+                                                                                 strict=True)]
+        data = train(Embedder(), texts, labels, args.l2,
+                     source=" + ".join(str(p) for p in (args.weak, args.strong) if p))
+        data["label"] = "the strong model wins" if strong else "the weak model fails"
     else:
         if not args.base_url or not args.model:
             print("error: a judge router needs --base-url and --model", file=sys.stderr)
