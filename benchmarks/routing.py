@@ -8,7 +8,8 @@
     python benchmarks/routing.py
 
 Learned routers: "learned" predicts that the weak model fails, "learned-wins" that the strong model wins (the
-weak one fails and the strong one passes). Every problem is scored by a router that never saw it: the learned
+weak one fails and the strong one passes); "length" sends the longest requests to the strong model (a baseline
+that needs no model). Every problem is scored by a router that never saw it: the learned
 routers are trained in k folds (each fold's problems scored by the classifier fitted on the others), and every
 router's threshold is calibrated on the training folds' scores only, as a deployed router calibrates on data
 it has. Quality at a share s of strong
@@ -119,6 +120,9 @@ def main() -> int:
     if args.judge.exists():
         judge_scores = np.asarray(json.loads(args.judge.read_text())["calibration_scores"], dtype=float)
         decisions["judge"] = []
+    # a baseline that needs no model: longer requests to the strong model
+    decisions["length"] = []
+    lengths = np.array([len(t) for t in texts], dtype=float)
     rng = np.random.default_rng(0)
     for repeat in range(args.repeats):
         folds = np.random.default_rng(repeat).permutation(n) % args.folds
@@ -126,6 +130,7 @@ def main() -> int:
         decisions["learned-wins"].append(learned_held_out(features, wins, folds, args.l2, SHARES))
         if judge_scores is not None:
             decisions["judge"].append(scored_held_out(judge_scores, folds, SHARES))
+        decisions["length"].append(scored_held_out(lengths, folds, SHARES))
     # random routing at each share: every problem strong with probability s, many draws
     decisions["random"] = [rng.random((len(SHARES), n)) < SHARES[:, None] for _ in range(args.repeats * 20)]
     # the oracle: strong exactly where the weak model fails and the strong one passes (a bound, not a router)
