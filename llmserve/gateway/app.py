@@ -1,6 +1,6 @@
 """The gateway's FastAPI app: one chain per request, each link a small object.
 
-    key and limits ─▶ cache (exact, then semantic) ─▶ balance (a replica of the model) ─▶ upstream ─▶ cache store
+    key and limits ─▶ route ─▶ cache (exact, then semantic) ─▶ compress ─▶ balance (a replica) ─▶ upstream ─▶ store
 
 A failure before the client's first byte (connection refused, timeout, 5xx, a stream that dies before its
 first event) is retried on another replica, at most `retries` times; after the first byte it cannot be, and
@@ -14,7 +14,7 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -29,6 +29,8 @@ from llmserve.gateway import dashboard
 from llmserve.gateway.balancing import make_balancer, prefix_chunks
 from llmserve.gateway.cache.response_cache import CachePlan, ResponseCache
 from llmserve.gateway.cache.store import CacheStore, StoreUnavailable, open_store
+from llmserve.gateway.compression import HEADER as COMPRESSION_HEADER
+from llmserve.gateway.compression import Compression, Compressor
 from llmserve.gateway.config import APIKey, GatewayConfig
 from llmserve.gateway.embedder import Embedder
 from llmserve.gateway.metrics import GatewayMetrics
@@ -77,6 +79,7 @@ class _Call:
     include_usage: bool
     plan: CachePlan | None
     decision: RouteDecision | None = None  # a routed name's choice (`model` is the chosen one)
+    compression: Compression | None = None
 
 
 class Gateway:
@@ -95,6 +98,7 @@ class Gateway:
         self.cache = ResponseCache(config.cache, self.store, self.metrics, semantic)
         self.routers = {name: build_router(router, self._judge(router.judge_model or router.weak), self.embedder)
                         for name, router in config.routers.items()}
+        self.compressor = Compressor(self._asker("completions", "compressor"), tuple(config.models))
         self._sync: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -164,6 +168,12 @@ class Gateway:
             hit = await self.cache.lookup(plan)
             if hit is not None:
                 return self._from_cache(call, hit.kind, hit.answer)
+        # after the cache: a hit costs no scorer call, and the key is the request as sent (`compress` included: another
+        # rate is another prompt); before the upstream, which never sees the `compress` field
+        call.compression = await self.compressor.apply(route, body, self.config.models[model].compress)
+        call.body = call.compression.body
+        if call.compression.outcome is not None:
+            self.metrics.compressions.labels(model, call.compression.outcome).inc()
         if stream:
             return await self._stream(call, request)
         return await unless_disconnected(request, self._complete(call))
@@ -178,19 +188,25 @@ class Gateway:
         return decision
 
     def _judge(self, model: str) -> Ask:
-        """A judge router's way to ask its model: through the gateway's own balancing, retries and accounting."""
-        async def ask(request: dict[str, Any]) -> dict[str, Any]:
-            call = _Call("chat", model, OPEN_NAMESPACE, {**request, "model": model}, False, False, None)
+        """A judge router's way to ask its model."""
+        ask = self._asker("chat", "router")
+        return lambda request: ask(model, request)
+
+    def _asker(self, route: str, namespace: str) -> Callable[[str, dict[str, Any]], Awaitable[dict[str, Any]]]:
+        """The gateway asking one of its models for itself (a judge, a scorer): through its own balancing, retries
+        and accounting (the cost counted under `namespace`)."""
+        async def ask(model: str, request: dict[str, Any]) -> dict[str, Any]:
+            call = _Call(route, model, OPEN_NAMESPACE, {**request, "model": model}, False, False, None)
             replica, response, _ = await self._send(call)
             try:
                 answer = orjson.loads(await response.read())
             except (aiohttp.ClientError, TimeoutError, OSError, orjson.JSONDecodeError) as e:
-                raise APIError(502, f"the judge {model!r} failed: {e}", code="upstream_error") from None
+                raise APIError(502, f"{model!r} failed: {e}", code="upstream_error") from None
             finally:
                 response.release()
                 replica.finished()
             replica.succeeded()
-            self.metrics.cost.labels(model, "router").inc(self.config.models[model].price.cost(answer.get("usage")))
+            self.metrics.cost.labels(model, namespace).inc(self.config.models[model].price.cost(answer.get("usage")))
             return answer
 
         return ask
@@ -389,6 +405,11 @@ class Gateway:
             # against the strong model's price for the same tokens (its own answer's length is unknown)
             strong = self.config.models[call.decision.strong_model].price.cost(usage)
             self.metrics.saved.labels(call.model, call.key.namespace, "routing").inc(max(0.0, strong - cost))
+        if call.compression is not None and call.compression.removed:  # the removed tokens at the input price
+            removed = call.compression.removed
+            self.metrics.compression_removed_tokens.labels(call.model).inc(removed)
+            self.metrics.saved.labels(call.model, call.key.namespace, "compression").inc(
+                self.config.models[call.model].price.cost({"prompt_tokens": removed}))
         if cacheable is not None and call.plan is not None and replayable(call.route, cacheable) \
                 and all(c.get("finish_reason") for c in cacheable.get("choices", ())):
             await self.cache.put(call.plan, orjson.dumps(cacheable))
@@ -492,9 +513,14 @@ async def _read_or_empty(response: aiohttp.ClientResponse) -> bytes:
 
 
 def _route_headers(call: _Call) -> dict[str, str]:
-    if call.decision is None:
-        return {}
-    return {ROUTE_HEADER: call.decision.model, f"{ROUTE_HEADER}-reason": call.decision.reason()}
+    """What routing and compression did to the request."""
+    headers = {}
+    if call.decision is not None:
+        headers = {ROUTE_HEADER: call.decision.model, f"{ROUTE_HEADER}-reason": call.decision.reason()}
+    compression = call.compression.header() if call.compression is not None else None
+    if compression is not None:
+        headers[COMPRESSION_HEADER] = compression
+    return headers
 
 
 def _dollars(value: float) -> str:

@@ -10,6 +10,11 @@ models:
     health_path: /health        # a hosted API: /v1/models
     price: {input_per_million: 0.15, output_per_million: 0.60}   # an API's list price, or a machine's:
     # price: {dollars_per_hour: 1.20, input_tokens_per_second: 9000, output_tokens_per_second: 700}
+    compress: {scorer: smollm2, rate: 0.6, min_tokens: 400}   # prompt compression (compression/): drop the
+    # context's least informative words, scored by `scorer` (a small model of `models:`, this one or another),
+    # down to rate x the context's tokens; the question, instructions, identifiers, numbers, quotes, URLs and
+    # code are kept. Per request: the body's "compress": false | true | {rate: 0.5, ...} (OpenAI's extra_body).
+    # Answers say what was done in x-llmserve-compression ("rate=0.58 tokens=812->471" or "skipped: <reason>")
 routers:                        # names that resolve per request to a weak or a strong model (routing/router.py)
   coder: {weak: qwen-0.5b, strong: qwen-1.5b, router: learned, file: coder-router.json, strong_share: 0.3}
 keys:                           # none: open, every caller in namespace "default"
@@ -33,6 +38,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from llmserve.gateway.compression.policy import CompressPolicy
 from llmserve.gateway.pricing import FREE, Price
 from llmserve.gateway.routing.router import RouterConfig
 
@@ -48,6 +54,7 @@ class ModelRoute:
     api_key: str | None = None  # resolved from api_key_env at load time, never written in the file
     health_path: str = "/health"  # what the prober GETs; a hosted API has none: "/v1/models"
     price: Price = FREE  # what its tokens cost (usage.cost, the cost metrics); none given: free
+    compress: CompressPolicy | None = None  # its prompts' compression; None: only where a request asks for it
 
     def __post_init__(self) -> None:
         if not self.upstreams:
@@ -120,6 +127,9 @@ class GatewayConfig:
                 model = getattr(router, role)
                 if model is not None and model not in self.models:
                     raise ValueError(f"routers.{name}.{role}: {model!r} is not one of the models")
+        for name, route in self.models.items():
+            if route.compress is not None and route.compress.scorer not in (None, *self.models):
+                raise ValueError(f"models.{name}.compress.scorer: {route.compress.scorer!r} is not one of the models")
 
     def key_table(self) -> dict[str, APIKey]:
         return {k.key: k for k in self.keys}
@@ -172,8 +182,13 @@ def _model(name: str, spec: dict[str, Any]) -> ModelRoute:
     price = spec.pop("price", None)
     if price is not None and not isinstance(price, dict):
         raise ValueError(f"models.{name}.price: a mapping, e.g. {{input_per_million: 0.15, output_per_million: 0.6}}")
+    compress = spec.pop("compress", None)
+    if compress is not None and not isinstance(compress, dict):
+        raise ValueError(f"models.{name}.compress: a mapping, e.g. {{scorer: NAME, rate: 0.6}}")
+    policy = CompressPolicy.from_config(compress, f"models.{name}.compress") if compress is not None else None
     return ModelRoute(name=name, upstreams=tuple(u.rstrip("/") for u in upstreams), api_key=api_key,
                       price=Price.from_config(price, f"models.{name}.price") if price is not None else FREE,
+                      compress=policy,
                       **_only(ModelRoute, spec, f"models.{name}"))
 
 
@@ -194,7 +209,7 @@ def _section(cls: type, raw: dict[str, Any] | None, where: str, override: dict[s
 
 
 def _only(cls: type, values: dict[str, Any], where: str) -> dict[str, Any]:
-    known = {f.name for f in fields(cls)} - {"name", "upstreams", "api_key", "key", "price"}
+    known = {f.name for f in fields(cls)} - {"name", "upstreams", "api_key", "key", "price", "compress"}
     unknown = set(values) - known
     if unknown:
         raise ValueError(f"{where}: unknown setting(s) {', '.join(sorted(unknown))}")

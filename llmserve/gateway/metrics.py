@@ -49,6 +49,12 @@ class GatewayMetrics:
                              "routing, compression.", ["model", "namespace", "lever"], registry=r)
         self.routed = Counter(f"{PREFIX}routed_requests", "Requests to a routed name, by the model it chose.",
                               ["router", "model"], registry=r)
+        self.compressions = Counter(f"{PREFIX}compressions", "Requests under a compression policy, by outcome: "
+                                    "compressed, or why not (short, code_edit, structured, scorer_error, ...).",
+                                    ["model", "outcome"], registry=r)
+        self.compression_removed_tokens = Counter(f"{PREFIX}compression_removed_tokens",
+                                                  "Context tokens (the scorer's count) that compression kept from "
+                                                  "the upstream.", ["model"], registry=r)
         self.rate_limited = Counter(f"{PREFIX}rate_limited", "Requests refused by a key's rate limits.",
                                     ["namespace", "limit"], registry=r)
         for result in ("exact", "semantic", "miss"):

@@ -1,0 +1,21 @@
+"""Prose for the compression tests: a realistic context with the spans compression must keep."""
+
+PASSAGE = (
+    "The Millbrook Public Library opened in 1887 in a former grain store on the north bank of the river. For its "
+    "first twenty years it was run by volunteers, and the collection grew slowly, mostly through donations from "
+    "local families who had moved to the town from the coast. In 1906 the town council voted to build a new "
+    "home for it, and the architect Helen Marsh designed a brick building with a tall reading room that faced "
+    "the main square. The building cost $12,500, a large sum at the time, and it was paid for partly by a public "
+    "subscription and partly by a grant from a steel company that had opened a mill nearby.\n\n"
+    "The reading room, which the staff called \"the Long Room\", became the heart of the town. Farmers came in "
+    "on market days to read the newspapers, and children came after school to borrow adventure stories. During "
+    "the floods of 1927 the ground floor was under water for nine days, and many of the oldest books were lost. "
+    "The librarian at the time, Thomas Reed, moved what he could to the upper gallery and kept a careful record "
+    "of every damaged volume in a notebook that is still kept in the archive.\n\n"
+    "In the 1990s the library moved its catalogue to a computer system, and every record got a field named "
+    "card_catalog_id that still links the digital entries to the old paper cards. The library's digital "
+    "archive, which holds scans of the flood notebook and of the original plans, is online at "
+    "https://archive.millbrook.example.org/library and is used by historians from several universities. "
+    "Today the library lends about 40,000 items a year, and the Long Room is still used for talks and concerts."
+)
+QUESTION = "In which year was the library's new building approved by the council?"
