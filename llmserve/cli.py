@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("llmserve.bench.cli", "Load-test any OpenAI-compatible server (TTFT, ITL, throughput)."),
     "gateway": ("llmserve.gateway.cli", "One OpenAI endpoint in front of many servers: balancing, failover, caches."),
     "eval": ("llmserve.evaluate.cli", "Measure quality: perplexity, HumanEval pass@1, agreement with a reference."),
+    "plan": ("llmserve.plan.cli", "Capacity and cost: memory fit, replicas within an SLO, break-even against APIs."),
     "download": ("llmserve.entrypoints.download_cli", "Install a registered model into the cache, checked."),
     "models": ("llmserve.entrypoints.models_cli", "List the registered models and where they are installed."),
 }

@@ -1,0 +1,89 @@
+"""A GGUF file's metadata and tensor shapes, read from its header alone.
+
+Why not `gguf.GGUFReader`: it maps the whole file and parses every array field (a 150k-entry vocabulary
+takes seconds), and `loader/gguf.py` pulls in torch. Planning (`llmserve plan`) needs only the shape of
+the model: a few scalars and each tensor's dimensions, all in the first megabytes of the file.
+
+Layout (GGUF v2/v3, little-endian): magic "GGUF", u32 version, u64 tensor count, u64 metadata count;
+each metadata entry = string key, u32 value type, value; each tensor entry = string name, u32 n_dims,
+u64 dims[n_dims] (fastest-varying first), u32 ggml type, u64 data offset. A string is u64 length + bytes.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+# value type -> struct format of a scalar (8 = string and 9 = array are handled apart)
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """Scalar and string metadata (arrays are skipped) and every tensor's shape, outermost dim first."""
+
+    metadata: dict[str, Any]
+    tensor_shapes: dict[str, tuple[int, ...]]
+
+    @property
+    def num_params(self) -> int:
+        total = 0
+        for shape in self.tensor_shapes.values():
+            n = 1
+            for d in shape:
+                n *= d
+            total += n
+        return total
+
+
+def read_gguf_header(path: str) -> GGUFHeader:
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+        if version < 2:
+            raise ValueError(f"{path}: GGUF version {version} is not supported (2 or 3)")
+        pos = 24
+        metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key, pos = _string(buf, pos)
+            (vtype,), pos = struct.unpack_from("<I", buf, pos), pos + 4
+            value, pos = _value(buf, pos, vtype)
+            if value is not _SKIPPED:
+                metadata[key] = value
+        shapes: dict[str, tuple[int, ...]] = {}
+        for _ in range(n_tensors):
+            name, pos = _string(buf, pos)
+            (n_dims,) = struct.unpack_from("<I", buf, pos)
+            dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+            pos += 4 + 8 * n_dims + 4 + 8  # dims, ggml type, offset
+            shapes[name] = tuple(int(d) for d in reversed(dims))
+    return GGUFHeader(metadata, shapes)
+
+
+_SKIPPED = object()
+
+
+def _string(buf: mmap.mmap, pos: int) -> tuple[str, int]:
+    (n,) = struct.unpack_from("<Q", buf, pos)
+    return buf[pos + 8: pos + 8 + n].decode("utf-8", errors="replace"), pos + 8 + n
+
+
+def _value(buf: mmap.mmap, pos: int, vtype: int) -> tuple[Any, int]:
+    if vtype in _SCALARS:
+        fmt = _SCALARS[vtype]
+        return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
+    if vtype == _STRING:
+        return _string(buf, pos)
+    if vtype == _ARRAY:
+        etype, count = struct.unpack_from("<IQ", buf, pos)
+        pos += 12
+        if etype in _SCALARS:  # fixed-size elements: jump over them
+            return _SKIPPED, pos + count * struct.calcsize(_SCALARS[etype])
+        for _ in range(count):
+            _, pos = _value(buf, pos, etype)
+        return _SKIPPED, pos
+    raise ValueError(f"unknown GGUF value type {vtype} at byte {pos}")

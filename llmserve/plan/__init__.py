@@ -1,0 +1,1 @@
+"""`llmserve plan`: capacity and cost planning, and a simulator of one replica fitted to bench results."""

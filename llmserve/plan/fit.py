@@ -1,0 +1,150 @@
+"""A `LinearStepModel` fitted to the closed-loop levels of `llmserve bench` results.
+
+Why by simulation rather than a formula per level: in a closed loop the steps' contents do not depend on
+their durations (a client sends its next request when its answer ends, which is a step boundary), so the
+schedule of a level can be replayed in the simulator once, and every measured mean is then a linear
+function of the step model's coefficients: mean TPOT at concurrency c = sum over coefficients of
+(coefficient x the mean TPOT the same schedule has when a step costs just that feature). A steady-state
+formula would miss what a bench run really does: its c clients start together, so prompts arrive in
+waves, and a wave's prompt chunks share steps with the decodes of the wave before.
+
+Observations, per closed-loop level: mean TPOT (the decode step against the batch size, with the prompts
+of the other streams that start meanwhile) and the median inter-token gap (a decode step without prompt
+tokens, where those are most steps); and TTFT at the lowest concurrency (a prompt's cost). TTFT at higher
+concurrency is left out: the c clients of a closed loop send at once, and the server's front end (HTTP,
+chat template, tokenizer, on the cores the model uses) delays whole waves of first tokens together (a
+measured c=32 wave: 32 equal TTFTs), which Poisson traffic does not do. Least squares in relative error,
+coefficients >= 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from llmserve.plan.simulator import SchedulerLimits, simulate
+from llmserve.plan.step_model import LinearStepModel
+from llmserve.plan.traffic import SimRequest
+
+COEFFICIENTS = ("overhead_s", "per_decode_row_s", "per_prefill_token_s", "per_attention_pair_s")
+
+
+@dataclass(frozen=True)
+class Observation:
+    source: str
+    seconds: float  # the measured mean
+    features: tuple[float, float, float, float]  # the same mean with a step costing 1, rows, tokens, pairs
+
+
+@dataclass(frozen=True)
+class StepFit:
+    model: LinearStepModel
+    observations: list[Observation]
+    predicted: list[float]
+    columns: list[str]  # the coefficients the data could tell apart (the others are 0)
+
+    def describe(self) -> dict[str, Any]:
+        rows = [{"source": o.source, "measured_ms": o.seconds * 1e3, "fitted_ms": p * 1e3,
+                 "error": p / o.seconds - 1} for o, p in zip(self.observations, self.predicted, strict=True)]
+        return {**self.model.describe(), "fitted_columns": self.columns, "observations": rows}
+
+
+@dataclass(frozen=True)
+class _Feature:
+    """A step model whose step costs one of the features (only in steps without prompt tokens, with
+    `plain_only`): the simulator then sums that feature over a request's steps."""
+
+    index: int
+    plain_only: bool = False
+
+    def step_time(self, decode_rows: int, decode_context: int, prefill_tokens: int, prefill_pairs: float) -> float:
+        if self.plain_only and prefill_tokens:
+            return 0.0
+        return (1.0, decode_rows, prefill_tokens, decode_context + prefill_pairs)[self.index]
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": f"feature {COEFFICIENTS[self.index]}"}
+
+
+def closed_loop_levels(doc: dict[str, Any]) -> list[tuple[dict[str, Any], list[SimRequest]]]:
+    """(summary, the requests it ran) of each closed-loop level: from the per-request records (server
+    token counts) where the file has them, else the level's mean lengths."""
+    levels = doc.get("levels") or [{"summary": s} for s in doc.get("summary", [])]
+    out = []
+    for level in levels:
+        s = level.get("summary", {})
+        if s.get("mode") != "concurrency" or not s.get("num_ok"):
+            continue
+        recs = [r for r in level.get("requests", []) if r.get("ok") and r.get("prompt_tokens")]
+        if recs:
+            reqs = [SimRequest(0.0, int(r["prompt_tokens"]), max(1, int(r.get("output_tokens") or 1))) for r in recs]
+        else:
+            prompt = s.get("prompt_tokens_server_mean") or s.get("prompt_tokens_expected_mean")
+            output = s.get("output_tokens_per_req_mean")
+            if not prompt or not output:
+                continue
+            reqs = [SimRequest(0.0, round(prompt), round(output))] * int(s["num_ok"])
+        out.append((s, reqs))
+    return out
+
+
+def observations(docs: Sequence[dict[str, Any]], limits: SchedulerLimits,
+                 min_plain_share: float = 0.7) -> list[Observation]:
+    """The fit's observations (see the module doc); the median gap counts as a plain decode step where at
+    least `min_plain_share` of a stream's steps carry no prompt tokens."""
+    obs = []
+    for doc in docs:
+        levels = closed_loop_levels(doc)
+        lowest = min((int(s["concurrency"]) for s, _ in levels), default=0)
+        for s, reqs in levels:
+            c = int(s["concurrency"])
+            prompt = sum(r.prompt_len for r in reqs) / len(reqs)
+            tag = f"c={c} ({prompt:.0f}-token prompts)"
+            feats = [simulate(reqs, _Feature(i), limits, closed_loop=c).summary() for i in range(4)]
+            for metric, label in (("tpot", "TPOT"), ("ttft", "TTFT")):
+                measured = s.get(f"{metric}_mean_ms")
+                if label == "TTFT" and c != lowest or not measured or feats[0][f"{metric}_mean_ms"] is None:
+                    continue
+                obs.append(Observation(f"{label} {tag}", measured / 1e3,
+                                       tuple(f[f"{metric}_mean_ms"] / 1e3 for f in feats)))
+            plain = [(simulate(reqs, _Feature(i, True), limits, closed_loop=c).summary()["tpot_mean_ms"] or 0.0) / 1e3
+                     for i in range(4)]  # plain[0]: the share of a stream's decode steps without prompt tokens
+            if s.get("itl_p50_ms") and plain[0] >= min_plain_share:
+                obs.append(Observation(f"ITL p50 {tag}", s["itl_p50_ms"] / 1e3,
+                                       (1.0, plain[1] / plain[0], 0.0, plain[3] / plain[0])))
+    return obs
+
+
+def fit_step_model(docs: Sequence[dict[str, Any]], limits: SchedulerLimits | None = None) -> StepFit:
+    """Fit to the closed-loop levels of bench results measured with the scheduler `limits`. The attention
+    term joins only where the data can tell it from the per-row and per-token costs (prompt lengths that
+    differ across levels or files); with one prompt length it is a multiple of them."""
+    limits = limits or SchedulerLimits()
+    obs = observations(docs, limits)
+    if not any(o.source.startswith("TPOT") for o in obs) or len({o.source.split(" c=")[1] for o in obs}) < 2:
+        raise ValueError("a step model needs closed-loop levels at two or more concurrencies with TPOT and TTFT "
+                         "(llmserve bench --concurrency 1,4,16,...)")
+    x = np.array([o.features for o in obs])
+    y = np.array([o.seconds for o in obs])
+    rel = x / y[:, None]  # relative error: each row divided by its measurement
+    active = [0, 1, 2, 3] if _separable(rel, 3) else [0, 1, 2]
+    coef = np.zeros(4)
+    while active:
+        sol, *_ = np.linalg.lstsq(rel[:, active], np.ones(len(y)), rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))  # a negative cost: the data cannot see that one
+    return StepFit(LinearStepModel(*(float(v) for v in coef)), obs, [float(v) for v in x @ coef],
+                   [COEFFICIENTS[i] for i in active])
+
+
+def _separable(rel: np.ndarray, column: int, tolerance: float = 0.02) -> bool:
+    """Whether `column` is more than `tolerance` (relative) away from the span of the other columns."""
+    others = np.delete(rel, column, axis=1)
+    target = rel[:, column]
+    sol, *_ = np.linalg.lstsq(others, target, rcond=None)
+    return bool(np.linalg.norm(others @ sol - target) > tolerance * np.linalg.norm(target))

@@ -1,0 +1,34 @@
+"""A synthetic `llmserve bench` result: closed-loop levels of a server whose step time is a known model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmserve.bench.metrics import percentile
+from llmserve.plan.simulator import SchedulerLimits, simulate
+from llmserve.plan.step_model import LinearStepModel
+from llmserve.plan.traffic import SimRequest
+
+
+def synthetic_bench(model: LinearStepModel, prompt: int, output: int, concurrencies: tuple[int, ...],
+                    limits: SchedulerLimits | None = None, records: bool = False) -> dict[str, Any]:
+    """What `llmserve bench --concurrency ... --out` writes (the fields the planner reads), for a server that
+    is the simulator running `model`; with `records`, per-request entries as well."""
+    levels = []
+    for c in concurrencies:
+        reqs = [SimRequest(0.0, prompt, output)] * max(8, 2 * c)
+        res = simulate(reqs, model, limits or SchedulerLimits(), closed_loop=c)
+        s = res.summary()
+        summary = {"mode": "concurrency", "label": f"c={c}", "concurrency": c, "num_requests": len(reqs),
+                   "num_ok": len(reqs), "prompt_tokens_server_mean": float(prompt),
+                   "output_tokens_per_req_mean": float(output), **{k: s[k] for k in (
+                       "req_per_s", "output_tok_per_s", "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms",
+                       "tpot_mean_ms", "tpot_p50_ms", "tpot_p99_ms")},
+                   "itl_p50_ms": percentile([g for i in range(len(reqs)) for g in res.gaps(i)], 50) * 1e3}
+        level: dict[str, Any] = {"summary": summary}
+        if records:
+            level["requests"] = [{"ok": True, "prompt_tokens": prompt, "output_tokens": output,
+                                  "ttft_ms": t * 1e3} for t in res.ttft]
+        levels.append(level)
+    return {"schema": "llmserve-bench/1", "server": {"model": "synthetic"}, "summary": [lv["summary"] for lv in levels],
+            "levels": levels, "complete": True}

@@ -1,0 +1,64 @@
+"""Fitting the step model to bench results: a server whose step time is known is recovered from its levels."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmserve.plan.fit import fit_step_model
+from llmserve.plan.simulator import SchedulerLimits
+from llmserve.plan.step_model import LinearStepModel
+
+from .helpers import synthetic_bench
+
+
+@pytest.mark.parametrize("records", [False, True])
+def test_recovers_a_linear_step_model(records: bool) -> None:
+    # Means (TPOT, TTFT) are exactly linear in the coefficients; the median gap is read as the mean plain
+    # decode step, which it nearly is: recovered within 2 %.
+    true = LinearStepModel(0.010, 0.002, 0.0002)
+    fit = fit_step_model([synthetic_bench(true, 200, 64, (1, 2, 4, 8, 16, 32), records=records)])
+    assert fit.model.overhead_s == pytest.approx(true.overhead_s, rel=0.02)
+    assert fit.model.per_decode_row_s == pytest.approx(true.per_decode_row_s, rel=0.02)
+    assert fit.model.per_prefill_token_s == pytest.approx(true.per_prefill_token_s, rel=0.02)
+    assert fit.model.per_attention_pair_s == 0.0
+    assert fit.columns == ["overhead_s", "per_decode_row_s", "per_prefill_token_s"]
+    assert {o.source.split()[0] for o in fit.observations} == {"TPOT", "TTFT", "ITL"}
+    assert [o.source for o in fit.observations if o.source.startswith("TTFT")] == ["TTFT c=1 (200-token prompts)"]
+    assert all(abs(d["error"]) < 0.02 for d in fit.describe()["observations"])
+
+
+def test_median_gap_counts_as_a_plain_decode_step_where_prompts_are_rare() -> None:
+    true = LinearStepModel(0.004, 0.0015, 0.0003)
+    fit = fit_step_model([synthetic_bench(true, 32, 64, (1, 4, 16))])
+    itl = {o.source.split()[2]: o for o in fit.observations if o.source.startswith("ITL")}
+    assert set(itl) == {"c=1", "c=4", "c=16"}
+    assert itl["c=16"].features[1] == pytest.approx(16, rel=0.1)  # about 16 rows, no prompt tokens
+    assert itl["c=16"].features[2] == 0.0
+    assert fit.model.per_decode_row_s == pytest.approx(0.0015, rel=0.03)
+    # long prompts make most steps of a stream carry some: then the median gap says nothing plain
+    busy = fit_step_model([synthetic_bench(true, 2000, 8, (1, 4, 16))])
+    assert not [o for o in busy.observations if o.source.startswith("ITL") and "c=16" in o.source]
+
+
+def test_attention_cost_needs_two_prompt_lengths() -> None:
+    true = LinearStepModel(0.010, 0.002, 0.0002, 1e-7)
+    one = fit_step_model([synthetic_bench(true, 200, 64, (1, 4, 16))])
+    assert "per_attention_pair_s" not in one.columns  # indistinguishable from the per-row cost here
+    assert max(abs(p / o.seconds - 1) for o, p in zip(one.observations, one.predicted, strict=True)) < 0.02
+    two = fit_step_model([synthetic_bench(true, 100, 64, (1, 4, 16)), synthetic_bench(true, 800, 64, (1, 4, 16))])
+    assert two.model.per_attention_pair_s == pytest.approx(1e-7, rel=0.1)
+    assert two.model.per_decode_row_s == pytest.approx(0.002, rel=0.05)
+
+
+def test_fit_uses_the_scheduler_limits_of_the_measured_server() -> None:
+    limits = SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=128, chunk=64)
+    true = LinearStepModel(0.005, 0.003, 0.0001)
+    doc = synthetic_bench(true, 300, 32, (1, 4, 8), limits=limits)
+    assert fit_step_model([doc], limits).model.per_prefill_token_s == pytest.approx(0.0001, rel=0.02)
+    assert fit_step_model([doc]).model.per_prefill_token_s != pytest.approx(0.0001, rel=0.1)  # other limits: wrong
+
+
+def test_one_level_is_not_enough() -> None:
+    doc = synthetic_bench(LinearStepModel(0.01, 0.001, 0.0001), 100, 16, (4,))
+    with pytest.raises(ValueError, match="two or more concurrencies"):
+        fit_step_model([doc])
