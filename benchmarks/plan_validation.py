@@ -40,9 +40,8 @@ from bench_vs_peers import machine_facts, port_free, stop_group  # noqa: E402
 
 from llmserve.bench.report import load_result, render_table  # noqa: E402
 from llmserve.plan.fit import fit_step_model  # noqa: E402
-from llmserve.plan.planner import SimSettings, predict  # noqa: E402
-from llmserve.plan.simulator import SchedulerLimits, simulate  # noqa: E402
-from llmserve.plan.step_model import StepModel  # noqa: E402
+from llmserve.plan.planner import Replica, SimSettings, predict  # noqa: E402
+from llmserve.plan.simulator import SchedulerLimits  # noqa: E402
 from llmserve.plan.traffic import LengthDist, SimRequest  # noqa: E402
 
 METRICS = (("TTFT p50 ms", "ttft_p50_ms"), ("TTFT p99 ms", "ttft_p99_ms"), ("TPOT p50 ms", "tpot_p50_ms"),
@@ -145,13 +144,13 @@ def measured_requests(level: dict[str, Any]) -> list[SimRequest]:
     return [SimRequest(r["start_ms"] / 1e3, int(r["prompt_tokens"]), int(r["output_tokens"])) for r in recs]
 
 
-def predictions(model: StepModel, limits: SchedulerLimits, level: dict[str, Any], seeds: int) -> dict[str, Any]:
+def predictions(replica: Replica, level: dict[str, Any], seeds: int) -> dict[str, Any]:
     reqs = measured_requests(level)
-    replay = simulate(reqs, model, limits).summary()
+    replay = replica.run(reqs).summary()
     rate = float(level["summary"]["request_rate"])
     prompt = LengthDist(statistics.fmean(r.prompt_len for r in reqs))
     output = LengthDist(statistics.fmean(r.output_len for r in reqs))
-    runs = [predict(model, limits, prompt, output, rate, SimSettings(len(reqs), 0.0, seed)) for seed in range(seeds)]
+    runs = [predict(replica, prompt, output, rate, SimSettings(len(reqs), 0.0, seed)) for seed in range(seeds)]
     poisson = {key: statistics.fmean(r[key] for r in runs) for _name, key in METRICS}
     poisson["p99_spread_ms"] = [min(r["ttft_p99_ms"] for r in runs), max(r["ttft_p99_ms"] for r in runs)]
     return {"rate": rate, "num_requests": len(reqs), "measured": {k: level["summary"][k] for _n, k in METRICS},
@@ -219,6 +218,8 @@ def main() -> int:
     ap.add_argument("--rate-requests", type=int, default=200, help="requests per request-rate level")
     ap.add_argument("--seeds", type=int, default=20, help="Poisson predictions averaged over this many seeds")
     ap.add_argument("--reuse", action="store_true", help="no server: predict from the saved bench files")
+    ap.add_argument("--max-foreign", type=float, default=0.1, metavar="CORES",
+                    help="sweep levels measured while other processes used more are left out of the fit")
     ap.add_argument("--wait-quiet", type=float, default=60.0, metavar="MINUTES",
                     help="first wait (up to this long) until other processes use < 0.15 cores (default 60)")
     ap.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
@@ -251,9 +252,13 @@ def main() -> int:
         foreign_path.write_text(json.dumps(foreign, indent=1) + "\n")
     foreign = json.loads(foreign_path.read_text()) if foreign_path.exists() else {}
     sweep, measured = load_result(sweep_path), load_result(rates_path)
+    sweep_busy = foreign.get(sweep_path.name, [None] * len(sweep["levels"]))
+    dropped = [lv["summary"]["label"] for lv, b in zip(sweep["levels"], sweep_busy, strict=True)
+               if b is not None and b > args.max_foreign]
+    clean = {**sweep, "levels": [lv for lv in sweep["levels"] if lv["summary"]["label"] not in dropped]}
     t0 = time.perf_counter()
-    fit = fit_step_model([sweep], limits)
-    rows = [predictions(fit.model, limits, level, args.seeds) for level in measured["levels"]]
+    fit = fit_step_model([clean], limits)
+    rows = [predictions(Replica(fit.model, limits, fit.front_end_s), level, args.seeds) for level in measured["levels"]]
     for row, busy in zip(rows, foreign.get(rates_path.name, [None] * len(rows)), strict=True):
         row["foreign_cores"] = busy
     sim_s = time.perf_counter() - t0
@@ -261,7 +266,7 @@ def main() -> int:
     facts = machine_facts()
     doc = {"machine": facts, "sweep": sweep_path.name, "rates": rates_path.name,
            "peak_req_per_s": peak, "step_model": fit.describe(), "comparison": rows, "target": TARGET,
-           "simulation_seconds": sim_s, "foreign_cores": foreign,
+           "simulation_seconds": sim_s, "foreign_cores": foreign, "levels_left_out_of_fit": dropped,
            "misses": verdict(rows, ("ttft_p50_ms", "ttft_p99_ms", "req_per_s"))}
     (args.out_dir / "plan_validation.json").write_text(json.dumps(doc, indent=1) + "\n")
     plot(rows, args.out_dir / "plan_validation.png")
@@ -269,11 +274,15 @@ def main() -> int:
                 for o in doc["step_model"]["observations"]]
     sm = fit.model
     rate_list = ", ".join(f"{r['rate']:.2f}" for r in rows)
+    front_text = ("TTFT at c=1 {:.1f} ms measured, {:.1f} ms of engine steps".format(*(v * 1e3 for v in fit.ttft_c1))
+                  if fit.ttft_c1 else "no concurrency-1 level in the fit: taken as 0")
     cfg = sweep.get("config", {})
     sweep_levels = ",".join(f"{s['concurrency']}:{s['num_requests']}" for s in sweep["summary"])
     fractions = ", ".join(f"{r['rate'] / peak:.2f}" for r in rows)
     per_rate = "/".join(str(r["num_requests"]) for r in rows)
-    sweep_busy = ", ".join("-" if b is None else f"{b:.2f}" for b in foreign.get(sweep_path.name, [])) or "not measured"
+    busy_text = ", ".join("-" if b is None else f"{b:.2f}" for b in foreign.get(sweep_path.name, [])) or "not measured"
+    left_out = (f" Left out of the fit (other processes above {args.max_foreign:g} cores): {', '.join(dropped)}."
+                if dropped else "")
     report = "\n\n".join([
         "# `llmserve plan`: the simulator against a measured server",
         f"Generated {time.strftime('%Y-%m-%d %H:%M')} by `benchmarks/plan_validation.py`; {facts['cpu']}, "
@@ -281,7 +290,8 @@ def main() -> int:
         f"--workload {cfg.get('workload')} --input-len {cfg.get('input_len')} --output-len {cfg.get('output_len')}`.",
         f"Step model fitted to the sweep ({sweep_levels}, concurrency:requests): {sm.overhead_s * 1e3:.2f} ms + "
         f"{sm.per_decode_row_s * 1e3:.3f} ms per decode row + {sm.per_prefill_token_s * 1e3:.4f} ms per prompt "
-        f"token + {sm.per_attention_pair_s * 1e9:.3f} ns per attention pair (fitted: {', '.join(fit.columns)}).",
+        f"token + {sm.per_attention_pair_s * 1e9:.3f} ns per attention pair (fitted: {', '.join(fit.columns)}); "
+        f"front end {fit.front_end_s * 1e3:.1f} ms before the engine sees a request ({front_text}).",
         render_table(["closed-loop level", "measured ms", "fitted ms", "error"], fit_rows, markdown=True),
         f"Request rates: {rate_list} req/s ({fractions} x the sweep's highest, "
         f"{peak:.2f} req/s), {per_rate} Poisson arrivals. Predictions: Poisson = mean of "
@@ -290,7 +300,7 @@ def main() -> int:
         ("Within 20 % on TTFT p50/p99 and throughput (Poisson prediction)." if not doc["misses"] else
          "Beyond 20 % (Poisson prediction): " + "; ".join(doc["misses"])),
         "Other cores: CPU used outside the server and the load generator during each level (a 2-core host). "
-        f"During the sweep's levels: {sweep_busy}.",
+        f"During the sweep's levels: {busy_text}.{left_out}",
         f"Fit and all predictions took {sim_s:.1f} s.",
     ]) + "\n"
     (args.out_dir / "plan_validation.md").write_text(report)

@@ -21,7 +21,7 @@ from llmserve.plan.cost import API_PRICES, ApiPrice, parse_api_price
 from llmserve.plan.fit import StepFit, fit_step_model
 from llmserve.plan.hardware import PRESETS, HardwareSpec, hardware
 from llmserve.plan.model_spec import KV_DTYPE_BYTES, WEIGHT_FORMATS, ModelSpec, registered_model
-from llmserve.plan.planner import SLO, PlanInputs, SimSettings, make_plan, predict
+from llmserve.plan.planner import SLO, PlanInputs, Replica, SimSettings, make_plan, predict
 from llmserve.plan.report import format_plan, plot_plan, write_json
 from llmserve.plan.simulator import SchedulerLimits
 from llmserve.plan.step_model import StepModel, roofline_step_model
@@ -103,6 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "(long_prefill_token_threshold, default %(default)s)")
     s.add_argument("--max-long-partial-prefills", type=int, default=1,
                    help="prompts longer than a chunk prefilled at once (default %(default)s)")
+    s.add_argument("--front-end-ms", type=float, default=None,
+                   help="server latency before the engine sees a request (HTTP, template, tokenizer); default: "
+                        "fitted from the bench file's concurrency-1 TTFT, else 0")
     s.add_argument("--num-requests", type=int, default=2000, help="simulated per run (default %(default)s)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--predict-rates", type=_rates, default=None, metavar="R1,R2,...",
@@ -187,13 +190,16 @@ def build_inputs(args: argparse.Namespace) -> PlanInputs:
                       step_model=step_model, traffic=traffic, slo=SLO(args.slo_ttft, args.slo_tpot),
                       limits=limits,
                       apis=_apis(args), sim=SimSettings(num_requests=args.num_requests, seed=args.seed),
-                      usable_memory_fraction=args.memory_fraction, fit=fit)
+                      usable_memory_fraction=args.memory_fraction, fit=fit,
+                      front_end_s=args.front_end_ms / 1e3 if args.front_end_ms is not None else
+                      fit.front_end_s if fit else 0.0)
 
 
 def predictions_table(inputs: PlanInputs, rates: list[float]) -> str:
     rows = []
+    replica = Replica(inputs.step_model, inputs.limits, inputs.front_end_s)
     for r in rates:
-        s = predict(inputs.step_model, inputs.limits, inputs.traffic.prompt, inputs.traffic.output, r, inputs.sim)
+        s = predict(replica, inputs.traffic.prompt, inputs.traffic.output, r, inputs.sim)
         rows.append([f"{r:g}", f"{s['req_per_s']:.3g}", f"{s['output_tok_per_s']:.1f}", f"{s['ttft_p50_ms']:.0f}",
                      f"{s['ttft_p99_ms']:.0f}", f"{s['tpot_p50_ms'] or 0:.1f}", f"{s['tpot_p99_ms'] or 0:.1f}",
                      f"{s['mean_batch']:.1f}"])

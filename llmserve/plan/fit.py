@@ -8,13 +8,16 @@ function of the step model's coefficients: mean TPOT at concurrency c = sum over
 formula would miss what a bench run really does: its c clients start together, so prompts arrive in
 waves, and a wave's prompt chunks share steps with the decodes of the wave before.
 
-Observations, per closed-loop level: mean TPOT (the decode step against the batch size, with the prompts
-of the other streams that start meanwhile) and the median inter-token gap (a decode step without prompt
-tokens, where those are most steps); and TTFT at the lowest concurrency (a prompt's cost). TTFT at higher
-concurrency is left out: the c clients of a closed loop send at once, and the server's front end (HTTP,
-chat template, tokenizer, on the cores the model uses) delays whole waves of first tokens together (a
-measured c=32 wave: 32 equal TTFTs), which Poisson traffic does not do. Least squares in relative error,
-coefficients >= 0.
+Two parts, because a request's time to first token has two: the engine's steps, and the server's front end
+(HTTP, chat template, tokenizer) before the engine sees it.
+- The engine's coefficients, from what decoding streams see, which is engine time only: per closed-loop
+  level, the mean TPOT (decode steps against the batch size, with the prompt chunks of the streams that
+  start meanwhile) and the median inter-token gap (a step without prompt tokens, where those are most
+  steps). Least squares in relative error, coefficients >= 0.
+- The front end's latency: the measured TTFT at concurrency 1 minus the engine's TTFT the fitted model
+  gives there. TTFT at higher concurrency is not used: a closed loop's c clients send at once, and the front
+  end, on the cores the model uses, then holds whole waves of first tokens back together (a measured c=32
+  wave: 32 equal TTFTs), which Poisson arrivals do not do.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from llmserve.plan.simulator import SchedulerLimits, simulate
+from llmserve.plan.simulator import SchedulerLimits, SimResult, simulate
 from llmserve.plan.step_model import LinearStepModel
 from llmserve.plan.traffic import SimRequest
 
@@ -45,24 +48,25 @@ class StepFit:
     observations: list[Observation]
     predicted: list[float]
     columns: list[str]  # the coefficients the data could tell apart (the others are 0)
+    front_end_s: float = 0.0  # latency before the engine sees a request (0 without a concurrency-1 level)
+    ttft_c1: tuple[float, float] | None = None  # (measured, engine's) mean TTFT at concurrency 1
 
     def describe(self) -> dict[str, Any]:
         rows = [{"source": o.source, "measured_ms": o.seconds * 1e3, "fitted_ms": p * 1e3,
                  "error": p / o.seconds - 1} for o, p in zip(self.observations, self.predicted, strict=True)]
-        return {**self.model.describe(), "fitted_columns": self.columns, "observations": rows}
+        ttft = None if self.ttft_c1 is None else {"measured_ms": self.ttft_c1[0] * 1e3,
+                                                  "engine_ms": self.ttft_c1[1] * 1e3}
+        return {**self.model.describe(), "fitted_columns": self.columns, "observations": rows,
+                "front_end_s": self.front_end_s, "ttft_c1": ttft}
 
 
 @dataclass(frozen=True)
 class _Feature:
-    """A step model whose step costs one of the features (only in steps without prompt tokens, with
-    `plain_only`): the simulator then sums that feature over a request's steps."""
+    """A step model whose step costs one of the features: the simulator then sums that feature."""
 
     index: int
-    plain_only: bool = False
 
     def step_time(self, decode_rows: int, decode_context: int, prefill_tokens: int, prefill_pairs: float) -> float:
-        if self.plain_only and prefill_tokens:
-            return 0.0
         return (1.0, decode_rows, prefill_tokens, decode_context + prefill_pairs)[self.index]
 
     def describe(self) -> dict[str, Any]:
@@ -97,25 +101,30 @@ def observations(docs: Sequence[dict[str, Any]], limits: SchedulerLimits,
     least `min_plain_share` of a stream's steps carry no prompt tokens."""
     obs = []
     for doc in docs:
-        levels = closed_loop_levels(doc)
-        lowest = min((int(s["concurrency"]) for s, _ in levels), default=0)
-        for s, reqs in levels:
+        for s, reqs in closed_loop_levels(doc):
             c = int(s["concurrency"])
             prompt = sum(r.prompt_len for r in reqs) / len(reqs)
             tag = f"c={c} ({prompt:.0f}-token prompts)"
-            feats = [simulate(reqs, _Feature(i), limits, closed_loop=c).summary() for i in range(4)]
-            for metric, label in (("tpot", "TPOT"), ("ttft", "TTFT")):
-                measured = s.get(f"{metric}_mean_ms")
-                if label == "TTFT" and c != lowest or not measured or feats[0][f"{metric}_mean_ms"] is None:
-                    continue
-                obs.append(Observation(f"{label} {tag}", measured / 1e3,
-                                       tuple(f[f"{metric}_mean_ms"] / 1e3 for f in feats)))
-            plain = [(simulate(reqs, _Feature(i, True), limits, closed_loop=c).summary()["tpot_mean_ms"] or 0.0) / 1e3
-                     for i in range(4)]  # plain[0]: the share of a stream's decode steps without prompt tokens
-            if s.get("itl_p50_ms") and plain[0] >= min_plain_share:
-                obs.append(Observation(f"ITL p50 {tag}", s["itl_p50_ms"] / 1e3,
-                                       (1.0, plain[1] / plain[0], 0.0, plain[3] / plain[0])))
+            runs = [simulate(reqs, _Feature(i), limits, closed_loop=c) for i in range(4)]  # one schedule, 4 costs
+            feats = [run.summary() for run in runs]
+            if s.get("tpot_mean_ms") and feats[0]["tpot_mean_ms"] is not None:
+                obs.append(Observation(f"TPOT {tag}", s["tpot_mean_ms"] / 1e3,
+                                       tuple(f["tpot_mean_ms"] / 1e3 for f in feats)))
+            typical = _typical_plain_step(runs[0], min_plain_share)
+            if s.get("itl_p50_ms") and typical is not None:
+                obs.append(Observation(f"ITL p50 {tag}", s["itl_p50_ms"] / 1e3, (1.0, typical[0], 0.0, typical[1])))
     return obs
+
+
+def _typical_plain_step(res: SimResult, min_plain_share: float) -> tuple[float, float] | None:
+    """(decode rows, their context) of the median step the decoding streams wait on, when at least
+    `min_plain_share` of those steps carry no prompt tokens (the median gap is then such a step)."""
+    shapes = [res.step_shape[k] for i in range(len(res.ttft)) for k in res.decode_steps(i)]
+    plain = sorted((rows, ctx) for rows, ctx, prompt in shapes if not prompt)
+    if not shapes or len(plain) < min_plain_share * len(shapes):
+        return None
+    rows, ctx = plain[len(plain) // 2]
+    return float(rows), float(ctx)
 
 
 def fit_step_model(docs: Sequence[dict[str, Any]], limits: SchedulerLimits | None = None) -> StepFit:
@@ -124,8 +133,8 @@ def fit_step_model(docs: Sequence[dict[str, Any]], limits: SchedulerLimits | Non
     differ across levels or files); with one prompt length it is a multiple of them."""
     limits = limits or SchedulerLimits()
     obs = observations(docs, limits)
-    if not any(o.source.startswith("TPOT") for o in obs) or len({o.source.split(" c=")[1] for o in obs}) < 2:
-        raise ValueError("a step model needs closed-loop levels at two or more concurrencies with TPOT and TTFT "
+    if len({o.source.split(" c=")[1] for o in obs if o.source.startswith("TPOT")}) < 2:
+        raise ValueError("a step model needs closed-loop levels at two or more concurrencies "
                          "(llmserve bench --concurrency 1,4,16,...)")
     x = np.array([o.features for o in obs])
     y = np.array([o.seconds for o in obs])
@@ -138,8 +147,25 @@ def fit_step_model(docs: Sequence[dict[str, Any]], limits: SchedulerLimits | Non
             coef[active] = sol
             break
         active.pop(int(np.argmin(sol)))  # a negative cost: the data cannot see that one
-    return StepFit(LinearStepModel(*(float(v) for v in coef)), obs, [float(v) for v in x @ coef],
-                   [COEFFICIENTS[i] for i in active])
+    model = LinearStepModel(*(float(v) for v in coef))
+    ttft_c1 = _ttft_at_one(docs, model, limits)
+    front_end = max(0.0, ttft_c1[0] - ttft_c1[1]) if ttft_c1 else 0.0
+    return StepFit(model, obs, [float(v) for v in x @ coef], [COEFFICIENTS[i] for i in active], front_end, ttft_c1)
+
+
+def _ttft_at_one(docs: Sequence[dict[str, Any]], model: LinearStepModel,
+                 limits: SchedulerLimits) -> tuple[float, float] | None:
+    """(measured, simulated engine) mean TTFT over the concurrency-1 levels, weighted by requests."""
+    measured = engine = 0.0
+    n = 0
+    for doc in docs:
+        for s, reqs in closed_loop_levels(doc):
+            if int(s["concurrency"]) == 1 and s.get("ttft_mean_ms"):
+                sim = simulate(reqs, model, limits, closed_loop=1)
+                measured += s["ttft_mean_ms"] / 1e3 * len(reqs)
+                engine += sum(sim.ttft)
+                n += len(reqs)
+    return (measured / n, engine / n) if n else None
 
 
 def _separable(rel: np.ndarray, column: int, tolerance: float = 0.02) -> bool:

@@ -27,9 +27,9 @@ from llmserve.plan.cost import (
 from llmserve.plan.fit import StepFit
 from llmserve.plan.hardware import HardwareSpec
 from llmserve.plan.model_spec import GB, ModelSpec, memory_fit
-from llmserve.plan.simulator import SchedulerLimits, simulate
+from llmserve.plan.simulator import SchedulerLimits, SimResult, simulate
 from llmserve.plan.step_model import StepModel
-from llmserve.plan.traffic import SECONDS_PER_DAY, LengthDist, Traffic, draw_requests
+from llmserve.plan.traffic import SECONDS_PER_DAY, LengthDist, SimRequest, Traffic, draw_requests
 
 
 @dataclass(frozen=True)
@@ -78,42 +78,50 @@ class PlanInputs:
     apis: tuple[ApiPrice, ...] = ()
     sim: SimSettings = field(default_factory=SimSettings)
     usable_memory_fraction: float = 0.9
+    front_end_s: float = 0.0  # the server's latency before the engine sees a request (fitted, or given)
     fit: StepFit | None = None  # where the step model came from, when it was fitted
 
 
-def predict(step_model: StepModel, limits: SchedulerLimits, prompt: LengthDist, output: LengthDist, rate: float,
-            sim: SimSettings) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Replica:
+    """One server as the simulator sees it: its step time, its scheduler, its front end's latency."""
+
+    step_model: StepModel
+    limits: SchedulerLimits = field(default_factory=SchedulerLimits)
+    front_end_s: float = 0.0
+
+    def run(self, reqs: list[SimRequest]) -> SimResult:
+        return simulate(reqs, self.step_model, self.limits, front_end_s=self.front_end_s)
+
+
+def predict(replica: Replica, prompt: LengthDist, output: LengthDist, rate: float, sim: SimSettings) -> dict[str, Any]:
     """Simulated bench-style figures for Poisson arrivals at `rate` requests/s on one replica."""
-    reqs = draw_requests(prompt, output, rate, sim.num_requests, sim.seed)
-    return simulate(reqs, step_model, limits).summary(sim.warmup_fraction)
+    return replica.run(draw_requests(prompt, output, rate, sim.num_requests, sim.seed)).summary(sim.warmup_fraction)
 
 
-def saturation_throughput(step_model: StepModel, limits: SchedulerLimits, prompt: LengthDist, output: LengthDist,
-                          sim: SimSettings) -> float:
+def saturation_throughput(replica: Replica, prompt: LengthDist, output: LengthDist, sim: SimSettings) -> float:
     """Requests/s with every request waiting from the start, so the batch is always full: the rate past
     which a queue grows without bound."""
     reqs = draw_requests(prompt, output, 1e12, sim.num_requests, sim.seed)  # all arrive at ~0
-    res = simulate(reqs, step_model, limits).summary()
-    return float(res["req_per_s"])
+    return float(replica.run(reqs).summary()["req_per_s"])
 
 
-def replica_capacity(step_model: StepModel, limits: SchedulerLimits, prompt: LengthDist, output: LengthDist,
-                     slo: SLO, sim: SimSettings, saturation: float) -> tuple[float, dict[str, Any] | None]:
+def replica_capacity(replica: Replica, prompt: LengthDist, output: LengthDist, slo: SLO, sim: SimSettings,
+                     saturation: float) -> tuple[float, dict[str, Any] | None]:
     """(highest rate within the SLO and max_utilization x `saturation`, the simulated figures there);
     (0, None) when a request alone misses the SLO."""
-    alone = replace(sim, num_requests=10, warmup_fraction=0.0)
-    lone = predict(step_model, limits, prompt, output, 1e-6, alone)  # arrivals far apart: no queueing
+    lone = predict(replica, prompt, output, 1e-6, _alone(sim))  # arrivals far apart: no queueing
     if not slo.met(lone):
         return 0.0, None
     # A finite run near saturation can meet a loose TTFT SLO while its queue still grows: cap the rate.
     hi = saturation * sim.max_utilization
-    res = predict(step_model, limits, prompt, output, hi, sim)
+    res = predict(replica, prompt, output, hi, sim)
     if slo.met(res):
         return hi, res
     lo, best = 0.0, None
     while best is None or hi - lo > sim.precision * hi:
         mid = (lo + hi) / 2
-        res = predict(step_model, limits, prompt, output, mid, sim)
+        res = predict(replica, prompt, output, mid, sim)
         if slo.met(res):
             lo, best = mid, res
         else:
@@ -121,6 +129,10 @@ def replica_capacity(step_model: StepModel, limits: SchedulerLimits, prompt: Len
         if hi < 1e-9:  # nothing meets it (a lone request did: only queueing breaks it, so unreachable)
             return 0.0, None
     return lo, best
+
+
+def _alone(sim: SimSettings) -> SimSettings:
+    return replace(sim, num_requests=10, warmup_fraction=0.0)
 
 
 def make_plan(p: PlanInputs) -> dict[str, Any]:
@@ -136,6 +148,7 @@ def make_plan(p: PlanInputs) -> dict[str, Any]:
             "hardware": asdict(p.hardware), "step_model": p.step_model.describe(),
             "traffic": {**asdict(tr), "requests_per_day": tr.rate * SECONDS_PER_DAY, "miss_rate": tr.miss_rate},
             "slo": asdict(p.slo), "scheduler": asdict(p.limits), "simulation": asdict(p.sim),
+            "front_end_s": p.front_end_s,
             "apis": [asdict(a) for a in p.apis],
         },
         "memory": {
@@ -152,18 +165,17 @@ def make_plan(p: PlanInputs) -> dict[str, Any]:
         doc["feasible"] = False
         doc["reason"] = "the weights and one sequence's KV do not fit in the usable memory"
         return doc
-    limits = replace(p.limits, max_num_seqs=seqs)
-    saturation = saturation_throughput(p.step_model, limits, tr.prompt, tr.output, p.sim)
-    capacity, at_cap = replica_capacity(p.step_model, limits, tr.prompt, tr.output, p.slo, p.sim, saturation)
+    replica = Replica(p.step_model, replace(p.limits, max_num_seqs=seqs), p.front_end_s)
+    saturation = saturation_throughput(replica, tr.prompt, tr.output, p.sim)
+    capacity, at_cap = replica_capacity(replica, tr.prompt, tr.output, p.slo, p.sim, saturation)
     if capacity <= 0 or at_cap is None:
         doc["feasible"] = False
         doc["reason"] = "a single request alone misses the SLO on this machine"
-        doc["alone"] = predict(p.step_model, limits, tr.prompt, tr.output, 1e-6,
-                               replace(p.sim, num_requests=10, warmup_fraction=0.0))
+        doc["alone"] = predict(replica, tr.prompt, tr.output, 1e-6, _alone(p.sim))
         return doc
     replicas = replicas_needed(tr.miss_rate, capacity)
     per_replica = tr.miss_rate / replicas
-    at_load = predict(p.step_model, limits, tr.prompt, tr.output, per_replica, p.sim) if per_replica > 0 else None
+    at_load = predict(replica, tr.prompt, tr.output, per_replica, p.sim) if per_replica > 0 else None
     monthly = self_hosted_per_month(tr.miss_rate, capacity, p.hardware.dollars_per_hour)
     peak = at_load["max_batch"] if at_load else 0
     doc["memory"].update(needed_concurrency=peak, kv_gb_needed=mem.kv_bytes(peak) / GB, fits=mem.fits(peak))

@@ -42,8 +42,10 @@ def format_plan(doc: dict[str, Any]) -> str:
     lines.append(f"- SLO: p99 TTFT <= {slo['ttft_p99_s'] * 1e3:g} ms, p99 TPOT <= {slo['tpot_p99_s'] * 1e3:g} ms; "
                  f"scheduler: max_num_seqs {inp['scheduler']['max_num_seqs']}, "
                  f"{inp['scheduler']['max_num_batched_tokens']} tokens per step")
-    lines.append(f"- step model: {_step_model_line(inp['step_model'])}")
-    lines.append(f"- machine: {hw['memory_gb']:g} GB, ${hw['dollars_per_hour']:g}/hour")
+    front = inp.get("front_end_s") or 0.0
+    lines.append(f"- step model: {_step_model_line(inp['step_model'])}"
+                 + (f"; the server's front end adds {front * 1e3:.0f} ms before the engine" if front else ""))
+    lines.append(f"- machine: {hw['memory_gb']:.3g} GB, ${hw['dollars_per_hour']:g}/hour")
     lines += ["", render_table(
         ["params", "weights GB", "KV bytes/token", "KV GB/seq", "tokens/seq", "max seqs (KV)", "needed", "fits"],
         [[_n(model["num_params"] / 1e9, "{:.3g}B"), _n(mem["weights_gb"], "{:.3g}"),

@@ -62,13 +62,16 @@ class SimResult:
     batch_time: float  # sum over steps of (running requests x step duration)
     max_batch: int
     step_end: list[float]  # when each step ended (step k at step_end[k - 1])
+    step_shape: list[tuple[int, int, int]]  # what each step carried: (decode rows, their context, prompt tokens)
     first_step: list[int]  # the step that gave each request its first token
+
+    def decode_steps(self, i: int) -> range:
+        """Indices (into step_end, step_shape) of request i's decode steps: those after its first token."""
+        return range(self.first_step[i], self.first_step[i] + self.output_tokens[i] - 1)
 
     def gaps(self, i: int) -> list[float]:
         """Request i's inter-token gaps: one per decode step after its first token."""
-        k = self.first_step[i]
-        return [b - a for a, b in zip(self.step_end[k - 1: k + self.output_tokens[i] - 2],
-                                      self.step_end[k: k + self.output_tokens[i] - 1], strict=True)]
+        return [self.step_end[k] - self.step_end[k - 1] for k in self.decode_steps(i)]
 
     def summary(self, warmup_fraction: float = 0.0) -> dict[str, Any]:
         """Bench-style figures (ms, req/s, tok/s), leaving out the first `warmup_fraction` of arrivals
@@ -95,10 +98,11 @@ class SimResult:
 
 
 def simulate(requests: Sequence[SimRequest], model: StepModel, limits: SchedulerLimits,
-             closed_loop: int | None = None) -> SimResult:
+             closed_loop: int | None = None, front_end_s: float = 0.0) -> SimResult:
     """Run `requests` (sorted by arrival) through one replica until all have finished. With `closed_loop`
     = c, their arrival times are ignored: c clients each send the next request when their previous answer
-    has ended (`llmserve bench --concurrency c`)."""
+    has ended (`llmserve bench --concurrency c`). `front_end_s`: the server's latency before the engine
+    sees a request (HTTP, template, tokenizer), counted in TTFT like the queue."""
     n = len(requests)
     arrival = [r.arrival for r in requests]
     released = n
@@ -111,6 +115,7 @@ def simulate(requests: Sequence[SimRequest], model: StepModel, limits: Scheduler
     finish = [0.0] * n
     first_step = [0] * n
     step_end: list[float] = []
+    step_shape: list[tuple[int, int, int]] = []
     # waiting requests in arrival order, the long prompts apart so that a short one can pass them
     waiting: deque[int] = deque()
     waiting_long: deque[int] = deque()
@@ -124,11 +129,11 @@ def simulate(requests: Sequence[SimRequest], model: StepModel, limits: Scheduler
     chunk, max_long = limits.chunk, limits.max_long_partial_prefills
 
     while remaining:
-        while nxt < n and arrival[nxt] <= t:
+        while nxt < n and arrival[nxt] + front_end_s <= t:
             (waiting_long if requests[nxt].prompt_len > chunk else waiting).append(nxt)
             nxt += 1
         if not num_decoding and not filling and not waiting and not waiting_long:
-            t = arrival[nxt]  # idle until the next arrival
+            t = arrival[nxt] + front_end_s  # idle until the next arrival
             continue
         budget = limits.max_num_batched_tokens - num_decoding
         prefill_tokens, pairs, long_prefills = 0, 0.0, 0
@@ -161,6 +166,7 @@ def simulate(requests: Sequence[SimRequest], model: StepModel, limits: Scheduler
         t += dt
         step += 1
         step_end.append(t)
+        step_shape.append((num_decoding, decode_context, prefill_tokens))
         busy += dt
         batch_time += running * dt
         max_batch = max(max_batch, running)
@@ -198,7 +204,7 @@ def simulate(requests: Sequence[SimRequest], model: StepModel, limits: Scheduler
     tpot: list[float | None] = [
         (e2e[i] - ttft[i]) / (requests[i].output_len - 1) if requests[i].output_len > 1 else None for i in range(n)]
     return SimResult(arrival, ttft, e2e, tpot, [r.output_len for r in requests], step,
-                     busy, batch_time, max_batch, step_end, first_step)
+                     busy, batch_time, max_batch, step_end, step_shape, first_step)
 
 
 def _chunk(done: int, total: int, budget: int, limits: SchedulerLimits) -> int:

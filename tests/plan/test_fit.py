@@ -13,8 +13,7 @@ from .helpers import synthetic_bench
 
 @pytest.mark.parametrize("records", [False, True])
 def test_recovers_a_linear_step_model(records: bool) -> None:
-    # Means (TPOT, TTFT) are exactly linear in the coefficients; the median gap is read as the mean plain
-    # decode step, which it nearly is: recovered within 2 %.
+    # Mean TPOT is exactly linear in the coefficients and the median gap is the median plain decode step.
     true = LinearStepModel(0.010, 0.002, 0.0002)
     fit = fit_step_model([synthetic_bench(true, 200, 64, (1, 2, 4, 8, 16, 32), records=records)])
     assert fit.model.overhead_s == pytest.approx(true.overhead_s, rel=0.02)
@@ -22,9 +21,21 @@ def test_recovers_a_linear_step_model(records: bool) -> None:
     assert fit.model.per_prefill_token_s == pytest.approx(true.per_prefill_token_s, rel=0.02)
     assert fit.model.per_attention_pair_s == 0.0
     assert fit.columns == ["overhead_s", "per_decode_row_s", "per_prefill_token_s"]
-    assert {o.source.split()[0] for o in fit.observations} == {"TPOT", "TTFT", "ITL"}
-    assert [o.source for o in fit.observations if o.source.startswith("TTFT")] == ["TTFT c=1 (200-token prompts)"]
+    assert {o.source.split()[0] for o in fit.observations} == {"TPOT", "ITL"}
     assert all(abs(d["error"]) < 0.02 for d in fit.describe()["observations"])
+    # TTFT at c=1 is all engine here: no front-end latency is left over
+    measured, engine = fit.ttft_c1
+    assert engine == pytest.approx(measured, rel=0.02) and fit.front_end_s < 0.02 * measured
+
+
+def test_front_end_latency_is_what_ttft_at_one_has_beyond_the_engine() -> None:
+    true = LinearStepModel(0.010, 0.002, 0.0002)
+    doc = synthetic_bench(true, 200, 64, (1, 4, 16))
+    for level in doc["levels"]:  # a front end that takes 30 ms before the engine sees each request
+        level["summary"]["ttft_mean_ms"] += 30.0
+    fit = fit_step_model([doc])
+    assert fit.front_end_s == pytest.approx(0.030, abs=0.002)
+    assert fit.model.per_prefill_token_s == pytest.approx(0.0002, rel=0.02)  # the engine is not blamed
 
 
 def test_median_gap_counts_as_a_plain_decode_step_where_prompts_are_rare() -> None:

@@ -70,6 +70,16 @@ def test_short_prompts_pass_a_waiting_long_one(max_long: int, expected: list[flo
     assert res.ttft == pytest.approx(expected)
 
 
+def test_front_end_latency_delays_the_engine_and_counts_in_ttft() -> None:
+    model = LinearStepModel(0.010, 0.001, 0.0001)
+    reqs = [SimRequest(0.0, 100, 2), SimRequest(0.015, 100, 2)]
+    res = simulate(reqs, model, SchedulerLimits(), front_end_s=0.020)
+    # the first reaches the engine at 20 ms: prompt step 20 ms, done at 40 ms; the second reaches it at
+    # 35 ms, mid-step, and runs in the next step beside the first's decode (10 + 1 + 10 = 21 ms) -> 61 ms
+    assert res.ttft == pytest.approx([0.040, 0.061 - 0.015])
+    assert res.e2e[0] == pytest.approx(0.061)
+
+
 def test_max_num_seqs_queues_the_rest() -> None:
     model = LinearStepModel(0.010, 0.0, 0.0)
     reqs = [SimRequest(0.0, 10, 5) for _ in range(6)]
