@@ -138,6 +138,16 @@ def bench(args: argparse.Namespace, out: Path, *load: str) -> None:
     subprocess.check_call(cmd, cwd=REPO)
 
 
+def compact(path: Path) -> None:
+    """Drop what the comparison never reads (answer texts, chunk times) from a bench file: a tenth the size."""
+    doc = json.loads(path.read_text())
+    for level in doc.get("levels", []):
+        for rec in level.get("requests", []):
+            for key in ("text", "chunk_times_ms", "chunk_tokens"):
+                rec.pop(key, None)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
 def measured_requests(level: dict[str, Any]) -> list[SimRequest]:
     """The run's own arrivals (send times) and server token counts, in arrival order."""
     recs = sorted((r for r in level["requests"] if r.get("ok")), key=lambda r: r["start_ms"])
@@ -150,7 +160,8 @@ def predictions(replica: Replica, level: dict[str, Any], seeds: int) -> dict[str
     rate = float(level["summary"]["request_rate"])
     prompt = LengthDist(statistics.fmean(r.prompt_len for r in reqs))
     output = LengthDist(statistics.fmean(r.output_len for r in reqs))
-    runs = [predict(replica, prompt, output, rate, SimSettings(len(reqs), 0.0, seed)) for seed in range(seeds)]
+    n = max(len(reqs), 10)  # as many requests as were measured
+    runs = [predict(replica, prompt, output, rate, SimSettings(n, 0.0, seed)) for seed in range(seeds)]
     poisson = {key: statistics.fmean(r[key] for r in runs) for _name, key in METRICS}
     poisson["p99_spread_ms"] = [min(r["ttft_p99_ms"] for r in runs), max(r["ttft_p99_ms"] for r in runs)]
     return {"rate": rate, "num_requests": len(reqs), "measured": {k: level["summary"][k] for _n, k in METRICS},
@@ -164,7 +175,9 @@ def comparison_table(rows: list[dict[str, Any]]) -> str:
             m, p, r = row["measured"][key], row["poisson"][key], row["replay"][key]
             busy = row.get("foreign_cores")
             label = f"{row['rate']:.2f}" + (f" ({busy:.2f} other cores)" if busy is not None else "")
-            out.append([label if name == METRICS[0][0] else "", name, f"{m:.1f}", f"{p:.1f}",
+            spread = row["poisson"]["p99_spread_ms"] if key == "ttft_p99_ms" else None
+            pred = f"{p:.1f}" + (f" ({spread[0]:.0f}-{spread[1]:.0f})" if spread else "")
+            out.append([label if name == METRICS[0][0] else "", name, f"{m:.1f}", pred,
                         f"{(p / m - 1) * 100:+.0f} %", f"{r:.1f}", f"{(r / m - 1) * 100:+.0f} %"])
     return render_table(["rate req/s", "metric", "measured", "predicted (Poisson)", "error", "predicted (replay)",
                          "error"], out, markdown=True, left=2)
@@ -249,6 +262,8 @@ def main() -> int:
             watch.stop_event.set()
         foreign = {path.name: [watch.mean(a, b) for a, b in level_windows(load_result(path))]
                    for path in (sweep_path, rates_path) if path.exists()}
+        for path in (sweep_path, rates_path):
+            compact(path)
         foreign_path.write_text(json.dumps(foreign, indent=1) + "\n")
     foreign = json.loads(foreign_path.read_text()) if foreign_path.exists() else {}
     sweep, measured = load_result(sweep_path), load_result(rates_path)
@@ -295,7 +310,8 @@ def main() -> int:
         render_table(["closed-loop level", "measured ms", "fitted ms", "error"], fit_rows, markdown=True),
         f"Request rates: {rate_list} req/s ({fractions} x the sweep's highest, "
         f"{peak:.2f} req/s), {per_rate} Poisson arrivals. Predictions: Poisson = mean of "
-        f"{args.seeds} simulated runs of as many requests; replay = the run's own arrival times and token counts.",
+        f"{args.seeds} simulated runs of as many requests (for TTFT p99 the range over those runs: how far a p99 "
+        "of that many requests moves by luck alone); replay = the run's own arrival times and token counts.",
         comparison_table(rows),
         ("Within 20 % on TTFT p50/p99 and throughput (Poisson prediction)." if not doc["misses"] else
          "Beyond 20 % (Poisson prediction): " + "; ".join(doc["misses"])),
