@@ -161,8 +161,7 @@ def main() -> int:
     all_idx = np.arange(n)
     boot = [rng.integers(0, n, n) for _ in range(args.bootstrap)]
     for name, runs in decisions.items():
-        qualities = np.mean([curve(d, weak_pass, strong_pass, all_idx)[0] for d in runs], axis=0)
-        shares_actual = np.mean([curve(d, weak_pass, strong_pass, all_idx)[1] for d in runs], axis=0)
+        qualities, shares_actual = np.mean([curve(d, weak_pass, strong_pass, all_idx) for d in runs], axis=0)
         # bootstrap: resample problems; the quality curve is averaged over the runs (splits / draws)
         apgrs = []
         for idx in boot:
