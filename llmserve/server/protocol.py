@@ -11,13 +11,13 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 # --- requests ---------------------------------------------------------------------------------
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class JsonSchemaSpec(BaseModel):
@@ -28,7 +28,7 @@ class JsonSchemaSpec(BaseModel):
     name: str = "response"
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(BaseModel):
@@ -47,7 +47,7 @@ class StructuredOutputsRequest(BaseModel):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
-    json_object: bool | None = None
+    json_object: StrictBool | None = None
 
 
 class _SamplingRequest(BaseModel):
@@ -67,13 +67,13 @@ class _SamplingRequest(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
     user: str | None = None
     cache_salt: str | None = None  # as vLLM: requests with different salts never share prefix-cache blocks
     # Accepted so that clients sending their neutral values work; anything else is refused (400)
@@ -136,7 +136,7 @@ class FunctionDefinition(BaseModel):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class Tool(BaseModel):
@@ -158,12 +158,12 @@ class NamedToolChoice(BaseModel):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictBool = True
     # OpenAI parameters for what this server does not produce: refused (400) unless absent or neutral, since
     # the answer would not be what the client asked for. Hints that leave the answer as it is (store, metadata,
     # service_tier, prediction, reasoning_effort, prompt_cache_key, ...) are accepted and ignored.
@@ -192,7 +192,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # the legacy API's default (OpenAI and vLLM)
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
+    echo: StrictBool = False
     suffix: str | None = None  # not supported; accepted only when absent
     best_of: int | None = None  # supported only when equal to n
 

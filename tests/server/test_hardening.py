@@ -133,6 +133,15 @@ def test_4_bad_numbers_are_400s_naming_the_field(hardened: ServerProcess, body: 
     assert "Overflow" not in error["message"]
 
 
+@pytest.mark.parametrize(("field", "value"), [("stream", b"0"), ("logprobs", b"1.0"), ("echo", b"1")])
+def test_4_a_number_is_not_a_boolean(hardened: ServerProcess, field: str, value: bytes) -> None:
+    """The schema says boolean; pydantic's lax mode would read 0, 1.0 as False/True (found by fuzzing)."""
+    path = "/v1/completions" if field == "echo" else "/v1/chat/completions"
+    prompt = b'"prompt":"hi"' if field == "echo" else b'"messages":[{"role":"user","content":"hi"}]'
+    body = b"{" + prompt + b',"max_tokens":1,"' + field.encode() + b'":' + value + b"}"
+    assert_error(post(hardened, path, body), 400, param=field)
+
+
 def test_4_the_largest_seed_works_and_its_choices_wrap(hardened: ServerProcess) -> None:
     r = post(hardened, "/v1/chat/completions", {**CHAT, "seed": 2**64 - 1, "n": 2, "max_tokens": 2})
     assert r.status_code == 200 and len(r.json()["choices"]) == 2
