@@ -73,14 +73,18 @@ class InputProcessor:
                 "or max_tokens", "max_tokens")
         return requested
 
+    def check_prompt_ids(self, token_ids: list[int]) -> None:
+        """A prompt given as token ids: not empty, each in the vocabulary (before anything decodes them)."""
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        if any(not 0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+
     def check(self, token_ids: list[int], params: SamplingParams) -> int:
         """Everything a request is checked against the model for before it is queued; returns its output
         budget."""
-        if not token_ids:
-            raise ValueError("prompt must not be empty")
+        self.check_prompt_ids(token_ids)
         vocab = self.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
         return self.output_budget(len(token_ids), params.max_tokens)

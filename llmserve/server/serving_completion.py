@@ -69,8 +69,10 @@ class OpenAIServingCompletion(OpenAIServing):
         out = []
         for p in prompt:
             ids = self.llm.processor.encode(p) if isinstance(p, str) else list(p)
-            if not ids:
-                raise APIError(400, "prompt must not be empty", param="prompt")
+            try:  # here, not only when the engine admits them: echo decodes them first
+                self.llm.processor.check_prompt_ids(ids)
+            except ValueError as e:
+                raise APIError(400, str(e), param="prompt") from None
             out.append(ids)
         return out
 

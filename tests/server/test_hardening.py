@@ -142,6 +142,13 @@ def test_4_a_number_is_not_a_boolean(hardened: ServerProcess, field: str, value:
     assert_error(post(hardened, path, body), 400, param=field)
 
 
+@pytest.mark.parametrize("prompt", [b"[-83882856282, 537]", b"[537, 99999999]", b"[[537], []]"])
+def test_4_echoed_token_ids_outside_the_vocabulary_are_a_400(hardened: ServerProcess, prompt: bytes) -> None:
+    """Echo decodes the prompt before the engine admits it: an id past any integer type was a 500 (fuzzer)."""
+    body = b'{"prompt":' + prompt + b',"echo":true,"max_tokens":1}'
+    assert_error(post(hardened, "/v1/completions", body), 400, param="prompt")
+
+
 def test_4_the_largest_seed_works_and_its_choices_wrap(hardened: ServerProcess) -> None:
     r = post(hardened, "/v1/chat/completions", {**CHAT, "seed": 2**64 - 1, "n": 2, "max_tokens": 2})
     assert r.status_code == 200 and len(r.json()["choices"]) == 2
