@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "gateway": ("llmserve.gateway.cli", "One OpenAI endpoint in front of many servers: balancing, failover, caches."),
     "eval": ("llmserve.evaluate.cli", "Measure quality: perplexity, HumanEval pass@1, agreement with a reference."),
     "plan": ("llmserve.plan.cli", "Capacity and cost: memory fit, replicas within an SLO, break-even against APIs."),
+    "quantize": ("llmserve.entrypoints.quantize_cli", "Write a quantized checkpoint (AWQ, int4, int8) to serve later."),
     "download": ("llmserve.entrypoints.download_cli", "Install a registered model into the cache, checked."),
     "models": ("llmserve.entrypoints.models_cli", "List the registered models and where they are installed."),
 }

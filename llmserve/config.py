@@ -17,8 +17,12 @@ from typing import Any
 
 # Names only: importing torch here would make every `--help` pay for it.
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATION_METHODS = ("int8", "int4", "int4+int8")  # weight-only, see quantization/weight_only.py
+# weight-only, see quantization/weight_only.py; awq: int4 after activation-aware scales (quantization/awq.py)
+QUANTIZATION_METHODS = ("int8", "int4", "int4+int8", "awq")
 KERNEL_CHOICES = ("auto", "native", "torch")
+# KV cache formats (vLLM's names): the model dtype, or 1-byte values with a float32 scale per token and
+# KV head (kv_cache/kv_quant.py). "fp8" is vLLM's alias of fp8_e4m3.
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
 
 
 def _option(default: Any, help: str, **extra: Any) -> Any:
@@ -43,8 +47,11 @@ class ModelConfig:
                                        "on GGUF Q4_1's grid, a 4-bit file's own grid where it has one; output head "
                                        "int8; int4+int8: int4 where the file is 4-bit, int8 where it holds more "
                                        "bits); auto = int4 where the file's weights are 4-bit (Q4_0, Q4_1, Q4_K), "
-                                       "int4+int8 for a mostly 4-bit K-quant mix (Q4_K_M), else the weights as "
-                                       "loaded; none = the weights as loaded",
+                                       "int4+int8 for a mostly 4-bit K-quant mix (Q4_K_M), int4 for an AWQ checkpoint, "
+                                       "else the weights as loaded; awq = int4 in groups of 32 after AWQ's "
+                                       "activation-aware scales, searched at start on the calibration text (an "
+                                       "AWQ checkpoint's own are used as stored; `llmserve quantize` writes one); "
+                                       "none = the weights as loaded",
                                        choices=("auto", "none", *QUANTIZATION_METHODS), flag="-q")
     int8_activations: bool | None = _option(None, "with quantized weights: steps of many tokens (batches, prompts) "
                                             "multiply per-token int8 activations by SmoothQuant-smoothed int8 "
@@ -88,12 +95,17 @@ class CacheConfig:
                                                "the memory free at start)")
     kv_cache_memory_fraction: float = _option(0.1, "KV cache size as a fraction of the memory available at start")
     enable_prefix_caching: bool = _option(True, "reuse the KV blocks of shared prompt prefixes across requests")
+    kv_cache_dtype: str = _option("auto", "KV cache format: auto (the model dtype), int8 or fp8_e4m3 (1 byte a "
+                                  "value and a scale per token and KV head: about twice the tokens in the same "
+                                  "memory)", choices=KV_CACHE_DTYPES)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if not 0 < self.kv_cache_memory_fraction <= 0.9:
             raise ValueError(
                 f"kv_cache_memory_fraction must be in (0, 0.9], got {self.kv_cache_memory_fraction}"

@@ -23,7 +23,9 @@ from llmserve.kernels import amx_int8_gemm, load_cpu_kernels, native_quantized_k
 from llmserve.kernels.quantized_gemv import int4_packs
 from llmserve.kv_cache.kv_cache_spec import KVCacheSpec
 from llmserve.layers.attention import ATTENTION_BACKENDS
+from llmserve.loader.awq_format import AWQ_FORMAT
 from llmserve.loader.gguf import INT4_GRID_FORMATS
+from llmserve.loader.int8_format import INT8_FORMAT
 from llmserve.models.llama import LlamaConfig
 from llmserve.quantization.weight_only import AMX_MIN_TOKENS, QUANTIZED_MAX_TOKENS
 
@@ -137,7 +139,11 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
             # not for int4+int8: on Qwen2.5-Coder-1.5B (Q4_K_M) they cost +1.8 % perplexity (1.6x faster batch
             # steps), against +0.1 % for its weights alone (benchmarks/README.md): not the file's quality
             int8_activations = mc.quantization == "auto" and weights == "int4" and cpu_has_vnni()
-            if int8_activations:
+            if int8_activations and config.scheduler.max_num_batched_tokens <= small_max:
+                # no step is ever large (and calibration, seeing none, would have nothing to measure)
+                int8_activations = False
+                reasons["large steps"] = "auto: max_num_batched_tokens leaves every step to the small-step kernels"
+            elif int8_activations:
                 reasons["large steps"] = ("auto: a 4-bit file, and this CPU multiplies int8 natively; +0.2-0.3 % "
                                           "perplexity on SmolLM2 (benchmarks/README.md)")
             elif weights == "int4+int8":
@@ -171,9 +177,15 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
         reasons["decode steps"] = "native quantized products, attention and elementwise ops: one call for all layers"
 
     max_model_len = min(mc.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
-    spec = ATTENTION_BACKENDS[attention]().kv_cache_spec(model.num_layers, model.num_kv_heads, model.head_dim,
-                                                         config.cache.block_size, dtype)
+    backend = ATTENTION_BACKENDS[attention]()
+    spec = backend.kv_cache_spec(model.num_layers, model.num_kv_heads, model.head_dim, config.cache.block_size, dtype,
+                                 config.cache.kv_cache_dtype)
     num_blocks = _num_kv_blocks(config, spec, max_model_len, reasons)
+    if spec.dtype != dtype:  # quantized: say what it buys against the model dtype's cache
+        full = backend.kv_cache_spec(model.num_layers, model.num_kv_heads, model.head_dim, config.cache.block_size,
+                                     dtype)
+        reasons["KV cache"] += (f"; {config.cache.kv_cache_dtype}: {full.bytes_per_block / spec.bytes_per_block:.2f}x "
+                                f"the tokens of a {str(dtype).removeprefix('torch.')} cache")
     return BuildPlan(
         device=mc.device, dtype=dtype, weights=weights, small_step_kernels=small, small_step_max_tokens=small_max,
         int8_activations=int8_activations, int8_products=products, attention=attention,
@@ -186,7 +198,7 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
 # GGML types stored on a 4-bit grid that int4 takes over (groups of 32, fp16 scale and minimum: Q4_1's
 # grid holds Q4_0 and Q4_1 exactly, and Q4_K up to the fp16 rounding of its scales and minimums): the
 # loader's, which reads those grids
-_INT4_GRIDS = INT4_GRID_FORMATS
+_INT4_GRIDS = INT4_GRID_FORMATS | {AWQ_FORMAT}  # and an AWQ checkpoint's groups (loader/awq_format.py)
 # GGML types with more than 4 bits a weight, which int8 (per output channel) stands in for beside int4
 _WIDER = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"}
 _DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -203,11 +215,17 @@ def _weights(choice: str | None, formats: dict[str, str] | None, on_cpu: bool, r
     if choice in ("int8", "int4", "int4+int8"):
         reasons["weights"] = "as asked"
         return choice
+    if choice == "awq":  # the checkpoint's weights are on AWQ's groups by now (quantize_checkpoint)
+        reasons["weights"] = "awq: int4 on activation-aware scales and groups"
+        return "int4"
     if choice != "auto":
         return "as loaded"
     linear = [fmt for name, fmt in (formats or {}).items()
               if name.endswith(".weight") and any(f".{p}." in name for p in _DECODER_LINEARS)]
     stored = set(linear)
+    if on_cpu and stored == {INT8_FORMAT}:  # an int8 checkpoint (`llmserve quantize --method int8`)
+        reasons["weights"] = "auto: the file's linear weights are int8 per channel"
+        return "int8"
     four_bit = sum(fmt in _INT4_GRIDS for fmt in linear)
     if on_cpu and stored and stored <= _INT4_GRIDS:
         reasons["weights"] = f"auto: the file's linear weights are {'/'.join(sorted(stored))}, on a grid int4 holds"

@@ -28,7 +28,9 @@ from llmserve.engine.step import ModelRunnerOutput, SchedulerOutput, TokenLogpro
 from llmserve.kv_cache.kv_cache_manager import KVCacheManager
 from llmserve.loader import load_checkpoint
 from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
+from llmserve.quantization.awq import AWQConfig
 from llmserve.quantization.int8_activations import calibration_prompts, record_input_ranges
+from llmserve.quantization.quantize_checkpoint import SERVE_AWQ_GROUP_SIZE, quantize_checkpoint
 from llmserve.quantization.weight_only import WeightOnlyLinear
 from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.draft_proposer import DraftModelProposer
@@ -66,6 +68,8 @@ class LLMEngine:
         self.config = config
         torch.manual_seed(config.model.seed)
         ckpt = load_checkpoint(config.model.model)
+        if config.model.quantization == "awq":  # scales searched and folded, weights on int4 groups
+            ckpt, _ = quantize_checkpoint(ckpt, "awq", AWQConfig(group_size=SERVE_AWQ_GROUP_SIZE))
         self.model_name = ckpt.name
         self.model_config = ckpt.config
         self.tokenizer = ckpt.tokenizer

@@ -24,13 +24,13 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("paged_attention.cpp", "quantized_gemv.cpp", "activation_quant.cpp", "int8_gemm.cpp",
-                 "fused_elementwise.cpp", "argmax.cpp", "decode_layer.cpp")
+    for name in ("paged_attention.cpp", "paged_attention_quantized.cpp", "quantized_gemv.cpp", "activation_quant.cpp",
+                 "int8_gemm.cpp", "fused_elementwise.cpp", "argmax.cpp", "decode_layer.cpp")
 ]
 
 
 # included by the sources: torch's build cache versions sources and flags only, so their text goes into a flag
-_HEADERS = [Path(__file__).with_name("simd_exp.h")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("simd_exp.h", "attention_common.h")]
 
 
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]

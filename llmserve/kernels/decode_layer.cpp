@@ -20,6 +20,8 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include "attention_common.h"
+
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -86,7 +88,7 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
                         double scale) {
   const auto& ops = layer_ops();
   const int64_t tokens = x.size(0), hidden = x.size(1);
-  const int64_t num_kv_heads = w.k_cache.size(1), head_dim = w.k_cache.size(3);
+  const int64_t num_kv_heads = w.k_cache.size(1), head_dim = llmserve::attention::cache_head_dim(w.k_cache);
   const int64_t q_and_k = num_heads + num_kv_heads;
   at::Tensor qkv = w.qkv(ops, ops.rms_norm.call(x, w.input_norm, eps), (q_and_k + num_kv_heads) * head_dim);
   if (w.qkv_bias.defined()) qkv = qkv + w.qkv_bias;

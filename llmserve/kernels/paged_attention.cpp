@@ -21,7 +21,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "simd_exp.h"
+#include "attention_common.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -42,91 +42,7 @@ bool request_amx_tiles();  // int8_gemm.cpp: the process's AMX permission, asked
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(double x) { return static_cast<float>(x); }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-
-struct ExpSum {
-  float max;  // of the scores
-  float sum;  // of their exponentials, shifted by max
-};
-
-// s[t] = exp(s[t] - max(s)) in place; the softmax's normaliser is 1 / sum
-inline ExpSum exp_shifted(float* s, int64_t n) {
-  float mx = -INFINITY;
-  for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
-  float sum = 0.f;
-  for (int64_t t = 0; t < n; ++t) {
-    s[t] = std::exp(s[t] - mx);
-    sum += s[t];
-  }
-  return {mx, sum};
-}
-
-// One (sequence, KV head)'s context rows [first_token, end_token), token by token through its block table
-// (no division per token). Cache layout [num_blocks, num_kv_heads, block_size, head_dim].
-// Each block holds a (block, head)'s rows contiguously (2 KiB for SmolLM2), but consecutive blocks lie
-// anywhere in the cache, so the hardware prefetcher stops at every block edge: the walker prefetches the
-// blocks ahead itself. (A modest gain: at batch 32 with every block distinct, 8.2 -> 8.8 GB/s; the kernel is
-// mostly bound by its instructions, see benchmarks/README.md.)
-template <typename T>
-class RowWalker {
- public:
-  static constexpr int64_t kBlocksAhead = 4;
-
-  RowWalker(const T* cache, const int32_t* blocks, int64_t kv_head, int64_t num_kv_heads, int64_t block_size,
-            int64_t head_dim, int64_t first_token, int64_t end_token)
-      : cache_(cache), block_(blocks + first_token / block_size),
-        end_(blocks + (end_token + block_size - 1) / block_size), head_(kv_head), num_kv_heads_(num_kv_heads),
-        block_size_(block_size), head_dim_(head_dim), offset_(first_token % block_size) {
-    for (int64_t i = 0; i < kBlocksAhead; ++i) prefetch(block_ + i);
-  }
-
-  const T* next() {
-    const T* row = cache_ + ((static_cast<int64_t>(*block_) * num_kv_heads_ + head_) * block_size_ + offset_) * head_dim_;
-    if (++offset_ == block_size_) {
-      offset_ = 0;
-      ++block_;
-      prefetch(block_ + kBlocksAhead - 1);
-    }
-    return row;
-  }
-
- private:
-  void prefetch(const int32_t* block) const {
-    if (block >= end_) return;
-    const char* rows = reinterpret_cast<const char*>(
-        cache_ + (static_cast<int64_t>(*block) * num_kv_heads_ + head_) * block_size_ * head_dim_);
-    for (int64_t line = 0; line < block_size_ * head_dim_ * static_cast<int64_t>(sizeof(T)); line += 64)
-      __builtin_prefetch(rows + line, 0, 3);
-  }
-
-  const T* cache_;
-  const int32_t* block_;
-  const int32_t* end_;
-  int64_t head_, num_kv_heads_, block_size_, head_dim_, offset_;
-};
-
-// Runs the (sequence, KV head) tasks on torch's threads, each thread taking the next task from a shared
-// counter: contexts differ in length, and a static split leaves one thread waiting for the other.
-// `worker(next_task)` runs once per thread (so it can keep scratch buffers); next_task() returns -1 when
-// none is left.
-template <typename Worker>
-void run_tasks(int64_t num_tasks, const Worker& worker) {
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    worker([&] {
-      const int64_t task = next++;
-      return task < num_tasks ? task : int64_t{-1};
-    });
-  });
-}
+using namespace llmserve::attention;
 
 template <typename T>
 void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -197,55 +113,6 @@ void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
 // transpose-reduce (15 permute-add steps instead of 16 horizontal reductions). Weighted sum of V: two
 // tokens' rows are interleaved so one vdpbf16ps applies (p_t, p_t+1) to (v_t[d], v_t+1[d]); the
 // probabilities are rounded to bf16 for it, as a bf16 matmul would.
-struct ReduceIndex {
-  __m512i lo[4], hi[4];
-  ReduceIndex() {
-    for (int level = 0; level < 4; ++level) {
-      const int span = 16 >> level, half = span / 2;  // lanes per token before this level, and after
-      alignas(64) int32_t l[16], h[16];
-      for (int j = 0; j < 16; ++j) {
-        const int jj = j % 8;
-        l[j] = (j < 8 ? 0 : 16) + (jj / half) * span + jj % half;
-        h[j] = l[j] + half;
-      }
-      lo[level] = _mm512_load_si512(l);
-      hi[level] = _mm512_load_si512(h);
-    }
-  }
-};
-
-// exp(x) of 16 floats (simd_exp.h). The scalar std::exp loop it replaced was a third of the kernel at
-// batch 32.
-using llmserve::exp16;
-
-// exp_shifted, 16 scores at a time
-inline ExpSum exp_shifted16(float* s, int64_t n) {
-  __m512 mx = _mm512_set1_ps(-INFINITY);
-  for (int64_t t = 0; t < n; t += 16) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, n - t)) - 1);
-    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, mask, s + t));
-  }
-  const float m = _mm512_reduce_max_ps(mx);
-  const __m512 shift = _mm512_set1_ps(m);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t t = 0; t < n; t += 16) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, n - t)) - 1);
-    const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + t), shift)));
-    _mm512_mask_storeu_ps(s + t, mask, e);
-    sum = _mm512_add_ps(sum, e);
-  }
-  return {m, _mm512_reduce_add_ps(sum)};
-}
-
-// out[t] = sum of the 16 lanes of r[t], for t < 16 (r is overwritten)
-inline __m512 transpose_reduce16(__m512* r, const ReduceIndex& ix) {
-  for (int level = 0, n = 16; level < 4; ++level, n /= 2)
-    for (int i = 0; i < n / 2; ++i)
-      r[i] = _mm512_add_ps(_mm512_permutex2var_ps(r[2 * i], ix.lo[level], r[2 * i + 1]),
-                           _mm512_permutex2var_ps(r[2 * i], ix.hi[level], r[2 * i + 1]));
-  return r[0];
-}
-
 constexpr int kMaxGroup = 8;   // query heads per KV head
 constexpr int kMaxChunks = 4;  // head_dim / 32
 
@@ -578,9 +445,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "expected q [B, heads, head_dim] and caches [blocks, kv_heads, block_size, head_dim]");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode_attention is a CPU kernel");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
-              "q and the caches must share a dtype");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(1) == 0,
+  const bool quantized = is_quantized_cache(k_cache);
+  TORCH_CHECK((quantized || q.scalar_type() == k_cache.scalar_type()) && v_cache.scalar_type() == k_cache.scalar_type(),
+              "the caches must share a dtype, q's unless they are quantized (int8, float8_e4m3fn)");
+  TORCH_CHECK(q.size(2) == cache_head_dim(k_cache) && q.size(1) % k_cache.size(1) == 0,
               "head_dim must match and heads must be a multiple of kv_heads");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
               "block_table and context_lens must be int32");
@@ -597,6 +465,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     for (int64_t i = 0; i < (lp[b] + block_size - 1) / block_size; ++i)
       TORCH_CHECK(tp[b * width + i] >= 0 && tp[b * width + i] < num_blocks, "block id out of range");
   }
+  if (quantized) return decode_quantized(qc, k_cache, v_cache, table, lens, scale);
   at::Tensor out = at::empty_like(qc);
 #if defined(__AVX512BF16__)
   if (qc.scalar_type() == at::kBFloat16 && bf16_fast_path_fits(qc.size(1) / k_cache.size(1), qc.size(2))) {
@@ -616,21 +485,24 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
               const at::Tensor& slots) {
   TORCH_CHECK(k.sizes() == v.sizes() && k.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "expected k, v [T, kv_heads, head_dim] and caches [blocks, kv_heads, block_size, head_dim]");
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type(),
-              "k, v and the caches must share a dtype");
-  TORCH_CHECK(k.size(2) == k_cache.size(3) && k.size(1) == k_cache.size(1), "k/v heads must match the cache");
+  const bool quantized = is_quantized_cache(k_cache);
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type() &&
+                  (quantized || k.scalar_type() == k_cache.scalar_type()),
+              "k, v and the caches must share a dtype (the caches may be quantized: int8, float8_e4m3fn)");
+  TORCH_CHECK(k.size(2) == cache_head_dim(k_cache) && k.size(1) == k_cache.size(1), "k/v heads must match the cache");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == k.size(0) * k.size(1),
               "slots: one int64 per (token, kv head)");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   const at::Tensor kc = k.contiguous(), vc = v.contiguous(), sl = slots.contiguous();
-  const int64_t rows = sl.numel(), head_dim = k.size(2), num_slots = k_cache.numel() / head_dim;
+  const int64_t rows = sl.numel(), head_dim = k.size(2), num_slots = k_cache.numel() / k_cache.size(3);
   const int64_t bytes = head_dim * k.element_size();
   const int64_t* slot = sl.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) TORCH_CHECK(slot[r] >= 0 && slot[r] < num_slots, "KV slot out of range");
+  if (quantized) return write_quantized(kc, vc, k_cache, v_cache, slot, rows);
   auto* kd = static_cast<char*>(k_cache.data_ptr());
   auto* vd = static_cast<char*>(v_cache.data_ptr());
   const auto* ks = static_cast<const char*>(kc.data_ptr());
   const auto* vs = static_cast<const char*>(vc.data_ptr());
-  for (int64_t r = 0; r < rows; ++r) TORCH_CHECK(slot[r] >= 0 && slot[r] < num_slots, "KV slot out of range");
   for (int64_t r = 0; r < rows; ++r) {
     std::memcpy(kd + slot[r] * bytes, ks + r * bytes, bytes);
     std::memcpy(vd + slot[r] * bytes, vs + r * bytes, bytes);

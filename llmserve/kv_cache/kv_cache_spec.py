@@ -5,6 +5,9 @@ Layout, per layer (one tensor for K, one for V; see layers/attention.py):
 
     [num_blocks, num_kv_heads, block_size, head_dim]
      └─ block id                └─ offset of a token in its block
+
+A quantized cache (`dtype` int8 or float8_e4m3fn) stores each row's float32 scale after its values:
+rows of head_dim + 4 one-byte elements (kv_cache/kv_quant.py).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from llmserve.kv_cache.kv_quant import row_width
+
 
 @dataclass(frozen=True)
 class KVCacheSpec:
@@ -20,16 +25,21 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # as stored: the model dtype, or int8 / float8_e4m3fn (quantized rows)
 
     @property
     def bytes_per_block(self) -> int:
         """One block's K and V in every layer."""
         element = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * element
+        return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.row_width * element
+
+    @property
+    def row_width(self) -> int:
+        """Elements of one (token, KV head) row."""
+        return row_width(self.head_dim, self.dtype)
 
     def shape(self, num_blocks: int) -> tuple[int, int, int, int]:
-        return (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
+        return (num_blocks, self.num_kv_heads, self.block_size, self.row_width)
 
     def allocate(self, num_blocks: int, device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(K, V) per layer. Zero-filled, not empty: padded decode gathers read arbitrary slots, which must

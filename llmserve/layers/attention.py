@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from llmserve.kv_cache.kv_cache_spec import KVCacheSpec
+from llmserve.kv_cache.kv_quant import QUANTIZED_KV_DTYPES, dequantize_rows, is_quantized, quantize_rows
 
 
 @dataclass
@@ -82,9 +83,12 @@ class AttentionBackend:
     holds the same one."""
 
     def kv_cache_spec(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                      dtype: torch.dtype) -> KVCacheSpec:
-        """The cache this backend reads and writes (both backends here: the model dtype, the layout above)."""
-        return KVCacheSpec(num_layers, num_kv_heads, head_dim, block_size, dtype)
+                      dtype: torch.dtype, kv_cache_dtype: str = "auto") -> KVCacheSpec:
+        """The cache this backend reads and writes: the layout above, in the model dtype (`kv_cache_dtype`
+        auto) or as 1-byte rows with their scales (int8, fp8_e4m3: kv_cache/kv_quant.py). Both backends
+        here read every format."""
+        stored = dtype if kv_cache_dtype == "auto" else QUANTIZED_KV_DTYPES[kv_cache_dtype]
+        return KVCacheSpec(num_layers, num_kv_heads, head_dim, block_size, stored)
 
     def decode_metadata(self, block_table: torch.Tensor, head_rows: torch.Tensor, context_starts: list[int],
                         block_size: int, num_heads: int, dtype: torch.dtype,
@@ -144,9 +148,8 @@ class TorchAttention(AttentionBackend):
 
     @torch.compiler.disable  # a loop over this step's groups and spans: re-traced for every batch shape
     def forward(self, q, k, v, k_cache, v_cache, meta, scale) -> torch.Tensor:
-        head_dim = k.shape[-1]
-        k_cache.view(-1, head_dim).index_copy_(0, meta.write_slots, k.reshape(-1, head_dim))
-        v_cache.view(-1, head_dim).index_copy_(0, meta.write_slots, v.reshape(-1, head_dim))
+        write_rows(k_cache, meta.write_slots, k)
+        write_rows(v_cache, meta.write_slots, v)
         if len(meta.decodes) == 1 and not meta.prefills:  # the common decode-only step: no output copy
             return _decode_attention(q, k_cache, v_cache, meta.decodes[0], scale)
         out = torch.empty_like(q)
@@ -243,10 +246,25 @@ def attention_metadata(
     return AttentionMetadata(write_slots.flatten().to(device), decodes, prefills)
 
 
-def _rows(cache: torch.Tensor) -> torch.Tensor:
-    """The cache as [num_blocks * kv_heads, block_size, head_dim]: one row per (block, kv head).
-    Gathered with index_select, several times faster than advanced indexing on CPU."""
-    return cache.view(-1, cache.shape[2], cache.shape[3])
+def write_rows(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """x [T, kv_heads, head_dim] into the cache's (token, kv head) rows at `slots` [T * kv_heads],
+    quantized first where the cache is (as the native write_kv does)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if is_quantized(cache.dtype):  # copied as bytes: index_copy_ has no float8 kernel
+        cache.view(torch.uint8).view(-1, cache.shape[3]).index_copy_(
+            0, slots, quantize_rows(rows, cache.dtype).view(torch.uint8))
+    else:
+        cache.view(-1, cache.shape[3]).index_copy_(0, slots, rows)
+
+
+def gather_rows(cache: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The (block, kv head) rows `rows` of the cache, [len(rows), block_size, head_dim] in `dtype`: only
+    these are dequantized, never the whole cache. index_select is several times faster than advanced
+    indexing on CPU."""
+    if not is_quantized(cache.dtype):
+        return cache.view(-1, cache.shape[2], cache.shape[3]).index_select(0, rows)
+    raw = cache.view(torch.uint8).view(-1, cache.shape[2], cache.shape[3]).index_select(0, rows)
+    return dequantize_rows(raw.view(cache.dtype), dtype)
 
 
 def _decode_attention(
@@ -256,8 +274,8 @@ def _decode_attention(
     # rows against that head's keys: [B*kv_heads, G, D] x [B*kv_heads, D, ctx].
     b, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
-    keys = _rows(k_cache).index_select(0, group.rows).view(b * num_kv_heads, -1, head_dim)
-    values = _rows(v_cache).index_select(0, group.rows).view(b * num_kv_heads, -1, head_dim)
+    keys = gather_rows(k_cache, group.rows, q.dtype).view(b * num_kv_heads, -1, head_dim)
+    values = gather_rows(v_cache, group.rows, q.dtype).view(b * num_kv_heads, -1, head_dim)
     qg = q.reshape(b * num_kv_heads, num_heads // num_kv_heads, head_dim)
     bias = group.bias.view(qg.shape[0], qg.shape[1], -1)
     scores = torch.baddbmm(bias, qg, keys.transpose(1, 2), alpha=scale)
@@ -279,9 +297,9 @@ def _prefill_attention(
         ks = k[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, q, D]
         vs = v[span.start : span.end].transpose(0, 1).unsqueeze(0)
     else:
-        num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[3]
-        ks = _rows(k_cache).index_select(0, span.context_rows).view(1, num_kv_heads, -1, head_dim)
-        vs = _rows(v_cache).index_select(0, span.context_rows).view(1, num_kv_heads, -1, head_dim)
+        num_kv_heads, head_dim = k_cache.shape[1], q.shape[2]
+        ks = gather_rows(k_cache, span.context_rows, q.dtype).view(1, num_kv_heads, -1, head_dim)
+        vs = gather_rows(v_cache, span.context_rows, q.dtype).view(1, num_kv_heads, -1, head_dim)
         ks, vs = ks[:, :, : span.context_len], vs[:, :, : span.context_len]
     o = F.scaled_dot_product_attention(
         qs, ks, vs, attn_mask=span.mask, is_causal=span.mask is None, scale=scale, enable_gqa=True

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from llmserve.models.llama import LlamaConfig
+from llmserve.quantization.int4_groups import Int4Groups
 
 
 @dataclass
@@ -24,3 +25,8 @@ class Checkpoint:
     # scale and minimum with w = q * scale + min, q in [0, 15], float32 [out, in / 32]. The int4 path takes
     # its groups from here, so it holds the shipped values instead of re-fitting a grid to them.
     int4_grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+    # weights on int4 groups of any size in AWQ's form (w = (q - z) * s): an AWQ-layout checkpoint's, or what
+    # AWQ / round to nearest made in memory (quantization/quantize_checkpoint.py). Their dequantized values
+    # are in `weights` and their per-32 form in `int4_grids`; kept whole so that `llmserve quantize` can
+    # write them as they are.
+    int4_groups: dict[str, Int4Groups] | None = None

@@ -1,4 +1,9 @@
-"""Hugging Face model directories: config.json, *.safetensors, tokenizer.json, tokenizer_config.json."""
+"""Hugging Face model directories: config.json, *.safetensors, tokenizer.json, tokenizer_config.json.
+
+A directory whose config.json has an AWQ `quantization_config` (AutoAWQ's GEMM layout, see awq_format.py)
+loads with its int4 groups as they are stored, so the int4 path runs them without re-quantizing; one in
+compressed-tensors' int8 layout (int8_format.py) loads as q * scale, which the int8 path fits back to the
+same q and scale."""
 
 from __future__ import annotations
 
@@ -9,7 +14,9 @@ import os
 from safetensors.torch import load_file
 from tqdm import tqdm
 
+from llmserve.loader.awq_format import AWQ_FORMAT, read_awq_tensors
 from llmserve.loader.checkpoint import Checkpoint
+from llmserve.loader.int8_format import INT8_FORMAT, read_int8_tensors
 from llmserve.models.llama import LlamaConfig
 
 
@@ -23,6 +30,21 @@ def load_hf_dir(path: str, name: str) -> Checkpoint:
     weights = {}
     for file in tqdm(files, desc=f"Loading {name}", unit="file"):
         weights.update(load_file(file))
+    formats, grids, groups = None, None, None
+    quant = hf.get("quantization_config")
+    if quant is not None:  # the quantized linears as their dequantized values, with how they were stored
+        method = quant.get("quant_method")
+        if method == "awq":
+            weights, groups = read_awq_tensors(weights, quant)
+            quantized, stored_as = set(groups), AWQ_FORMAT
+            grids = {k: g.grid32() for k, g in groups.items()}
+        elif method == "compressed-tensors":
+            weights, quantized = read_int8_tensors(weights, quant)
+            stored_as = INT8_FORMAT
+        else:
+            raise ValueError(f"{path}: quantization_config {method!r} is not supported (awq and compressed-tensors "
+                             "int8 are)")
+        formats = {k: stored_as if k in quantized else str(v.dtype).removeprefix("torch.") for k, v in weights.items()}
 
     from transformers import AutoTokenizer
 
@@ -34,6 +56,9 @@ def load_hf_dir(path: str, name: str) -> Checkpoint:
         tokenizer=tokenizer,
         chat_template=getattr(tokenizer, "chat_template", None),
         eos_token_ids=_eos_ids(path, hf, tokenizer),
+        source_formats=formats,
+        int4_grids=grids,
+        int4_groups=groups,
     )
 
 
@@ -61,6 +86,30 @@ def config_from_hf(hf: dict) -> LlamaConfig:
         rope_scaling=scaling,
         architecture=arch,
     )
+
+
+def config_to_hf(config: LlamaConfig) -> dict:
+    """A config.json dict for this model (`config_from_hf`'s inverse, transformers' keys)."""
+    hf = {
+        "architectures": [config.architecture],
+        "model_type": "qwen2" if config.architecture == "Qwen2ForCausalLM" else "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "rope_scaling": config.rope_scaling,
+    }
+    if config.architecture != "Qwen2ForCausalLM":
+        hf["attention_bias"] = config.attention_bias
+    return hf
 
 
 def _eos_ids(path: str, hf: dict, tokenizer) -> list[int]:

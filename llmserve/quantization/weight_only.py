@@ -14,7 +14,9 @@ int4 follows GGUF's Q4_1 scheme (per group of 32 inputs: w = q * scale + min, q 
 minimum fp16 values). A weight the file stored on a 4-bit grid (Q4_0, Q4_1, Q4_K: the loader's
 `int4_grids`) keeps that grid, so the int4 path computes with the values shipped (Q4_K's scales and
 minimums, products of an fp16 and a 6-bit integer, are rounded to fp16); any other weight gets a grid
-fitted to it (scale = (max - min) / 15, min = the group's minimum).
+fitted to it (scale = (max - min) / 15, min = the group's minimum). AWQ's groups (any multiple of 32
+inputs, w = (q - z) * s: an AWQ checkpoint's, or `--quantization awq`'s) arrive the same way, as
+`int4_grids` (quantization/int4_groups.py).
 """
 
 from __future__ import annotations

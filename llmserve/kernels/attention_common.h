@@ -1,0 +1,172 @@
+// Pieces the paged-attention kernels share (paged_attention.cpp: model-dtype caches;
+// paged_attention_quantized.cpp: 1-byte caches): walking a context's rows through its block table,
+// running (sequence, KV head) tasks on torch's threads, and the softmax's vector helpers.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include "simd_exp.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace llmserve {
+namespace attention {
+
+// 1-byte caches (int8, fp8 e4m3; paged_attention_quantized.cpp): rows of head_dim values and a float32 scale
+bool is_quantized_cache(const at::Tensor& cache);
+int64_t cache_head_dim(const at::Tensor& cache);
+at::Tensor decode_quantized(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_table, const at::Tensor& context_lens, double scale);
+// k, v [rows, head_dim] (contiguous) quantized into the caches' rows `slots` (checked by the caller)
+void write_quantized(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                     const int64_t* slots, int64_t rows);
+
+inline float to_float(float x) { return x; }
+inline float to_float(double x) { return static_cast<float>(x); }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+struct ExpSum {
+  float max;  // of the scores
+  float sum;  // of their exponentials, shifted by max
+};
+
+// s[t] = exp(s[t] - max(s)) in place; the softmax's normaliser is 1 / sum
+inline ExpSum exp_shifted(float* s, int64_t n) {
+  float mx = -INFINITY;
+  for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+  float sum = 0.f;
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = std::exp(s[t] - mx);
+    sum += s[t];
+  }
+  return {mx, sum};
+}
+
+// One (sequence, KV head)'s context rows [first_token, end_token), token by token through its block table
+// (no division per token). Cache layout [num_blocks, num_kv_heads, block_size, head_dim].
+// Each block holds a (block, head)'s rows contiguously (2 KiB for SmolLM2), but consecutive blocks lie
+// anywhere in the cache, so the hardware prefetcher stops at every block edge: the walker prefetches the
+// blocks ahead itself. (A modest gain: at batch 32 with every block distinct, 8.2 -> 8.8 GB/s; the kernel is
+// mostly bound by its instructions, see benchmarks/README.md.)
+template <typename T>
+class RowWalker {
+ public:
+  static constexpr int64_t kBlocksAhead = 4;
+
+  RowWalker(const T* cache, const int32_t* blocks, int64_t kv_head, int64_t num_kv_heads, int64_t block_size,
+            int64_t head_dim, int64_t first_token, int64_t end_token)
+      : cache_(cache), block_(blocks + first_token / block_size),
+        end_(blocks + (end_token + block_size - 1) / block_size), head_(kv_head), num_kv_heads_(num_kv_heads),
+        block_size_(block_size), head_dim_(head_dim), offset_(first_token % block_size) {
+    for (int64_t i = 0; i < kBlocksAhead; ++i) prefetch(block_ + i);
+  }
+
+  const T* next() {
+    const T* row = cache_ + ((static_cast<int64_t>(*block_) * num_kv_heads_ + head_) * block_size_ + offset_) * head_dim_;
+    if (++offset_ == block_size_) {
+      offset_ = 0;
+      ++block_;
+      prefetch(block_ + kBlocksAhead - 1);
+    }
+    return row;
+  }
+
+ private:
+  void prefetch(const int32_t* block) const {
+    if (block >= end_) return;
+    const char* rows = reinterpret_cast<const char*>(
+        cache_ + (static_cast<int64_t>(*block) * num_kv_heads_ + head_) * block_size_ * head_dim_);
+    for (int64_t line = 0; line < block_size_ * head_dim_ * static_cast<int64_t>(sizeof(T)); line += 64)
+      __builtin_prefetch(rows + line, 0, 3);
+  }
+
+  const T* cache_;
+  const int32_t* block_;
+  const int32_t* end_;
+  int64_t head_, num_kv_heads_, block_size_, head_dim_, offset_;
+};
+
+// Runs the (sequence, KV head) tasks on torch's threads, each thread taking the next task from a shared
+// counter: contexts differ in length, and a static split leaves one thread waiting for the other.
+// `worker(next_task)` runs once per thread (so it can keep scratch buffers); next_task() returns -1 when
+// none is left.
+template <typename Worker>
+void run_tasks(int64_t num_tasks, const Worker& worker) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    worker([&] {
+      const int64_t task = next++;
+      return task < num_tasks ? task : int64_t{-1};
+    });
+  });
+}
+
+#if defined(__AVX512F__)
+// The vector helpers: a transpose-reduce of 16 tokens' partial sums, and exp_shifted 16 scores at a time.
+struct ReduceIndex {
+  __m512i lo[4], hi[4];
+  ReduceIndex() {
+    for (int level = 0; level < 4; ++level) {
+      const int span = 16 >> level, half = span / 2;  // lanes per token before this level, and after
+      alignas(64) int32_t l[16], h[16];
+      for (int j = 0; j < 16; ++j) {
+        const int jj = j % 8;
+        l[j] = (j < 8 ? 0 : 16) + (jj / half) * span + jj % half;
+        h[j] = l[j] + half;
+      }
+      lo[level] = _mm512_load_si512(l);
+      hi[level] = _mm512_load_si512(h);
+    }
+  }
+};
+
+// exp(x) of 16 floats (simd_exp.h). The scalar std::exp loop it replaced was a third of the kernel at
+// batch 32.
+using llmserve::exp16;
+
+// exp_shifted, 16 scores at a time
+inline ExpSum exp_shifted16(float* s, int64_t n) {
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, n - t)) - 1);
+    mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, mask, s + t));
+  }
+  const float m = _mm512_reduce_max_ps(mx);
+  const __m512 shift = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << std::min<int64_t>(16, n - t)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + t), shift)));
+    _mm512_mask_storeu_ps(s + t, mask, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return {m, _mm512_reduce_add_ps(sum)};
+}
+
+// out[t] = sum of the 16 lanes of r[t], for t < 16 (r is overwritten)
+inline __m512 transpose_reduce16(__m512* r, const ReduceIndex& ix) {
+  for (int level = 0, n = 16; level < 4; ++level, n /= 2)
+    for (int i = 0; i < n / 2; ++i)
+      r[i] = _mm512_add_ps(_mm512_permutex2var_ps(r[2 * i], ix.lo[level], r[2 * i + 1]),
+                           _mm512_permutex2var_ps(r[2 * i], ix.hi[level], r[2 * i + 1]));
+  return r[0];
+}
+#endif  // __AVX512F__
+
+}  // namespace attention
+}  // namespace llmserve

@@ -1,0 +1,40 @@
+"""Tiny randomly initialised Hugging Face directories for quantization tests (made here, no download).
+
+The default model's tokenizer is reused, so the vocabulary matches it. Each RMSNorm weight has a few
+channels eight times larger than the rest: the activation outliers real models have, which are what
+AWQ's scales are for (without them its search has nothing to find)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from llmserve.loader import load_tokenizer
+
+VOCAB = 49152
+
+
+def make_tiny_hf_dir(path: Path, kind: str = "qwen2", kv_heads: int = 2, hidden: int = 128,
+                     intermediate: int = 256, layers: int = 2, seed: int = 0) -> Path:
+    """A Qwen2 (q/k/v biases, separate output head) or Llama (tied head) checkpoint of 4 heads."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=1024,
+                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+    config = (Qwen2Config(**common, tie_word_embeddings=False) if kind == "qwen2"
+              else LlamaConfig(**common, tie_word_embeddings=True))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+            elif name.endswith(".bias"):
+                p.normal_(0, 0.5)
+            elif "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+                p[:4] *= 8
+    model.save_pretrained(path)
+    load_tokenizer(None).save_pretrained(path)
+    return path
