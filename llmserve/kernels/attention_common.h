@@ -116,7 +116,38 @@ void run_tasks(int64_t num_tasks, const Worker& worker) {
   });
 }
 
+// Too few (sequence, KV head) tasks to keep every thread busy (a step of one or two requests): each context is
+// split into `parts` of `part_len` tokens (a multiple of 16) whose softmax statistics are merged at the end
+// (flash-decoding).
+struct ContextSplit {
+  int64_t parts, part_len;
+};
+
+inline ContextSplit split_contexts(int64_t pairs, const int32_t* lens, int64_t batch) {
+  const int64_t max_ctx = *std::max_element(lens, lens + batch);
+  const int64_t parts = pairs >= 2 * at::get_num_threads()
+      ? 1
+      : std::max<int64_t>(1, std::min((4 * at::get_num_threads() + pairs - 1) / pairs, (max_ctx + 63) / 64));
+  return {parts, ((max_ctx + parts - 1) / parts + 15) / 16 * 16};
+}
+
 #if defined(__AVX512F__)
+// Value sums over two tokens' rows interleaved in 16-bit pairs (unpacklo/hi_epi16) land in lanes out of
+// head_dim order: permutex2var of a chunk's two sums with `a` and `b` gives its first and second 16 dims.
+struct PairLaneOrder {
+  __m512i a, b;
+  PairLaneOrder() {
+    alignas(64) int32_t order_a[16], order_b[16];
+    for (int m = 0; m < 16; ++m) {
+      const int j = m % 8;
+      order_a[m] = j < 4 ? 4 * (m / 8) + j : 16 + 4 * (m / 8) + j - 4;
+      order_b[m] = j < 4 ? 4 * (2 + m / 8) + j : 16 + 4 * (2 + m / 8) + j - 4;
+    }
+    a = _mm512_load_si512(order_a);
+    b = _mm512_load_si512(order_b);
+  }
+};
+
 // The vector helpers: a transpose-reduce of 16 tokens' partial sums, and exp_shifted 16 scores at a time.
 struct ReduceIndex {
   __m512i lo[4], hi[4];

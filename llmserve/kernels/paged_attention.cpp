@@ -231,23 +231,10 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
   const __m512 vscale = _mm512_set1_ps(static_cast<float>(scale));
   static const ReduceIndex reduce_index;
   alignas(64) static const uint16_t zero_row[head_dim] = {};  // stands in for the tokens past the end
-  // acc lanes -> head_dim order (see the V loop): first/second 16 of each 32-wide chunk
-  alignas(64) int32_t order_a[16], order_b[16];
-  for (int m = 0; m < 16; ++m) {
-    const int j = m % 8;
-    order_a[m] = j < 4 ? 4 * (m / 8) + j : 16 + 4 * (m / 8) + j - 4;
-    order_b[m] = j < 4 ? 4 * (2 + m / 8) + j : 16 + 4 * (2 + m / 8) + j - 4;
-  }
-  const __m512i perm_a = _mm512_load_si512(order_a), perm_b = _mm512_load_si512(order_b);
-
-  // Too few (sequence, KV head) tasks to keep every thread busy (a step of one or two requests): each
-  // context is split into parts whose softmax statistics are merged at the end (flash-decoding).
+  static const PairLaneOrder lanes;  // acc lanes -> head_dim order (see the V loop)
+  const __m512i perm_a = lanes.a, perm_b = lanes.b;
   const int64_t pairs = batch * num_kv_heads;
-  const int64_t max_ctx = *std::max_element(lens, lens + batch);
-  const int64_t parts = pairs >= 2 * at::get_num_threads()
-      ? 1
-      : std::max<int64_t>(1, std::min((4 * at::get_num_threads() + pairs - 1) / pairs, (max_ctx + 63) / 64));
-  const int64_t part_len = ((max_ctx + parts - 1) / parts + 15) / 16 * 16;
+  const auto [parts, part_len] = split_contexts(pairs, lens, batch);
   // per task and query head: the scores' max, the sum of their exponentials, the unnormalised V sum
   constexpr int64_t stride = head_dim + 2;
   std::vector<float> partial(pairs * parts * G * stride);

@@ -150,21 +150,10 @@ void decode_int8_vnni(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const float fscale = static_cast<float>(scale);
   static const ReduceIndex reduce_index;
   alignas(64) static const uint8_t zero_row[head_dim + kScaleBytes] = {};
-  // value-sum lanes -> head_dim order (the pair interleave of unpacklo/hi_epi16, as in the bf16 kernel)
-  alignas(64) int32_t order_a[16], order_b[16];
-  for (int m = 0; m < 16; ++m) {
-    const int j = m % 8;
-    order_a[m] = j < 4 ? 4 * (m / 8) + j : 16 + 4 * (m / 8) + j - 4;
-    order_b[m] = j < 4 ? 4 * (2 + m / 8) + j : 16 + 4 * (2 + m / 8) + j - 4;
-  }
-  const __m512i perm_a = _mm512_load_si512(order_a), perm_b = _mm512_load_si512(order_b);
-
+  static const PairLaneOrder lanes;  // value-sum lanes -> head_dim order
+  const __m512i perm_a = lanes.a, perm_b = lanes.b;
   const int64_t pairs = batch * num_kv_heads;
-  const int64_t max_ctx = *std::max_element(lens, lens + batch);
-  const int64_t parts = pairs >= 2 * at::get_num_threads()
-      ? 1
-      : std::max<int64_t>(1, std::min((4 * at::get_num_threads() + pairs - 1) / pairs, (max_ctx + 63) / 64));
-  const int64_t part_len = ((max_ctx + parts - 1) / parts + 15) / 16 * 16;
+  const auto [parts, part_len] = split_contexts(pairs, lens, batch);
   constexpr int64_t stride = head_dim + 2;  // max, sum, then the unnormalised V sum
   std::vector<float> partial(pairs * parts * G * stride);
 
