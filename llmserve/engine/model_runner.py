@@ -20,6 +20,7 @@ import torch
 from llmserve.engine.build_plan import BuildPlan
 from llmserve.engine.decode_graph import DecodeGraph
 from llmserve.engine.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from llmserve.kv_cache.key_smoothing import smooth_keys
 from llmserve.layers.attention import ATTENTION_BACKENDS, attention_metadata
 from llmserve.layers.linear import prepack_linears, release_plain_weights
 from llmserve.layers.sampler import SamplingMetadata, sample
@@ -72,6 +73,11 @@ class ModelRunner:
         self.attention = ATTENTION_BACKENDS[plan.attention]()
         methods = LayerMethods(self.attention, native_elementwise=plan.elementwise == "native")
         model = build_model(ckpt, plan.dtype, plan.device, methods)
+        # before quantizing: folded into the dense rows and the file's int4 grid (kv_cache/key_smoothing.py)
+        self.key_smoothing = (smooth_keys(model, ckpt.tokenizer, ckpt.int4_grids)
+                              if plan.kv_cache.dtype == torch.int8 else None)
+        if self.key_smoothing:
+            logger.info(self.key_smoothing.describe())
         if plan.weights != "as loaded":
             quantize_model(model, plan.weights, plan.small_step_kernels == "native", plan.small_step_max_tokens,
                            ckpt.int4_grids, plan.head)

@@ -37,7 +37,11 @@ WEIGHT_FORMATS: dict[str, WeightFormat] = {
     "int8": WeightFormat(8, 128, 2),
     "int4": WeightFormat(4, 32, 4),
 }
-KV_DTYPE_BYTES: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0}
+KV_DTYPE_BYTES: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "fp8_e4m3": 1.0,
+                                    "int8": 1.0}
+# the float32 scale after each 1-byte cache row (kv_cache/kv_quant.py's SCALE_BYTES; that module needs torch,
+# which the planner does without)
+KV_ROW_SCALE_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -63,10 +67,13 @@ class ModelSpec:
         return self.num_params * _weight_format(quantization).bytes_per_weight
 
     def kv_bytes_per_token(self, kv_dtype: str) -> float:
-        """K and V, every layer: 2 x layers x kv_heads x head_dim x bytes per element."""
+        """K and V, every layer: 2 x layers x kv_heads x bytes per row; a 1-byte row (int8, fp8) carries its
+        float32 scale after its head_dim values, as llmserve's cache stores it (kv_cache/kv_quant.py)."""
         if kv_dtype not in KV_DTYPE_BYTES:
             raise ValueError(f"kv dtype must be one of {sorted(KV_DTYPE_BYTES)}, got {kv_dtype!r}")
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * KV_DTYPE_BYTES[kv_dtype]
+        element = KV_DTYPE_BYTES[kv_dtype]
+        row = self.head_dim * element + (KV_ROW_SCALE_BYTES if element == 1.0 else 0)
+        return 2 * self.num_layers * self.num_kv_heads * row
 
     def linear_flops_per_token(self) -> float:
         """A forward pass multiplies each weight once per token: 2 FLOPs (multiply, add) per parameter."""

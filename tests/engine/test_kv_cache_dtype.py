@@ -19,14 +19,15 @@ GREEDY_64 = SamplingParams(temperature=0, max_tokens=64)
 # tokens a step, so every chunk after the first attends to the quantized rows of those before it. The share
 # of those 64 positions where the reference token is the engine's top-1: the cache's effect on each
 # prediction, free of the cascade that one early near-tie sets off in free-running greedy output. Measured
-# on Zen 4, float32 model: 1.0 with the full-precision cache, int8 0.984 and fp8 0.982 (8 and 9 of 512
-# positions, native and PyTorch attention alike).
+# on Zen 4, float32 model: 1.0 with the full-precision cache, int8 0.992 with its keys smoothed (4 of 512
+# positions; 0.984 before smoothing) and fp8 0.982 (9), native and PyTorch attention alike.
 MIN_TOP1 = {"auto": 1.0, "int8": 0.97, "fp8_e4m3": 0.95}
 # Free-running greedy output (one early near-tie loses the rest of an output): the share of the reference's
-# tokens reproduced before the first difference. Measured: int8 0.49-1.0 by batch composition, chunking and
-# kernels, fp8 0.27-0.59; the same model in bfloat16 with a full-precision cache: 0.89. A loose bound: what it
-# guards is that decoding on the quantized cache works in every mode and returns every block.
-MIN_PREFIX_SHARE = {"int8": 0.4, "fp8_e4m3": 0.15}
+# tokens reproduced before the first difference. Measured: int8 0.38-0.46 by batch composition, chunking and
+# kernels (0.49-1.0 before key smoothing, which moved which near-ties flip, not how many: see the
+# teacher-forced share), fp8 0.27-0.59; the same model in bfloat16 with a full-precision cache: 0.89. A loose
+# bound: what it guards is that decoding on the quantized cache works in every mode and returns every block.
+MIN_PREFIX_SHARE = {"int8": 0.3, "fp8_e4m3": 0.15}
 
 
 def _top1_share(llm: LLM, prompt_token_ids, hf_reference) -> float:

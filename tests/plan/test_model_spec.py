@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from llmserve.kv_cache.kv_quant import SCALE_BYTES
 from llmserve.loader.default_models import resolve_model_path
-from llmserve.plan.model_spec import GB, ModelSpec, memory_fit, registered_model
+from llmserve.plan.model_spec import GB, KV_ROW_SCALE_BYTES, ModelSpec, memory_fit, registered_model
 
 LLAMA_8B = ModelSpec("llama-8b", num_params=8e9, num_layers=32, num_kv_heads=8, head_dim=128, num_heads=32)
 
@@ -26,7 +27,9 @@ def test_kv_bytes_per_token_and_weights() -> None:
     spec = registered_model("smollm2-135m")
     assert spec.kv_bytes_per_token("bf16") == 2 * 30 * 3 * 64 * 2 == 23_040
     assert LLAMA_8B.kv_bytes_per_token("bf16") == 131_072  # 128 KiB: 2 x 32 x 8 x 128 x 2
-    assert LLAMA_8B.kv_bytes_per_token("fp8") == 65_536
+    # a 1-byte cache row holds its float32 scale too: 128 values + 4 bytes
+    assert LLAMA_8B.kv_bytes_per_token("fp8") == LLAMA_8B.kv_bytes_per_token("int8") == 2 * 32 * 8 * 132
+    assert KV_ROW_SCALE_BYTES == SCALE_BYTES  # the planner's copy of the cache format's constant
     assert LLAMA_8B.weight_bytes("bf16") == 16e9
     assert LLAMA_8B.weight_bytes("int8") == pytest.approx(8e9 * (1 + 2 / 128))  # a bf16 scale per 128
     assert LLAMA_8B.weight_bytes("int4") == pytest.approx(8e9 * (0.5 + 4 / 32))  # scale + offset per 32

@@ -19,7 +19,7 @@ from llmserve.quantization.awq import (
     attention_output,
     awq_quantize,
     calibration_samples,
-    gated_activation,
+    causal_forward,
 )
 from llmserve.quantization.int4_groups import fake_quantize
 from llmserve.quantization.quantize_checkpoint import SERVE_AWQ_GROUP_SIZE, quantize_checkpoint
@@ -37,12 +37,7 @@ def _dense_model(path):
 
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:
     """Our model's logits for one sequence, PyTorch ops, no KV cache (the calibration's forward pass)."""
-    x = model.embed_tokens(ids)
-    cos_sin = model.rotary.lookup(torch.arange(len(ids)), x.dtype)
-    for layer in model.layers:
-        x = x + layer.self_attn.o_proj(attention_output(layer, layer.input_layernorm(x), cos_sin))
-        x = x + layer.mlp.down_proj(gated_activation(layer, layer.post_attention_layernorm(x)))
-    return model.lm_head(model.norm(x))
+    return model.lm_head(causal_forward(model, ids))
 
 
 @pytest.fixture(scope="module")
