@@ -15,8 +15,10 @@ from), it costs nothing per step, and no kernel or attention path knows of it.
 Measured (qwen2.5-coder-1.5b, 2,048 tokens of the Lee corpus, 32-token chunks so every chunk attends to
 cached rows; benchmarks/README.md "A 1-byte KV cache"): full-precision cache 17.171, int8 17.451 (+1.63 %),
 int8 with outlier pairs scaled to the head's geometric mean 17.225 (+0.31 %); scaling every pair to it
-(small ones up too) 17.248. The fp8 cache got worse with the same scales (21.1 -> 76.3; e4m3 keeps relative
-precision per value, so it has no outlier problem of this kind to fix), so only int8 uses them.
+(small ones up too) 17.248. The fp8 cache got much worse with the same scales (21.1 -> 76.3), so only int8
+uses them. A likely cause, not verified: e4m3 rounds every value to ~2^-4 of itself except the row's largest,
+which maps to 448 exactly; unsmoothed, that exact value is the outsized channel that dominates the scores,
+smoothed it is rounded like the rest. int8 trades the same exactness for ~30x finer steps everywhere else.
 """
 
 from __future__ import annotations

@@ -92,6 +92,24 @@ def test_int8_chunked_prefix_cached_and_preempted_runs_stay_close(prompt_token_i
     assert small.engine.scheduler.num_preemptions > 0
 
 
+def test_speculation_on_the_int8_cache_decodes_what_plain_decoding_does(prompt_token_ids):
+    """Verified proposals write and read the same quantized rows as plain decoding does (each layer writes a
+    token's row before attending, so a proposal's query sees the rows of those before it): greedy output
+    with n-gram speculation equals the same int8 engine without it, token for token, and every block comes
+    back (rolled-back proposals included)."""
+    common = {"dtype": "float32", "quantization": "none", "kv_cache_dtype": "int8", "kv_cache_memory_gb": 0.1,
+              "max_model_len": 2048}
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+             "adaptive": False}
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    plain = LLM(**common).generate(prompt_token_ids, params, use_tqdm=False)
+    spec = LLM(**common, speculative_config=ngram)
+    outs = spec.generate(prompt_token_ids, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert spec.engine.stats().spec_decode.num_accepted_tokens > 0  # it did speculate, and kept some
+    assert spec.engine.kv_cache.num_free_blocks == spec.engine.kv_cache.num_blocks and not spec.engine.requests
+
+
 def test_the_same_memory_holds_about_twice_the_tokens():
     def plan(kv: str):
         return resolve_plan(engine_config(dtype="bfloat16", kv_cache_memory_gb=1.0, kv_cache_dtype=kv), SMOLLM,
