@@ -4,6 +4,8 @@ full-precision ones; the engine applies it to an int8 cache only."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -30,8 +32,6 @@ def smollm():
 
 def _fresh(smollm):
     """A copy of the model and grids to fold into (the module's fixture stays unsmoothed)."""
-    import copy
-
     model, tokenizer, grids = smollm
     return copy.deepcopy(model), tokenizer, dict(grids)
 
