@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace llmserve {
 namespace attention {
@@ -113,6 +114,67 @@ void run_tasks(int64_t num_tasks, const Worker& worker) {
       const int64_t task = next++;
       return task < num_tasks ? task : int64_t{-1};
     });
+  });
+}
+
+// The portable decode attention, float32 throughout, one task per (sequence, KV head): what runs where no
+// vector kernel fits the cache, the dtype or the CPU. `Row` is the cache's element as stored (its rows are
+// k_cache.size(3) wide); `read_row(row, head_dim, dst)` writes a row's values as float32 and returns the
+// factor that multiplies them (1 for a model-dtype cache, the row's scale for a 1-byte one): it multiplies a
+// token's score (K) and its probability (V).
+template <typename T, typename Row, typename ReadRow>
+void decode_portable(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_table, const at::Tensor& context_lens, double scale, at::Tensor& out,
+                     const ReadRow& read_row) {
+  const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2), width = k_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads, max_blocks = block_table.size(1);
+  const T* q_ptr = q.data_ptr<T>();
+  const auto* k_ptr = static_cast<const Row*>(k_cache.data_ptr());
+  const auto* v_ptr = static_cast<const Row*>(v_cache.data_ptr());
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  T* out_ptr = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+  run_tasks(batch * num_kv_heads, [&](auto next_task) {
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), row(head_dim), scores;
+    for (int64_t task; (task = next_task()) >= 0;) {
+      const int64_t b = task / num_kv_heads, h = task % num_kv_heads, ctx = lens[b];
+      const int32_t* blocks = table + b * max_blocks;
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < head_dim; ++d)
+          qf[g * head_dim + d] = to_float(q_ptr[(b * num_heads + h * group + g) * head_dim + d]) * fscale;
+      scores.resize(group * ctx);
+      // scores[g, t] = q_g . k_t
+      RowWalker<Row> k_rows(k_ptr, blocks, h, num_kv_heads, block_size, width, 0, ctx);
+      for (int64_t t = 0; t < ctx; ++t) {
+        const float factor = read_row(k_rows.next(), head_dim, row.data());
+        for (int64_t g = 0; g < group; ++g) {
+          float s = 0.f;
+          for (int64_t d = 0; d < head_dim; ++d) s += qf[g * head_dim + d] * row[d];
+          scores[g * ctx + t] = s * factor;
+        }
+      }
+      // softmax per query head
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * ctx;
+        const float inv = 1.f / exp_shifted(s, ctx).sum;
+        for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
+      }
+      // acc[g] = sum_t p[g, t] v_t
+      std::fill(acc.begin(), acc.end(), 0.f);
+      RowWalker<Row> v_rows(v_ptr, blocks, h, num_kv_heads, block_size, width, 0, ctx);
+      for (int64_t t = 0; t < ctx; ++t) {
+        const float factor = read_row(v_rows.next(), head_dim, row.data());
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * ctx + t] * factor;
+          for (int64_t d = 0; d < head_dim; ++d) acc[g * head_dim + d] += p * row[d];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < head_dim; ++d)
+          out_ptr[(b * num_heads + h * group + g) * head_dim + d] = static_cast<T>(acc[g * head_dim + d]);
+    }
   });
 }
 

@@ -44,66 +44,11 @@ namespace {
 
 using namespace llmserve::attention;
 
+// A model-dtype cache row: its values as they are (factor 1)
 template <typename T>
-void decode_kernel(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                   const at::Tensor& block_table, const at::Tensor& context_lens, double scale,
-                   at::Tensor& out) {
-  const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t max_blocks = block_table.size(1);
-  const T* q_ptr = q.data_ptr<T>();
-  const T* k_ptr = k_cache.data_ptr<T>();
-  const T* v_ptr = v_cache.data_ptr<T>();
-  const int32_t* table = block_table.data_ptr<int32_t>();
-  const int32_t* lens = context_lens.data_ptr<int32_t>();
-  T* out_ptr = out.data_ptr<T>();
-  const float fscale = static_cast<float>(scale);
-  run_tasks(batch * num_kv_heads, [&](auto next_task) {
-    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
-    for (int64_t task; (task = next_task()) >= 0;) {
-      const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
-      const int64_t ctx = lens[b];
-      const int32_t* blocks = table + b * max_blocks;
-      for (int64_t g = 0; g < group; ++g) {
-        const T* src = q_ptr + (b * num_heads + h * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = to_float(src[d]) * fscale;
-      }
-      scores.resize(group * ctx);
-      // scores[g, t] = q_g . k_t
-      RowWalker<T> k_rows(k_ptr, blocks, h, num_kv_heads, block_size, head_dim, 0, ctx);
-      for (int64_t t = 0; t < ctx; ++t) {
-        const T* krow = k_rows.next();
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = qf.data() + g * head_dim;
-          float s = 0.f;
-          for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * to_float(krow[d]);
-          scores[g * ctx + t] = s;
-        }
-      }
-      // softmax per query head
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * ctx;
-        const float inv = 1.f / exp_shifted(s, ctx).sum;
-        for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
-      }
-      // acc[g] = sum_t p[g, t] v_t
-      std::fill(acc.begin(), acc.end(), 0.f);
-      RowWalker<T> v_rows(v_ptr, blocks, h, num_kv_heads, block_size, head_dim, 0, ctx);
-      for (int64_t t = 0; t < ctx; ++t) {
-        const T* vrow = v_rows.next();
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * ctx + t];
-          float* a = acc.data() + g * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(vrow[d]);
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        T* dst = out_ptr + (b * num_heads + h * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(acc[g * head_dim + d]);
-      }
-    }
-  });
+float read_plain_row(const T* row, int64_t head_dim, float* dst) {
+  for (int64_t d = 0; d < head_dim; ++d) dst[d] = to_float(row[d]);
+  return 1.f;
 }
 
 
@@ -461,7 +406,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   }
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    decode_kernel<scalar_t>(qc, k_cache, v_cache, table, lens, scale, out);
+    decode_portable<scalar_t, scalar_t>(qc, k_cache, v_cache, table, lens, scale, out, read_plain_row<scalar_t>);
   });
   return out;
 }

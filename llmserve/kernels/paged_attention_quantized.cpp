@@ -57,60 +57,11 @@ inline void row_values(const uint8_t* row, int64_t head_dim, float* dst) {
   }
 }
 
-template <typename T, bool kFp8>
-void decode_portable(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                     const at::Tensor& block_table, const at::Tensor& context_lens, double scale, at::Tensor& out) {
-  const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2), width = k_cache.size(3);
-  const int64_t group = num_heads / num_kv_heads, max_blocks = block_table.size(1);
-  const T* q_ptr = q.data_ptr<T>();
-  const auto* k_ptr = static_cast<const uint8_t*>(k_cache.data_ptr());
-  const auto* v_ptr = static_cast<const uint8_t*>(v_cache.data_ptr());
-  const int32_t* table = block_table.data_ptr<int32_t>();
-  const int32_t* lens = context_lens.data_ptr<int32_t>();
-  T* out_ptr = out.data_ptr<T>();
-  const float fscale = static_cast<float>(scale);
-  run_tasks(batch * num_kv_heads, [&](auto next_task) {
-    std::vector<float> qf(group * head_dim), acc(group * head_dim), row(head_dim), scores;
-    for (int64_t task; (task = next_task()) >= 0;) {
-      const int64_t b = task / num_kv_heads, h = task % num_kv_heads, ctx = lens[b];
-      const int32_t* blocks = table + b * max_blocks;
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < head_dim; ++d)
-          qf[g * head_dim + d] = to_float(q_ptr[(b * num_heads + h * group + g) * head_dim + d]) * fscale;
-      scores.resize(group * ctx);
-      RowWalker<uint8_t> k_rows(k_ptr, blocks, h, num_kv_heads, block_size, width, 0, ctx);
-      for (int64_t t = 0; t < ctx; ++t) {
-        const uint8_t* krow = k_rows.next();
-        row_values<kFp8>(krow, head_dim, row.data());
-        const float ks = row_scale(krow, head_dim);
-        for (int64_t g = 0; g < group; ++g) {
-          float s = 0.f;
-          for (int64_t d = 0; d < head_dim; ++d) s += qf[g * head_dim + d] * row[d];
-          scores[g * ctx + t] = s * ks;
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * ctx;
-        const float inv = 1.f / exp_shifted(s, ctx).sum;
-        for (int64_t t = 0; t < ctx; ++t) s[t] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      RowWalker<uint8_t> v_rows(v_ptr, blocks, h, num_kv_heads, block_size, width, 0, ctx);
-      for (int64_t t = 0; t < ctx; ++t) {
-        const uint8_t* vrow = v_rows.next();
-        row_values<kFp8>(vrow, head_dim, row.data());
-        const float vs = row_scale(vrow, head_dim);
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * ctx + t] * vs;
-          for (int64_t d = 0; d < head_dim; ++d) acc[g * head_dim + d] += p * row[d];
-        }
-      }
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < head_dim; ++d)
-          out_ptr[(b * num_heads + h * group + g) * head_dim + d] = static_cast<T>(acc[g * head_dim + d]);
-    }
-  });
+// A 1-byte cache row: its values, and its scale as the factor
+template <bool kFp8>
+float read_quantized_row(const uint8_t* row, int64_t head_dim, float* dst) {
+  row_values<kFp8>(row, head_dim, dst);
+  return row_scale(row, head_dim);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -347,9 +298,11 @@ at::Tensor decode_quantized(const at::Tensor& q, const at::Tensor& k_cache, cons
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_quantized", [&] {
     if (fp8)
-      decode_portable<scalar_t, true>(q, k_cache, v_cache, block_table, context_lens, scale, out);
+      decode_portable<scalar_t, uint8_t>(q, k_cache, v_cache, block_table, context_lens, scale, out,
+                                         read_quantized_row<true>);
     else
-      decode_portable<scalar_t, false>(q, k_cache, v_cache, block_table, context_lens, scale, out);
+      decode_portable<scalar_t, uint8_t>(q, k_cache, v_cache, block_table, context_lens, scale, out,
+                                         read_quantized_row<false>);
   });
   return out;
 }
