@@ -138,6 +138,26 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism over torch.distributed (gloo on CPU, NCCL on CUDA): worker processes the engine
+    starts, one per rank past the first (distributed/executor.py)."""
+
+    tensor_parallel_size: int = _option(1, "ranks the model is split over (heads, MLP units, vocabulary); the "
+                                        "engine starts one worker process per rank past the first")
+    threads_per_rank: int | None = _option(None, "CPU threads of each rank (default: the engine's threads / ranks)")
+    collective_timeout_s: float = _option(60.0, "seconds a rank waits in a collective before the group is "
+                                          "declared failed (a dead or hung rank)")
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.threads_per_rank is not None and self.threads_per_rank < 1:
+            raise ValueError(f"threads_per_rank must be >= 1, got {self.threads_per_rank}")
+        if self.collective_timeout_s <= 0:
+            raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+
+
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
@@ -215,10 +235,11 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None
 
 
-_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+_SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
 _TYPES = {"int": int, "float": float, "str": str}
 
 

@@ -33,6 +33,10 @@ class LLM:
         self.engine = LLMEngine(self.engine_config)
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the worker processes of a tensor-parallel engine now (they stop at exit anyway)."""
+        self.engine.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

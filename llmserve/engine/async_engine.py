@@ -20,18 +20,22 @@ import contextlib
 import itertools
 import logging
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 from llmserve.config import EngineConfig
 from llmserve.engine.detokenizer import TokenBytes
 from llmserve.engine.input_processor import InputProcessor
 from llmserve.engine.llm_engine import EngineStats, LLMEngine
+from llmserve.engine.model_runner import RunnerStoppedError
 from llmserve.engine.request import Request
 from llmserve.engine.stat_logger import StatLogger
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.structured_output import StructuredOutputManager
+
+# how often an idle step loop checks that the engine can still step (a tensor-parallel rank alive)
+HEALTH_CHECK_INTERVAL_S = 1.0
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +76,13 @@ class ServingStats(EngineStats):
 
 class AsyncLLM:
     def __init__(
-        self, config: EngineConfig, max_queued_requests: int | None = None, log_interval_s: float = 10.0
+        self, config: EngineConfig, max_queued_requests: int | None = None, log_interval_s: float = 10.0,
+        on_stop: Callable[[BaseException], None] | None = None,
     ) -> None:
+        """`on_stop`: called (from the engine thread) if the engine stops for good while serving, e.g. a
+        tensor-parallel rank died; the server exits on it."""
         self.max_queued_requests = max_queued_requests
+        self._on_stop = on_stop
         self._cond = threading.Condition()
         # Callers (add/abort/stats) waiting for the lock; the step loop lets them in between steps.
         self._num_callers = 0
@@ -205,6 +213,8 @@ class AsyncLLM:
             self._cond.notify()
         self._thread.join(timeout)
         self.abort_all("server shut down before the request finished")
+        if hasattr(self, "engine"):
+            self.engine.shutdown()
         with self._cond:
             self._dead = self._dead or EngineDeadError("shut down")
 
@@ -243,7 +253,8 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive()
+        """The step loop runs and the engine can step (every tensor-parallel rank alive)."""
+        return self._thread.is_alive() and self.engine.healthy
 
     # --- the step loop ------------------------------------------------------------------------
 
@@ -265,7 +276,9 @@ class AsyncLLM:
             while True:
                 with self._cond:
                     while not self.engine.has_unfinished_requests() and not self._stopping:
-                        self._cond.wait()
+                        self._cond.wait(HEALTH_CHECK_INTERVAL_S)
+                        if not self.engine.healthy:  # idle, but a rank died: stop now, not at the next request
+                            raise RunnerStoppedError("the engine's model runner stopped (a tensor-parallel rank died)")
                     if self._stopping and not self.engine.has_unfinished_requests():
                         return
                     self._step()
@@ -276,10 +289,15 @@ class AsyncLLM:
             with self._cond:
                 self._dead = e
                 self._deliver([(r, EngineDeadError(f"engine stopped: {e}")) for r in list(self._streams)])
+            self.engine.shutdown()
+            if self._on_stop is not None:
+                self._on_stop(e)
 
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except RunnerStoppedError:  # no step can run again: the loop ends
+            raise
         except Exception as e:  # a failed forward pass fails the requests it carried, not the server
             logger.exception("engine step failed; failing its requests")
             failed = list(self.engine.requests)

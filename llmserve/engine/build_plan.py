@@ -18,6 +18,7 @@ import psutil
 import torch
 
 from llmserve.config import EngineConfig
+from llmserve.distributed.tensor_parallel import check_shardable
 from llmserve.host import cpu_has_native_bf16, cpu_has_vnni
 from llmserve.kernels import amx_int8_gemm, load_cpu_kernels, native_quantized_kernels
 from llmserve.kernels.quantized_gemv import int4_packs
@@ -51,6 +52,7 @@ class BuildPlan:
     num_kv_blocks: int
     max_model_len: int
     head: str = "int8"  # a quantized model's output head: "int8" (it ranks every token), "int4" for a draft
+    tensor_parallel_size: int = 1  # ranks the model is split over (distributed/)
     reasons: dict[str, str] = field(default_factory=dict, compare=False)  # why, per choice
 
     def step_route(self, decode_only: bool, num_tokens: int, has_graph: bool) -> str:
@@ -72,6 +74,7 @@ class BuildPlan:
             ("attention", self.attention),
             ("elementwise", self.elementwise),
             ("argmax", self.argmax),
+            *([("tensor parallel", f"{self.tensor_parallel_size} ranks")] if self.tensor_parallel_size > 1 else []),
             ("decode steps", self._routes()),
             ("KV cache", f"{self.num_kv_blocks} blocks x {self.kv_cache.block_size} tokens "
              f"({self.num_kv_blocks * self.kv_cache.block_size} tokens, "
@@ -112,6 +115,9 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
     attention = "native" if built else "torch"
     argmax = "native" if built else "torch"
     weights = _weights(mc.quantization, source_formats, on_cpu, reasons)
+    tp = config.parallel.tensor_parallel_size
+    if tp > 1:
+        _check_tensor_parallel(config, model, weights, reasons)
     head = "int8"
     if mc.draft and mc.quantization == "auto" and built and native_quantized_kernels():
         weights = head = "int4"  # on PyTorch's int4 kernel a step would cost more than the target's
@@ -139,7 +145,10 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
             # not for int4+int8: on Qwen2.5-Coder-1.5B (Q4_K_M) they cost +1.8 % perplexity (1.6x faster batch
             # steps), against +0.1 % for its weights alone (benchmarks/README.md): not the file's quality
             int8_activations = mc.quantization == "auto" and weights == "int4" and cpu_has_vnni()
-            if int8_activations and config.scheduler.max_num_batched_tokens <= small_max:
+            if int8_activations and tp > 1:
+                int8_activations = False
+                reasons["large steps"] = "auto: tensor parallel (the calibration runs in one process)"
+            elif int8_activations and config.scheduler.max_num_batched_tokens <= small_max:
                 # no step is ever large (and calibration, seeing none, would have nothing to measure)
                 int8_activations = False
                 reasons["large steps"] = "auto: max_num_batched_tokens leaves every step to the small-step kernels"
@@ -166,12 +175,14 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
         reasons["elementwise"] = "the native ones are used in bfloat16, under int4 weights, or with kernels='native'"
 
     compile_mode = "off"
-    if mc.compile:
+    if mc.compile and tp > 1:
+        reasons["decode steps"] = "tensor parallel: eager (compiled graphs would hold the collectives)"
+    elif mc.compile:
         compile_mode = "graph" if attention == "native" else "layers"
     # q/k/v biases (Qwen2) and int8 linears (a K-quant mix's) run inside the one call too; int8 layers take
     # steps of at most 8 tokens on their kernel, so a call with any does too
-    fused = (weights != "as loaded" and small == "native" and elementwise == "native" and attention == "native"
-             and all(int4_packs(*shape) for shape in _linear_shapes(model)))
+    fused = (tp == 1 and weights != "as loaded" and small == "native" and elementwise == "native"
+             and attention == "native" and all(int4_packs(*shape) for shape in _linear_shapes(model)))
     fused_max = small_max if weights == "int4" else min(small_max, QUANTIZED_MAX_TOKENS["int8"])
     if fused:
         reasons["decode steps"] = "native quantized products, attention and elementwise ops: one call for all layers"
@@ -191,8 +202,24 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
         int8_activations=int8_activations, int8_products=products, attention=attention,
         elementwise=elementwise, argmax=argmax, compile=compile_mode,
         fused_decode_max_tokens=fused_max if fused else 0, kv_cache=spec, num_kv_blocks=num_blocks,
-        max_model_len=max_model_len, head=head, reasons=reasons,
+        max_model_len=max_model_len, head=head, tensor_parallel_size=tp, reasons=reasons,
     )
+
+
+def _check_tensor_parallel(config: EngineConfig, model: LlamaConfig, weights: str, reasons: dict[str, str]) -> None:
+    """ValueError for what tensor parallelism cannot run: a model whose heads or MLP do not split, AWQ
+    searched at start (each rank would search its own), int8 activations (calibrated in one process)."""
+    tp = config.parallel.tensor_parallel_size
+    check_shardable(model, tp, int4=weights in ("int4", "int4+int8"))
+    if config.model.quantization == "awq":
+        raise ValueError("tensor_parallel_size > 1 with quantization='awq': search once with `llmserve quantize "
+                         "MODEL --method awq --out DIR` and serve DIR")
+    if config.model.int8_activations:
+        raise ValueError("int8_activations are calibrated in one process: not with tensor_parallel_size > 1")
+    if config.model.draft:
+        raise ValueError("a speculative draft runs on one rank")
+    reasons["tensor parallel"] = ("each rank its heads, MLP units and vocabulary rows; two all-reduces a layer, "
+                                  "the decoder stack layer by layer")
 
 
 # GGML types stored on a 4-bit grid that int4 takes over (groups of 32, fp16 scale and minimum: Q4_1's

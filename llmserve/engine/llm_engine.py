@@ -21,7 +21,7 @@ from llmserve.config import EngineConfig
 from llmserve.engine.build_plan import resolve_plan
 from llmserve.engine.detokenizer import IncrementalDetokenizer, TokenBytes
 from llmserve.engine.input_processor import InputProcessor
-from llmserve.engine.model_runner import ModelRunner
+from llmserve.engine.model_runner import ModelRunner, RunnerStoppedError
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.engine.scheduler import RequestUpdate, Scheduler
 from llmserve.engine.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
@@ -82,7 +82,12 @@ class LLMEngine:
             draft_kv_bytes = draft_blocks * self.plan.kv_cache.bytes_per_block
             self.plan = dataclasses.replace(self.plan, num_kv_blocks=self.plan.num_kv_blocks - draft_blocks)
         logger.info(self.plan.describe())
-        self.runner = ModelRunner(self.plan, ckpt)
+        if self.plan.tensor_parallel_size > 1:  # rank 0 here, the other ranks in worker processes
+            from llmserve.distributed.executor import TensorParallelRunner
+
+            self.runner = TensorParallelRunner(self.plan, ckpt, config)
+        else:
+            self.runner = ModelRunner(self.plan, ckpt)
         block_size = self.plan.kv_cache.block_size
         self.processor = InputProcessor(ckpt.tokenizer, ckpt.chat_template, ckpt.config.vocab_size,
                                         self.plan.max_model_len, self.plan.num_kv_blocks * block_size)
@@ -175,6 +180,15 @@ class LLMEngine:
             outputs.append(self._update_output(update))
         return outputs
 
+    @property
+    def healthy(self) -> bool:
+        """Whether the engine can run a step (with tensor parallelism: every rank alive)."""
+        return self.runner.healthy
+
+    def shutdown(self) -> None:
+        """Stop what the engine started beside this process (tensor-parallel workers); idempotent."""
+        self.runner.shutdown()
+
     def stats(self) -> EngineStats:
         sched, kv = self.scheduler.stats(), self.kv_cache.stats_snapshot()
         return EngineStats(sched.num_running, sched.num_waiting, sched.num_preemptions, kv.num_blocks,
@@ -206,6 +220,8 @@ class LLMEngine:
             part = scheduled if len(request_ids) == len(scheduled.num_scheduled_tokens) else \
                 scheduled.restricted_to(request_ids)
             return self.runner.execute(part), []
+        except RunnerStoppedError:  # no step can run again: not one request's failure
+            raise
         except Exception as e:
             if len(request_ids) == 1:
                 logger.error("request %s failed in the engine step", request_ids[0], exc_info=e)

@@ -11,12 +11,14 @@ whose tokens are all computed).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from llmserve.distributed.tensor_parallel import TensorParallel, shard_config, shard_grids, shard_model
 from llmserve.engine.build_plan import BuildPlan
 from llmserve.engine.decode_graph import DecodeGraph
 from llmserve.engine.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
@@ -31,6 +33,11 @@ from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.rejection_sampler import verify
 
 logger = logging.getLogger(__name__)
+
+
+class RunnerStoppedError(RuntimeError):
+    """The runner cannot run another step (a tensor-parallel rank died or failed): the engine stops, where
+    any other step failure fails only its requests."""
 
 
 @dataclass
@@ -64,7 +71,10 @@ class _Row:
 class ModelRunner:
     """Builds the model as the plan says, owns it and its KV caches, and runs steps."""
 
-    def __init__(self, plan: BuildPlan, ckpt: Checkpoint) -> None:
+    healthy = True  # one process: if it runs, it is healthy (see distributed/executor.py for several)
+
+    def __init__(self, plan: BuildPlan, ckpt: Checkpoint, tp: TensorParallel | None = None) -> None:
+        """`tp`: this process's rank of a tensor-parallel group (it builds and runs its slice of the model)."""
         self.plan = plan
         self.config = ckpt.config
         self.device = torch.device(plan.device)
@@ -78,9 +88,16 @@ class ModelRunner:
                               if plan.kv_cache.dtype == torch.int8 else None)
         if self.key_smoothing:
             logger.info(self.key_smoothing.describe())
+        grids = ckpt.int4_grids
+        kv_spec = plan.kv_cache
+        if tp is not None:  # the dense model cut to this rank's heads, units and vocabulary rows, then quantized
+            shard_model(model, tp)
+            grids = shard_grids(grids, ckpt.config, tp)
+            self.config = shard_config(ckpt.config, tp.size)
+            kv_spec = dataclasses.replace(kv_spec, num_kv_heads=self.config.num_kv_heads)
         if plan.weights != "as loaded":
             quantize_model(model, plan.weights, plan.small_step_kernels == "native", plan.small_step_max_tokens,
-                           ckpt.int4_grids, plan.head)
+                           grids, plan.head)
         if packed := prepack_linears(model):
             logger.info("%d linear weights prepacked for oneDNN", packed)
             if plan.compile == "off" and not plan.int8_activations:
@@ -88,12 +105,15 @@ class ModelRunner:
         if plan.compile == "layers":
             compile_layers(model)  # the PyTorch attention path: per layer, attention left eager
         self.model = model
-        self.kv_caches = plan.kv_cache.allocate(plan.num_kv_blocks, plan.device)
+        self.kv_caches = kv_spec.allocate(plan.num_kv_blocks, plan.device)
         # decode-only steps as one compiled graph (needs the native kernels; see decode_graph.py), and the
         # smallest of them as one native call
         self.decode_graph = DecodeGraph(model, self.kv_caches) if plan.compile == "graph" else None
         self.fused_stack = fused_decode_stack(model, self.kv_caches) if plan.fused_decode_max_tokens else None
         self._requests: dict[str, _RequestState] = {}
+
+    def shutdown(self) -> None:
+        """Nothing runs beside this process (see distributed/executor.py for a runner that starts workers)."""
 
     def update_states(self, out: SchedulerOutput) -> None:
         """Apply what changed since the last step: requests gone, new ones, new blocks. Once per step."""
@@ -114,6 +134,16 @@ class ModelRunner:
                 del state.block_ids[-(-running.num_computed_tokens // self.block_size):]
                 state.block_ids.extend(running.new_block_ids)
             state.num_computed_tokens = running.num_computed_tokens
+
+    def replace_sampled(self, mine: dict[str, list[int]], truth: dict[str, list[int]]) -> None:
+        """Swap the tokens this runner sampled in its last `execute` (`mine`) for `truth`: a tensor-parallel
+        worker's own draws for the ones rank 0 kept (they differ only where a request samples from the
+        engine's random stream, which is rank 0's)."""
+        for request_id, tokens in mine.items():
+            state = self._requests.get(request_id)
+            if state is not None and tokens:
+                del state.token_ids[-len(tokens):]
+                state.token_ids.extend(truth.get(request_id, ()))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:

@@ -84,6 +84,7 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: LlamaConfig, methods: LayerMethods) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
+        self.tp = None  # tensor parallel (distributed/tensor_parallel.py): down_proj's partial sums are all-reduced
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.native = methods.native_elementwise
@@ -91,9 +92,11 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.native and not torch.compiler.is_compiling():
-            return self.down_proj(torch.ops.llmserve.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+            out = self.down_proj(torch.ops.llmserve.silu_and_mul(gate_up))
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            out = self.down_proj(nn.functional.silu(gate) * up)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -103,6 +106,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(cfg, methods)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, methods.native_elementwise)
         self.mlp = LlamaMLP(cfg, methods)
+        self.tp = None  # tensor parallel: o_proj's partial sums are all-reduced
 
     def forward(self, x, cos_sin, kv_cache, meta) -> torch.Tensor:
         # self_attn's steps, spelled out here: eager attention is a compiled layer's one graph break,
@@ -110,7 +114,10 @@ class LlamaDecoderLayer(nn.Module):
         attn = self.self_attn
         q, k, v = attn.project(self.input_layernorm(x), cos_sin)
         o = attn.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, attn.scale)
-        x, h = self.post_attention_layernorm.add_forward(x, attn.o_proj(o.flatten(1)))
+        o = attn.o_proj(o.flatten(1))
+        if self.tp is not None:
+            o = self.tp.all_reduce(o)
+        x, h = self.post_attention_layernorm.add_forward(x, o)
         return x + self.mlp(h)
 
 
@@ -183,6 +190,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:  # the embedding matrix is the output head: one shared parameter
             self.lm_head.weight = self.embed_tokens.weight
+        self.tp = None  # tensor parallel: each rank's head holds some vocabulary rows
 
     def forward(
         self,
@@ -209,7 +217,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the rows that will be sampled."""
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        return logits if self.tp is None else self.tp.gather_vocab(logits, self.config.vocab_size)
 
     @staticmethod
     def checkpoint_sources(name: str) -> list[str]:

@@ -89,13 +89,20 @@ class ServerState:
         self.llm = llm  # last: from here on the routes serve
 
 
-def create_app(config: ServerConfig, on_load_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
-    """The app; the engine starts loading when the app starts (its lifespan), not here."""
+def create_app(config: ServerConfig, on_engine_failure: Callable[[BaseException], None] | None = None,
+               load_first: bool = False) -> FastAPI:
+    """The app; the engine starts loading when the app starts (its lifespan), not here. `load_first`: the
+    start-up waits for the model (and fails if it fails to load), for hosts that route to an app once it
+    has started (a Ray Serve replica), rather than the /health 503 -> 200 a load balancer watches."""
     state = ServerState(config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loading = asyncio.create_task(_load(state, config, on_load_failure))
+        loading = asyncio.create_task(_load(state, config, on_engine_failure))
+        if load_first:
+            await loading
+            if state.load_error is not None:
+                raise RuntimeError(f"the model failed to load: {state.load_error}")
         yield
         state.draining = True
         if not loading.done():
@@ -220,7 +227,7 @@ async def _load(state: ServerState, config: ServerConfig,
                 on_failure: Callable[[BaseException], None] | None) -> None:
     try:
         llm = await asyncio.to_thread(AsyncLLM, config.engine, config.max_queued_requests,
-                                      config.log_stats_interval)
+                                      config.log_stats_interval, on_failure)
         state.serving(llm, config)
     except Exception as e:
         if isinstance(e, ValueError):  # a bad flag or path: the message says it all

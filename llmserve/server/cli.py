@@ -70,35 +70,63 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="seconds between engine stats lines: throughput, queue, KV usage, prefix-cache hit "
                      "rate, preemptions (default: %(default)s)")
     add_engine_arguments(parser.add_argument_group("engine (also the keywords of LLM(...))"))
+    ray = parser.add_argument_group("replicas on Ray Serve (pip install 'llmserve[ray]'; llmserve/ray.py)")
+    ray.add_argument("--replicas", type=int, default=None,
+                     help="run N replicas as a Ray Serve deployment behind Ray Serve's router on --host/--port "
+                     "(with --max-replicas: the starting count of an autoscaled deployment)")
+    ray.add_argument("--min-replicas", type=int, default=None, help="autoscaling: fewest replicas (default: 1)")
+    ray.add_argument("--max-replicas", type=int, default=None,
+                     help="autoscaling: most replicas (autoscaling is on when this is given)")
+    ray.add_argument("--target-ongoing-requests", type=float, default=8.0,
+                     help="autoscaling: requests in flight per replica Ray Serve scales to hold (default: "
+                     "%(default)s)")
+    ray.add_argument("--cpus-per-replica", type=int, default=1,
+                     help="Ray CPUs each replica reserves, and its engine's threads (default: %(default)s)")
+    ray.add_argument("--ray-address", default="local",
+                     help="'local' starts a Ray cluster on this machine; 'auto' or an address joins one "
+                     "(default: %(default)s)")
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    """The server's config from parsed `add_arguments` flags. ValueError on a bad one."""
+    if args.model is not None and args.model_flag is not None and args.model != args.model_flag:
+        raise ValueError(f"two models given: {args.model!r} and --model {args.model_flag!r}")
+    engine = engine_config_from_args(args, model=args.model or args.model_flag)
+    if args.max_tokens_default < 0:
+        raise ValueError(f"max_tokens_default must be >= 0 (0: no cap), got {args.max_tokens_default}")
+    return ServerConfig(
+        engine=engine,
+        served_model_names=args.served_model_name,
+        max_queued_requests=args.max_queued_requests,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_request_body_bytes=args.max_request_body_bytes,
+        request_timeout=args.request_timeout,
+        max_connections=args.max_connections,
+        max_tokens_default=args.max_tokens_default or None,
+        allowed_origins=args.allowed_origins,
+        shutdown_timeout=args.shutdown_timeout,
+        log_stats_interval=args.log_stats_interval,
+        url=f"http://{args.host}:{args.port}",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    if args.model is not None and args.model_flag is not None and args.model != args.model_flag:
-        print(f"error: two models given: {args.model!r} and --model {args.model_flag!r}", file=sys.stderr)
-        return 2
     try:
-        engine = engine_config_from_args(args, model=args.model or args.model_flag)
-        if args.max_tokens_default < 0:
-            raise ValueError(f"max_tokens_default must be >= 0 (0: no cap), got {args.max_tokens_default}")
-        config = ServerConfig(
-            engine=engine,
-            served_model_names=args.served_model_name,
-            max_queued_requests=args.max_queued_requests,
-            api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-            max_request_body_bytes=args.max_request_body_bytes,
-            request_timeout=args.request_timeout,
-            max_connections=args.max_connections,
-            max_tokens_default=args.max_tokens_default or None,
-            allowed_origins=args.allowed_origins,
-            shutdown_timeout=args.shutdown_timeout,
-            log_stats_interval=args.log_stats_interval,
-            url=f"http://{args.host}:{args.port}",
-        )
+        config = server_config(args)
+        on_ray = args.replicas is not None or args.max_replicas is not None
+        if on_ray:
+            from llmserve.ray import replica_config
+
+            replicas = replica_config(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if on_ray:
+        from llmserve.ray import serve_on_ray
+
+        return serve_on_ray(config, replicas, args.ray_address, args.host, args.port)
     try:  # the port first: a port in use fails now, not after the model has loaded
         sock = _listen(args.host, args.port)
     except OSError as e:
@@ -111,12 +139,12 @@ def run(args: argparse.Namespace) -> int:
     failed: list[BaseException] = []
     server: _Server | None = None
 
-    def on_load_failure(e: BaseException) -> None:
+    def on_engine_failure(e: BaseException) -> None:  # the model failed to load, or the engine stopped for good
         failed.append(e)
         if server is not None:
             server.should_exit = True
 
-    app = create_app(config, on_load_failure)
+    app = create_app(config, on_engine_failure)
     state = app.state.server
     protocol = limited_http_protocol(config.request_timeout, config.max_connections)
     uv_config = uvicorn.Config(app, http=protocol, log_level=args.log_level, access_log=not args.no_access_log,

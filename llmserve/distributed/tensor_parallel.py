@@ -1,0 +1,175 @@
+"""Megatron-style tensor parallelism: which slice of each weight a rank holds, and the two collectives
+a forward pass needs.
+
+Why this shape: each decoder layer splits its heads and its MLP's hidden units among the ranks. q/k/v and
+gate/up are column-parallel (a rank computes its heads' / units' outputs from the whole input), o and down
+row-parallel (a rank multiplies its slice of the input by its slice of the weight, and one all-reduce sums
+the partial outputs): two all-reduces per layer, nothing else crosses ranks inside a layer. The embedding
+and the output head are split by vocabulary rows (an all-reduce of the looked-up rows, where each token's
+row lives on one rank; an all-gather of the logits). The KV cache follows the KV heads.
+
+Sharding happens on the dense model right after it is loaded, before quantization: the int4 / int8
+layers are then built from the shard as they would be from a whole weight, and a checkpoint's int4 grid
+(its groups of 32 inputs) is cut along the same rows and groups (`shard_grids`), so no quantized layout
+needs to know about ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from llmserve.models.llama import LlamaConfig
+
+INT4_GROUP = 32  # a checkpoint's int4 grid: one scale and minimum per 32 inputs
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place in the tensor-parallel group, and its collectives. The group is an object
+    of its own (not torch.distributed's process-wide default group), so one process can hold several
+    engines, each with its group."""
+
+    rank: int
+    size: int
+    group: dist.ProcessGroup
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's x (in place)."""
+        self.group.allreduce([x]).wait()
+        return x
+
+    def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x [N, k] side by side: [N, size * k]."""
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self.group.allgather([parts], [x.contiguous()]).wait()
+        return torch.cat(parts, dim=1)
+
+    def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """The whole vocabulary's logits [N, vocab] from each rank's `vocab_rows` columns."""
+        share = -(-vocab_size // self.size)
+        if logits.shape[1] < share:  # the last rank's short share, padded so every rank sends one shape
+            logits = nn.functional.pad(logits, (0, share - logits.shape[1]), value=float("-inf"))
+        return self.all_gather_columns(logits)[:, :vocab_size]
+
+    def split(self, n: int) -> slice:
+        """This rank's share of n items split evenly (n divisible by size)."""
+        share = n // self.size
+        return slice(self.rank * share, (self.rank + 1) * share)
+
+    def vocab_rows(self, vocab_size: int) -> slice:
+        """This rank's vocabulary rows: ceil(vocab / size) each, the last rank's fewer where it does not divide."""
+        share = -(-vocab_size // self.size)
+        return slice(min(self.rank * share, vocab_size), min((self.rank + 1) * share, vocab_size))
+
+
+def check_shardable(cfg: LlamaConfig, size: int, int4: bool) -> None:
+    """ValueError unless the model's heads and MLP split evenly over `size` ranks (and, with int4 weights,
+    every row-parallel slice holds whole groups of 32 inputs)."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+    for what, n in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
+                    ("MLP hidden units", cfg.intermediate_size)):
+        if n % size:
+            raise ValueError(f"tensor_parallel_size={size} does not divide the model's {n} {what}")
+    if int4:
+        for what, n in (("o_proj inputs", cfg.num_heads * cfg.head_dim), ("down_proj inputs", cfg.intermediate_size)):
+            if (n // size) % INT4_GROUP:
+                raise ValueError(f"tensor_parallel_size={size}: a rank's {n // size} {what} are not whole int4 "
+                                 f"groups of {INT4_GROUP}")
+
+
+def shard_config(cfg: LlamaConfig, size: int) -> LlamaConfig:
+    """The per-rank shape of a layer: its heads, KV heads and MLP units (the vocabulary stays whole here)."""
+    return dataclasses.replace(cfg, num_heads=cfg.num_heads // size, num_kv_heads=cfg.num_kv_heads // size,
+                               intermediate_size=cfg.intermediate_size // size)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows of the embedding: a token whose row lives elsewhere looks up zeros, and the
+    all-reduce adds the one rank's row to the others' zeros (exact)."""
+
+    def __init__(self, weight: torch.Tensor, rows: slice, tp: TensorParallel) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.start, self.end = rows.start, rows.stop
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mine = (ids >= self.start) & (ids < self.end)
+        x = nn.functional.embedding((ids - self.start) * mine, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return self.tp.all_reduce(x)
+
+
+@torch.no_grad()
+def shard_model(model: nn.Module, tp: TensorParallel) -> None:
+    """Cut a loaded dense `LlamaForCausalLM` down to rank `tp.rank`'s slices, in place, and give its layers
+    and head the collectives (`model.tp`, each layer's `tp`)."""
+    cfg = model.config
+    heads, kv_heads, units = tp.split(cfg.num_heads), tp.split(cfg.num_kv_heads), tp.split(cfg.intermediate_size)
+    d = cfg.head_dim
+    q_rows = slice(heads.start * d, heads.stop * d)
+    q_size, kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+    k_rows = slice(q_size + kv_heads.start * d, q_size + kv_heads.stop * d)
+    v_rows = slice(q_size + kv_size + kv_heads.start * d, q_size + kv_size + kv_heads.stop * d)
+    up_rows = slice(cfg.intermediate_size + units.start, cfg.intermediate_size + units.stop)
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        _keep_rows(attn.qkv_proj, [q_rows, k_rows, v_rows])
+        _keep_columns(attn.o_proj, q_rows)
+        _keep_rows(mlp.gate_up_proj, [units, up_rows])
+        _keep_columns(mlp.down_proj, units)
+        attn.num_heads, attn.num_kv_heads = cfg.num_heads // tp.size, cfg.num_kv_heads // tp.size
+        attn.q_size, attn.kv_size = attn.num_heads * d, attn.num_kv_heads * d
+        mlp.intermediate_size = cfg.intermediate_size // tp.size
+        layer.tp = mlp.tp = tp
+    vocab = tp.vocab_rows(cfg.vocab_size)
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight[vocab].clone(), vocab, tp)
+    if tied:
+        model.lm_head.weight = model.embed_tokens.weight
+    else:
+        _keep_rows(model.lm_head, [vocab])
+    model.lm_head.out_features = vocab.stop - vocab.start
+    model.tp = tp
+
+
+def shard_grids(grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None, cfg: LlamaConfig, tp: TensorParallel
+                ) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+    """A checkpoint's int4 grids (Hugging Face names -> (scale, min) per group of 32 inputs, [out, in / 32])
+    cut as `shard_model` cuts their weights: the rows of q/k/v and gate/up, the groups of o and down."""
+    if not grids:
+        return grids
+    d = cfg.head_dim
+    heads, kv_heads, units = tp.split(cfg.num_heads), tp.split(cfg.num_kv_heads), tp.split(cfg.intermediate_size)
+    rows = {"q_proj": slice(heads.start * d, heads.stop * d), "k_proj": slice(kv_heads.start * d, kv_heads.stop * d),
+            "gate_proj": units}
+    rows["v_proj"], rows["up_proj"] = rows["k_proj"], units
+    columns = {"o_proj": slice(heads.start * d // INT4_GROUP, heads.stop * d // INT4_GROUP),
+               "down_proj": slice(units.start // INT4_GROUP, units.stop // INT4_GROUP)}
+    sharded = {}
+    for name, (scale, minimum) in grids.items():
+        part = name.split(".")[-2]
+        if part in rows:
+            sharded[name] = (scale[rows[part]].clone(), minimum[rows[part]].clone())
+        elif part in columns:
+            sharded[name] = (scale[:, columns[part]].clone(), minimum[:, columns[part]].clone())
+        else:  # the output head and embedding are not on int4 grids here
+            sharded[name] = (scale, minimum)
+    return sharded
+
+
+def _keep_rows(linear: nn.Linear, parts: list[slice]) -> None:
+    linear.weight = nn.Parameter(torch.cat([linear.weight[p] for p in parts]), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(torch.cat([linear.bias[p] for p in parts]), requires_grad=False)
+    linear.out_features = linear.weight.shape[0]
+
+
+def _keep_columns(linear: nn.Linear, columns: slice) -> None:
+    linear.weight = nn.Parameter(linear.weight[:, columns].clone(), requires_grad=False)
+    linear.in_features = linear.weight.shape[1]

@@ -1,0 +1,135 @@
+"""Tensor parallelism over torch.distributed (gloo, two ranks on this CPU): greedy output equals
+transformers and the one-rank engine, with and without int4; a sampled sequence is the one every rank
+computed; a dead rank stops the engine within a bounded time and leaves no process behind; what cannot
+be sharded is refused before anything starts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from llmserve import LLM, SamplingParams
+from llmserve.config import engine_config
+from llmserve.engine.build_plan import resolve_plan
+from llmserve.engine.model_runner import RunnerStoppedError
+from llmserve.evaluate.reference import reference_greedy, reference_model
+from llmserve.loader import load_checkpoint
+from tests.greedy import assert_greedy_equals
+from tests.quantization.tiny_models import make_tiny_hf_dir
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a village at the edge of a forest,",
+           " ".join(f"Item {i}: the quick brown fox." for i in range(20))]
+COMMON = dict(dtype="float32", kv_cache_memory_gb=0.05, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    """Qwen2-shaped (q/k/v biases, an untied head), 4 heads and 2 KV heads: two ranks take 2 and 1."""
+    return str(make_tiny_hf_dir(tmp_path_factory.mktemp("tiny-tp"), "qwen2", kv_heads=2))
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny) -> list[list[int]]:
+    tokenizer = load_checkpoint(tiny).tokenizer
+    return [tokenizer.encode(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def tp2(tiny):
+    llm = LLM(tiny, tensor_parallel_size=2, quantization="none", **COMMON)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny, prompts) -> list[list[int]]:
+    reference = reference_model(tiny, torch.float32)
+    tokens = [reference_greedy(reference, ids, 16) for ids in prompts]
+    assert len({tuple(t) for t in tokens}) == len(tokens)
+    return tokens
+
+
+def test_two_ranks_greedy_equals_transformers(tp2, prompts, expected):
+    assert tp2.engine.plan.tensor_parallel_size == 2
+    assert_greedy_equals(tp2, prompts, expected, single=3)
+
+
+def test_two_ranks_chunked_and_preempted_still_give_transformers_tokens(tiny, prompts, expected):
+    """Prompts prefilled 16 tokens a step, and a cache of 16 blocks that cannot hold every request: the
+    scheduler preempts, and each rank recomputes its heads' blocks the same way."""
+    block_bytes = 2 * 2 * 16 * 32 * 4 * 2  # K and V, 2 layers, 2 KV heads, 16 tokens, head_dim 32, float32
+    llm = LLM(tiny, tensor_parallel_size=2, quantization="none", max_num_batched_tokens=32,
+              long_prefill_token_threshold=16, **{**COMMON, "kv_cache_memory_gb": 16 * block_bytes / 2**30})
+    try:
+        assert llm.engine.kv_cache.num_blocks == 16
+        assert_greedy_equals(llm, prompts, expected)
+        assert llm.engine.stats().num_preemptions > 0
+    finally:
+        llm.shutdown()
+
+
+def test_a_sampled_sequence_is_the_one_every_rank_computed(tiny, tp2, prompts):
+    """Unseeded draws come from each process's own random stream, so a worker draws other tokens than
+    rank 0 does; it must continue from rank 0's. Scored again by one rank, the sequence gets the logprobs
+    the two ranks reported while sampling it (a worker on other tokens would have changed its heads'
+    keys and values, and with them every later logprob)."""
+    params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, logprobs=0)
+    [out] = tp2.generate([prompts[0]], params, use_tqdm=False)
+    sampled = out.outputs[0]
+    reported = [entry[token].logprob for entry, token in zip(sampled.logprobs, sampled.token_ids, strict=True)]
+    one = LLM(tiny, quantization="none", **COMMON)
+    [scored] = one.generate([prompts[0] + sampled.token_ids],
+                            SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    rescored = [entry[token].logprob for entry, token in
+                zip(scored.prompt_logprobs[len(prompts[0]):], sampled.token_ids, strict=True)]
+    assert rescored == pytest.approx(reported, abs=1e-4)
+
+
+def test_int4_weights_shard_and_give_the_one_rank_tokens(tiny, prompts):
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    one = LLM(tiny, quantization="int4", **COMMON)
+    expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    two = LLM(tiny, tensor_parallel_size=2, quantization="int4", **COMMON)
+    try:
+        assert two.engine.plan.weights == "int4"
+        assert_greedy_equals(two, prompts, expected)
+    finally:
+        two.shutdown()
+
+
+def test_a_dead_rank_stops_the_engine_in_bounded_time_and_leaves_no_process(tiny, prompts):
+    llm = LLM(tiny, tensor_parallel_size=2, quantization="none", collective_timeout_s=20, **COMMON)
+    workers = llm.engine.runner._workers
+    assert [w.is_alive() for w in workers] == [True]
+    os.kill(workers[0].pid, signal.SIGKILL)
+    workers[0].join(10)
+    assert not llm.engine.healthy
+    start = time.monotonic()
+    with pytest.raises(RunnerStoppedError, match="exited with code -9"):
+        llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert time.monotonic() - start < 20
+    llm.shutdown()
+    assert not any(w.is_alive() for w in workers)
+    # the group was left: a new one can form in this process
+    again = LLM(tiny, tensor_parallel_size=2, quantization="none", **COMMON)
+    try:
+        [out] = again.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == 4
+    finally:
+        again.shutdown()
+    assert not any(w.is_alive() for w in again.engine.runner._workers)
+
+
+@pytest.mark.parametrize(("options", "needle"), [
+    (dict(tensor_parallel_size=3), "does not divide the model's 4 attention heads"),
+    (dict(tensor_parallel_size=2, quantization="awq"), "llmserve quantize"),
+    (dict(tensor_parallel_size=2, quantization="int4", int8_activations=True), "calibrated in one process"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size must be >= 1"),
+])
+def test_what_cannot_be_sharded_is_refused_before_anything_starts(tiny, options, needle):
+    with pytest.raises(ValueError, match=needle):
+        resolve_plan(engine_config(model=tiny, **options), load_checkpoint(tiny).config)

@@ -1,0 +1,59 @@
+"""`llmserve serve --tensor-parallel-size 2`: answers through the OpenAI client like one rank does, and
+when a rank dies, /health turns 503 and the server exits non-zero within a bounded time, leaving no
+process behind."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests.quantization.tiny_models import make_tiny_hf_dir
+from tests.server.conftest import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return str(make_tiny_hf_dir(tmp_path_factory.mktemp("tiny-tp-serve", numbered=False), "qwen2", kv_heads=2))
+
+
+def _workers(proc: psutil.Process) -> list[psutil.Process]:
+    """The rank processes the server started (not multiprocessing's resource tracker)."""
+    return [p for p in proc.children(recursive=True)
+            if "spawn_main" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())]
+
+
+def test_a_dead_rank_makes_the_server_unhealthy_and_exit_non_zero(tiny, tmp_path):
+    one = ServerProcess(tmp_path / "one.log", "--model", tiny)
+    two = ServerProcess(tmp_path / "two.log", "--model", tiny, "--tensor-parallel-size", "2")
+    try:
+        one.wait_ready()
+        two.wait_ready()
+        ask = dict(model="tiny-tp-serve", prompt="The capital of France is", max_tokens=12, temperature=0)
+        texts = [openai.OpenAI(base_url=f"{s.base}/v1", api_key="-").completions.create(**ask).choices[0].text
+                 for s in (one, two)]
+        assert texts[0] == texts[1] and texts[0]
+    finally:
+        assert one.stop() == 0
+    server = psutil.Process(two.proc.pid)
+    [worker] = _workers(server)
+    worker.kill()
+    deadline = time.monotonic() + 30
+    statuses = []
+    while two.proc.poll() is None and time.monotonic() < deadline:
+        try:
+            statuses.append(httpx.get(f"{two.base}/health", timeout=2).status_code)
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    exited_after = time.monotonic() - deadline + 30
+    code = two.stop()
+    log = two.log_path.read_text()
+    assert code == 1, log
+    assert "tensor-parallel rank died" in log and exited_after < 30
+    assert statuses and statuses[-1] == 503  # (the first probe may come before the kill lands)
+    time.sleep(1)
+    assert not [p for p in psutil.process_iter(["cmdline"]) if tiny in " ".join(p.info["cmdline"] or [])]
