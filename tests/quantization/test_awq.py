@@ -111,6 +111,21 @@ def test_search_error_is_at_most_round_to_nearest(tiny_gqa):
     assert quantized <= rtn
 
 
+@torch.no_grad()
+def test_clips_are_kept_only_where_they_lower_the_quantized_model_s_loss(tiny_gqa):
+    """The clip of each kind of linear is tried on the int4 model; the model it leaves is the tried one with
+    the least calibration loss, never worse than no clipping."""
+    model, tokenizer = _dense_model(tiny_gqa)
+    samples = calibration_samples(tokenizer, QUICK.max_seq_len)[:4]
+    result = awq_quantize(model, samples, QUICK)  # clip on; the linears end on their int4 values
+    assert set(result.clip_losses) == {"none", "v", "o", "gate_up", "down"}
+    nll = sum(torch.nn.functional.cross_entropy(_logits(model, ids)[:-1].float(), ids[1:], reduction="sum").item()
+              for ids in samples) / sum(len(ids) - 1 for ids in samples)
+    assert nll == pytest.approx(min(result.clip_losses.values()), rel=1e-6)
+    assert nll <= result.clip_losses["none"]
+    assert set(result.clipped) <= {"v", "o", "gate_up", "down"}
+
+
 @pytest.fixture(scope="module")
 def tiny_one_layer(tmp_path_factory):  # the round trip searches twice at the engine's full settings: kept small
     return make_tiny_hf_dir(tmp_path_factory.mktemp("tiny-1"), "qwen2", kv_heads=2, hidden=64, intermediate=128,
