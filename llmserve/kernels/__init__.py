@@ -12,6 +12,7 @@ import functools
 import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -34,6 +35,9 @@ _HEADERS = [Path(__file__).with_name(name) for name in ("simd_exp.h", "attention
 
 
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+# A build takes about a minute here (three under load). torch's build lock is a bare file its builder
+# removes when done: a build that was killed leaves it, and every later start would wait on it forever.
+STALE_BUILD_LOCK_S = 600.0
 
 
 def build_directory() -> Path:
@@ -62,6 +66,7 @@ def load_cpu_kernels() -> bool:
     Returns False, with the reason logged, where they cannot be built: callers fall back to PyTorch."""
     from torch.utils import cpp_extension
 
+    clear_stale_build_lock(build_directory())
     try:
         cpp_extension.load(
             name="llmserve_cpu_kernels",
@@ -92,6 +97,21 @@ def load_cpu_kernels() -> bool:
 
     register_quantized_gemv_fakes()
     register_int8_gemm_fakes()
+    return True
+
+
+def clear_stale_build_lock(directory: Path, stale_after_s: float = STALE_BUILD_LOCK_S) -> bool:
+    """Remove `directory`'s build lock if it is older than any build takes (a killed build's). Returns
+    whether it removed one."""
+    lock = directory / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age <= stale_after_s:
+        return False
+    logger.warning("removing a kernel build lock left %.0f s ago by a build that did not finish: %s", age, lock)
+    lock.unlink(missing_ok=True)
     return True
 
 
