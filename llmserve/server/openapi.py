@@ -39,7 +39,13 @@ def json_or_sse(model: type[BaseModel]) -> dict[str, Any]:
     """A 200 that is the whole answer as JSON, or (`stream: true`) server-sent events of its chunks."""
     return {"model": model, "description": "the answer; with `stream: true`, server-sent events of its chunks, "
             "ending with `data: [DONE]`",
-            "content": {"text/event-stream": {"schema": {"type": "string"}}}}
+            "content": {"text/event-stream": {"schema": SSE_EVENT}}}
+
+
+# One server-sent event as OpenAPI 3.2 (and schemathesis) describe a `text/event-stream` item: its fields,
+# `data` holding a chunk's JSON (or `[DONE]`)
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
 
 
 def complete_openapi(app: FastAPI) -> None:
