@@ -4,8 +4,9 @@
     .venv/bin/python benchmarks/tensor_parallel.py                               # qwen2.5-coder-0.5b
     .venv/bin/python benchmarks/tensor_parallel.py --model qwen2.5-coder-1.5b
 
-1. The collective alone: a gloo all-reduce of a [tokens, hidden] bf16 tensor between two processes (what
-   each of the 2 x layers all-reduces of a step costs), median of repeated calls, per size.
+1. The collective alone (after the engines, at the model's hidden size): a gloo all-reduce of a
+   [tokens, hidden] bf16 tensor between two processes (what each of the 2 x layers all-reduces of a step
+   costs), median of repeated calls, per size.
 2. The engine, per configuration (tensor_parallel_size 1 and 2, everything else default; the model's
    default quantization): decode output tok/s at batch 1 and 8 (greedy, 64 tokens after short prompts),
    the time to the first token of one 512-token prompt, the share of the generate time rank 0 spent inside
@@ -111,7 +112,8 @@ def measure(model: str, tp: int, clock: CollectiveClock) -> dict:
     short = [tokenizer.encode(f"Question {i}: {text[i * 200:(i * 200) + 300]}")[:48] for i in range(8)]
     greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     llm.generate(short[:2], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm
-    row = {"tensor_parallel_size": tp, "load_s": load_s, "rss_gib": rss, "threads_per_rank": None}
+    row = {"tensor_parallel_size": tp, "load_s": load_s, "rss_gib": rss, "threads_per_rank": None,
+           "hidden_size": llm.engine.model_config.hidden_size}
     for batch in (1, 8):
         clock.reset()
         start = time.perf_counter()
@@ -137,12 +139,11 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--out", type=Path, default=RESULTS / "tensor_parallel.json")
     args = ap.parse_args()
-    llm_hidden = {"qwen2.5-coder-0.5b": 896, "qwen2.5-coder-1.5b": 1536}.get(args.model, 896)
-    print("all-reduce alone ...", flush=True)
-    reduce = all_reduce_times(llm_hidden, [1, 8, 64, 512])
-    print({k: f"{v * 1e6:.0f} us" for k, v in reduce.items()}, flush=True)
     clock = CollectiveClock()
     rows = [measure(args.model, tp, clock) for tp in (1, 2)]
+    print("all-reduce alone ...", flush=True)
+    reduce = all_reduce_times(rows[0]["hidden_size"], [1, 8, 64, 512])
+    print({k: f"{v * 1e6:.0f} us" for k, v in reduce.items()}, flush=True)
     result = {"model": args.model, "host": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
               "all_reduce_s": reduce, "rows": rows}
     args.out.write_text(json.dumps(result, indent=2))

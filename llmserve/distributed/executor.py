@@ -86,14 +86,6 @@ class TensorParallelRunner:
     # --- ModelRunner's interface ---------------------------------------------------------------
 
     @property
-    def model(self) -> torch.nn.Module:
-        return self.local.model
-
-    @property
-    def decode_graph(self) -> None:
-        return None
-
-    @property
     def healthy(self) -> bool:
         return self._error is None and all(w.is_alive() for w in self._workers)
 

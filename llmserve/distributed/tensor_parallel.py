@@ -105,27 +105,40 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(x)
 
 
+def _part_slices(cfg: LlamaConfig, tp: TensorParallel) -> tuple[dict[str, slice], dict[str, slice]]:
+    """This rank's share of each Hugging Face weight, in that weight's own coordinates: the output rows of
+    q/k/v and gate/up (column-parallel) and the input columns of o and down (row-parallel). The one place
+    the split is computed; `shard_model` offsets it into the fused weights, `shard_grids` into groups."""
+    d = cfg.head_dim
+    heads, kv_heads, units = tp.split(cfg.num_heads), tp.split(cfg.num_kv_heads), tp.split(cfg.intermediate_size)
+    q = slice(heads.start * d, heads.stop * d)
+    kv = slice(kv_heads.start * d, kv_heads.stop * d)
+    rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": units, "up_proj": units}
+    return rows, {"o_proj": q, "down_proj": units}
+
+
+def _shifted(part: slice, offset: int) -> slice:
+    return slice(part.start + offset, part.stop + offset)
+
+
 @torch.no_grad()
 def shard_model(model: nn.Module, tp: TensorParallel) -> None:
     """Cut a loaded dense `LlamaForCausalLM` down to rank `tp.rank`'s slices, in place, and give its layers
     and head the collectives (`model.tp`, each layer's `tp`)."""
-    cfg = model.config
-    heads, kv_heads, units = tp.split(cfg.num_heads), tp.split(cfg.num_kv_heads), tp.split(cfg.intermediate_size)
-    d = cfg.head_dim
-    q_rows = slice(heads.start * d, heads.stop * d)
-    q_size, kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
-    k_rows = slice(q_size + kv_heads.start * d, q_size + kv_heads.stop * d)
-    v_rows = slice(q_size + kv_size + kv_heads.start * d, q_size + kv_size + kv_heads.stop * d)
-    up_rows = slice(cfg.intermediate_size + units.start, cfg.intermediate_size + units.stop)
+    cfg, part = model.config, shard_config(model.config, tp.size)
+    rows, columns = _part_slices(cfg, tp)
+    q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    qkv_rows = [rows["q_proj"], _shifted(rows["k_proj"], q_size), _shifted(rows["v_proj"], q_size + kv_size)]
+    gate_up_rows = [rows["gate_proj"], _shifted(rows["up_proj"], cfg.intermediate_size)]
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        _keep_rows(attn.qkv_proj, [q_rows, k_rows, v_rows])
-        _keep_columns(attn.o_proj, q_rows)
-        _keep_rows(mlp.gate_up_proj, [units, up_rows])
-        _keep_columns(mlp.down_proj, units)
-        attn.num_heads, attn.num_kv_heads = cfg.num_heads // tp.size, cfg.num_kv_heads // tp.size
-        attn.q_size, attn.kv_size = attn.num_heads * d, attn.num_kv_heads * d
-        mlp.intermediate_size = cfg.intermediate_size // tp.size
+        _keep_rows(attn.qkv_proj, qkv_rows)
+        _keep_columns(attn.o_proj, columns["o_proj"])
+        _keep_rows(mlp.gate_up_proj, gate_up_rows)
+        _keep_columns(mlp.down_proj, columns["down_proj"])
+        attn.num_heads, attn.num_kv_heads = part.num_heads, part.num_kv_heads
+        attn.q_size, attn.kv_size = part.num_heads * part.head_dim, part.num_kv_heads * part.head_dim
+        mlp.intermediate_size = part.intermediate_size
         layer.tp = mlp.tp = tp
     vocab = tp.vocab_rows(cfg.vocab_size)
     tied = model.lm_head.weight is model.embed_tokens.weight
@@ -144,20 +157,15 @@ def shard_grids(grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None, cfg:
     cut as `shard_model` cuts their weights: the rows of q/k/v and gate/up, the groups of o and down."""
     if not grids:
         return grids
-    d = cfg.head_dim
-    heads, kv_heads, units = tp.split(cfg.num_heads), tp.split(cfg.num_kv_heads), tp.split(cfg.intermediate_size)
-    rows = {"q_proj": slice(heads.start * d, heads.stop * d), "k_proj": slice(kv_heads.start * d, kv_heads.stop * d),
-            "gate_proj": units}
-    rows["v_proj"], rows["up_proj"] = rows["k_proj"], units
-    columns = {"o_proj": slice(heads.start * d // INT4_GROUP, heads.stop * d // INT4_GROUP),
-               "down_proj": slice(units.start // INT4_GROUP, units.stop // INT4_GROUP)}
+    rows, columns = _part_slices(cfg, tp)
+    groups = {name: slice(c.start // INT4_GROUP, c.stop // INT4_GROUP) for name, c in columns.items()}
     sharded = {}
     for name, (scale, minimum) in grids.items():
         part = name.split(".")[-2]
         if part in rows:
             sharded[name] = (scale[rows[part]].clone(), minimum[rows[part]].clone())
-        elif part in columns:
-            sharded[name] = (scale[:, columns[part]].clone(), minimum[:, columns[part]].clone())
+        elif part in groups:
+            sharded[name] = (scale[:, groups[part]].clone(), minimum[:, groups[part]].clone())
         else:  # the output head and embedding are not on int4 grids here
             sharded[name] = (scale, minimum)
     return sharded

@@ -216,8 +216,6 @@ def _check_tensor_parallel(config: EngineConfig, model: LlamaConfig, weights: st
                          "MODEL --method awq --out DIR` and serve DIR")
     if config.model.int8_activations:
         raise ValueError("int8_activations are calibrated in one process: not with tensor_parallel_size > 1")
-    if config.model.draft:
-        raise ValueError("a speculative draft runs on one rank")
     reasons["tensor parallel"] = ("each rank its heads, MLP units and vocabulary rows; two all-reduces a layer, "
                                   "the decoder stack layer by layer")
 
