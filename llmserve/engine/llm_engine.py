@@ -26,7 +26,7 @@ from llmserve.engine.request import Request, RequestStatus
 from llmserve.engine.scheduler import RequestUpdate, Scheduler
 from llmserve.engine.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from llmserve.kv_cache.kv_cache_manager import KVCacheManager
-from llmserve.loader import load_checkpoint
+from llmserve.loader import load_checkpoint, load_tokenizer
 from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
 from llmserve.quantization.awq import AWQConfig
 from llmserve.quantization.int8_activations import calibration_prompts, record_input_ranges
@@ -300,6 +300,11 @@ class LLMEngine:
         spec = self.config.speculative
         if spec.method != "draft_model":
             return Speculator(spec)
+        draft_tokenizer = load_tokenizer(spec.model)  # before its weights: a refusal should not wait for them
+        if draft_tokenizer.get_vocab() != self.tokenizer.get_vocab():
+            raise ValueError(f"speculative_config: the draft model {spec.model!r} has another vocabulary "
+                             f"than {self.model_name!r} ({len(draft_tokenizer)} and {len(self.tokenizer)} tokens): "
+                             "a draft must share the target's tokenizer")
         mc = self.config.model
         draft = LLMEngine(EngineConfig(
             model=dataclasses.replace(mc, model=spec.model, quantization="auto", int8_activations=None,
@@ -308,10 +313,6 @@ class LLMEngine:
                                       block_size=DRAFT_BLOCK_SIZE,
                                       enable_prefix_caching=True),
             scheduler=self.config.scheduler))
-        if draft.tokenizer.get_vocab() != self.tokenizer.get_vocab():
-            raise ValueError(f"speculative_config: the draft model {draft.model_name!r} has another vocabulary "
-                             f"than {self.model_name!r} ({len(draft.tokenizer)} and {len(self.tokenizer)} tokens): "
-                             "a draft must share the target's tokenizer")
         logger.info("speculative decoding: draft model %s, %d KV blocks of its own", draft.model_name,
                     draft.kv_cache.num_blocks)
         return Speculator(spec, DraftModelProposer(draft))
