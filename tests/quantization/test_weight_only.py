@@ -79,12 +79,11 @@ def test_bad_quantization_is_refused():
 
 @pytest.mark.parametrize("compile", [False, True])
 def test_int4_engine_matches_transformers_on_the_quantized_weights(hf_model, prompt_token_ids, compile):
-    # kernels "auto" is "native" wherever the native int4 kernels run (build_plan), so asking by name
-    # would run this same engine twice
-    kernels = "auto"
+    # the default kernels ("auto") are "native" wherever the native int4 kernels run (build_plan): asking
+    # for them by name would run this same engine twice
     ref = quantized_reference(hf_model, "int4")
     expected = [reference_greedy(ref, ids, 32) for ids in prompt_token_ids]
-    llm = LLM(dtype="float32", quantization="int4", compile=compile, kernels=kernels, kv_cache_memory_gb=0.25,
+    llm = LLM(dtype="float32", quantization="int4", compile=compile, kv_cache_memory_gb=0.25,
               max_model_len=2048)
     # where the native int4 products run, decode steps run the layers as one native call (kernels/decode_layer.cpp),
     # float32 included: int4 weights open the native elementwise ops to it
