@@ -2,9 +2,11 @@
 """Does `llmserve plan`'s simulator predict a real server? Fit on a concurrency sweep, check at request rates.
 
 1. Start `llmserve serve` (the default model, default flags) and wait for /health.
-2. `llmserve bench` closed loop at a concurrency sweep: the step-time model is fitted to it (plan/fit.py).
+2. `llmserve bench` closed loop at a concurrency sweep: the step-time model is fitted to it (plan/fit.py),
+   then a light request-rate level (a tenth of the sweep's highest requests/s), where most requests find
+   the engine idle: the wake-up cost of a step after idle is fitted to it.
 3. `llmserve bench --request-rate` (Poisson arrivals) at three rates, fractions of the sweep's highest
-   measured requests/s.
+   measured requests/s, fixed before measuring; none of their data enters the fit.
 4. The simulator's predictions for those rates against the measurements: p50/p99 TTFT, TPOT and
    throughput. Two predictions: "Poisson", what `llmserve plan` does (fresh Poisson arrivals, fixed mean
    lengths, averaged over seeds), and "replay" (the very arrival times and token counts of the run, which
@@ -13,7 +15,8 @@
     .venv/bin/python benchmarks/plan_validation.py                 # ~15 minutes on 2 cores
     .venv/bin/python benchmarks/plan_validation.py --reuse         # re-predict from the saved bench files
 
-Writes benchmarks/results/plan_validation.{json,md,png} and the bench files plan_validation_{sweep,rates}.json.
+Writes benchmarks/results/plan_validation.{json,md,png} and the bench files
+plan_validation_{sweep,idle,rates}.json.
 """
 
 from __future__ import annotations
@@ -39,10 +42,10 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from bench_vs_peers import machine_facts, port_free, stop_group  # noqa: E402
 
 from llmserve.bench.report import load_result, render_table  # noqa: E402
-from llmserve.plan.fit import fit_step_model  # noqa: E402
+from llmserve.plan.fit import fit_step_model, rate_levels  # noqa: E402
 from llmserve.plan.planner import Replica, SimSettings, predict  # noqa: E402
 from llmserve.plan.simulator import SchedulerLimits  # noqa: E402
-from llmserve.plan.traffic import LengthDist, SimRequest  # noqa: E402
+from llmserve.plan.traffic import LengthDist  # noqa: E402
 
 METRICS = (("TTFT p50 ms", "ttft_p50_ms"), ("TTFT p99 ms", "ttft_p99_ms"), ("TPOT p50 ms", "tpot_p50_ms"),
            ("TPOT p99 ms", "tpot_p99_ms"), ("req/s", "req_per_s"), ("out tok/s", "output_tok_per_s"))
@@ -148,23 +151,16 @@ def compact(path: Path) -> None:
     path.write_text(json.dumps(doc, indent=1) + "\n")
 
 
-def measured_requests(level: dict[str, Any]) -> list[SimRequest]:
-    """The run's own arrivals (send times) and server token counts, in arrival order."""
-    recs = sorted((r for r in level["requests"] if r.get("ok")), key=lambda r: r["start_ms"])
-    return [SimRequest(r["start_ms"] / 1e3, int(r["prompt_tokens"]), int(r["output_tokens"])) for r in recs]
-
-
-def predictions(replica: Replica, level: dict[str, Any], seeds: int) -> dict[str, Any]:
-    reqs = measured_requests(level)
+def predictions(replica: Replica, summary: dict[str, Any], reqs: list, seeds: int) -> dict[str, Any]:
     replay = replica.run(reqs).summary()
-    rate = float(level["summary"]["request_rate"])
+    rate = float(summary["request_rate"])
     prompt = LengthDist(statistics.fmean(r.prompt_len for r in reqs))
     output = LengthDist(statistics.fmean(r.output_len for r in reqs))
     n = max(len(reqs), 10)  # as many requests as were measured
     runs = [predict(replica, prompt, output, rate, SimSettings(n, 0.0, seed)) for seed in range(seeds)]
     poisson = {key: statistics.fmean(r[key] for r in runs) for _name, key in METRICS}
     poisson["p99_spread_ms"] = [min(r["ttft_p99_ms"] for r in runs), max(r["ttft_p99_ms"] for r in runs)]
-    return {"rate": rate, "num_requests": len(reqs), "measured": {k: level["summary"][k] for _n, k in METRICS},
+    return {"rate": rate, "num_requests": len(reqs), "measured": {k: summary[k] for _n, k in METRICS},
             "poisson": poisson, "replay": {k: replay[k] for _n, k in METRICS}}
 
 
@@ -227,8 +223,11 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--sweep", default="1:8,2:8,4:16,8:32,16:48,32:64", help="concurrency:requests,...")
-    ap.add_argument("--fractions", default="0.3,0.6,0.85", help="request rates as fractions of the sweep's max")
+    ap.add_argument("--fractions", default="0.2,0.4,0.6", help="request rates as fractions of the sweep's max")
     ap.add_argument("--rate-requests", type=int, default=200, help="requests per request-rate level")
+    ap.add_argument("--idle-fraction", type=float, default=0.1,
+                    help="the light level the wake-up after idle is fitted to, as a fraction of the sweep's max")
+    ap.add_argument("--idle-requests", type=int, default=40)
     ap.add_argument("--seeds", type=int, default=20, help="Poisson predictions averaged over this many seeds")
     ap.add_argument("--reuse", action="store_true", help="no server: predict from the saved bench files")
     ap.add_argument("--max-foreign", type=float, default=0.1, metavar="CORES",
@@ -239,6 +238,7 @@ def main() -> int:
     args = ap.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     sweep_path, rates_path = args.out_dir / "plan_validation_sweep.json", args.out_dir / "plan_validation_rates.json"
+    idle_path = args.out_dir / "plan_validation_idle.json"
     limits = SchedulerLimits()  # the server runs its defaults: max_num_seqs 64, 512 tokens, chunks of 256
     levels = [lv.split(":") for lv in args.sweep.split(",")]
     foreign_path = args.out_dir / "plan_validation_foreign_cpu.json"
@@ -254,6 +254,8 @@ def main() -> int:
             bench(args, sweep_path, "--concurrency", ",".join(c for c, _ in levels),
                   "--num-requests", ",".join(n for _, n in levels))
             peak = max(s["req_per_s"] for s in load_result(sweep_path)["summary"])
+            bench(args, idle_path, "--request-rate", str(round(args.idle_fraction * peak, 3)),
+                  "--num-requests", str(args.idle_requests))
             rates = [round(float(f) * peak, 3) for f in args.fractions.split(",")]
             bench(args, rates_path, "--request-rate", ",".join(map(str, rates)),
                   "--num-requests", str(args.rate_requests))
@@ -261,8 +263,8 @@ def main() -> int:
             stop_group(proc, os.getpgid(proc.pid))
             watch.stop_event.set()
         foreign = {path.name: [watch.mean(a, b) for a, b in level_windows(load_result(path))]
-                   for path in (sweep_path, rates_path) if path.exists()}
-        for path in (sweep_path, rates_path):
+                   for path in (sweep_path, idle_path, rates_path) if path.exists()}
+        for path in (sweep_path, idle_path, rates_path):
             compact(path)
         foreign_path.write_text(json.dumps(foreign, indent=1) + "\n")
     foreign = json.loads(foreign_path.read_text()) if foreign_path.exists() else {}
@@ -272,8 +274,10 @@ def main() -> int:
                if b is not None and b > args.max_foreign]
     clean = {**sweep, "levels": [lv for lv in sweep["levels"] if lv["summary"]["label"] not in dropped]}
     t0 = time.perf_counter()
-    fit = fit_step_model([clean], limits)
-    rows = [predictions(Replica(fit.model, limits, fit.front_end_s), level, args.seeds) for level in measured["levels"]]
+    idle = [load_result(idle_path)] if idle_path.exists() else []  # older runs had no idle level
+    fit = fit_step_model([clean, *idle], limits)
+    rows = [predictions(Replica(fit.model, limits, fit.latency), s, reqs, args.seeds)
+            for s, reqs, _ttfts in rate_levels(measured)]
     for row, busy in zip(rows, foreign.get(rates_path.name, [None] * len(rows)), strict=True):
         row["foreign_cores"] = busy
     sim_s = time.perf_counter() - t0
@@ -291,6 +295,11 @@ def main() -> int:
     rate_list = ", ".join(f"{r['rate']:.2f}" for r in rows)
     front_text = ("TTFT at c=1 {:.1f} ms measured, {:.1f} ms of engine steps".format(*(v * 1e3 for v in fit.ttft_c1))
                   if fit.ttft_c1 else "no concurrency-1 level in the fit: taken as 0")
+    idle_rates = ", ".join(f"{s['request_rate']:g}" for doc in idle for s in doc["summary"])
+    wake_text = (f"a step after {fit.latency.idle_s * 1e3:.0f} ms or more of idle {fit.latency.wake_s * 1e3:.1f} ms "
+                 f"longer (median over the {fit.wake_samples} requests of the light level "
+                 f"({idle_rates} req/s) that found the "
+                 "engine idle)" if idle else "no light level: no wake-up cost")
     cfg = sweep.get("config", {})
     sweep_levels = ",".join(f"{s['concurrency']}:{s['num_requests']}" for s in sweep["summary"])
     fractions = ", ".join(f"{r['rate'] / peak:.2f}" for r in rows)
@@ -306,7 +315,8 @@ def main() -> int:
         f"Step model fitted to the sweep ({sweep_levels}, concurrency:requests): {sm.overhead_s * 1e3:.2f} ms + "
         f"{sm.per_decode_row_s * 1e3:.3f} ms per decode row + {sm.per_prefill_token_s * 1e3:.4f} ms per prompt "
         f"token + {sm.per_attention_pair_s * 1e9:.3f} ns per attention pair (fitted: {', '.join(fit.columns)}); "
-        f"front end {fit.front_end_s * 1e3:.1f} ms before the engine sees a request ({front_text}).",
+        f"front end {fit.latency.front_end_s * 1e3:.1f} ms before the engine sees a request ({front_text}); "
+        f"{wake_text}.",
         render_table(["closed-loop level", "measured ms", "fitted ms", "error"], fit_rows, markdown=True),
         f"Request rates: {rate_list} req/s ({fractions} x the sweep's highest, "
         f"{peak:.2f} req/s), {per_rate} Poisson arrivals. Predictions: Poisson = mean of "

@@ -72,7 +72,8 @@ def quantize(args: argparse.Namespace) -> str:
     if result is not None:
         provenance.update(grid=config.grid, duo_scaling=config.duo_scaling, clip=config.clip,
                           calibration="llmserve/quantization/calibration.txt",
-                          alphas={f"{s.layer}.{s.block}": s.alpha for s in result.searches})
+                          alphas={f"{s.layer}.{s.block}": s.alpha for s in result.searches},
+                          scales_kept=result.scaled, clips_kept=result.clipped)
     out = save_awq_checkpoint(ckpt, args.out, provenance)
     logging.getLogger(__name__).info("%s -> %s (%s, group size %d) in %.1fs", source, out, args.method,
                                      config.group_size, time.perf_counter() - start)

@@ -23,7 +23,7 @@ from llmserve.plan.hardware import PRESETS, HardwareSpec, hardware
 from llmserve.plan.model_spec import KV_DTYPE_BYTES, WEIGHT_FORMATS, ModelSpec, registered_model
 from llmserve.plan.planner import SLO, PlanInputs, Replica, SimSettings, make_plan, predict
 from llmserve.plan.report import format_plan, plot_plan, write_json
-from llmserve.plan.simulator import SchedulerLimits
+from llmserve.plan.simulator import SchedulerLimits, ServerLatency
 from llmserve.plan.step_model import StepModel, roofline_step_model
 from llmserve.plan.traffic import DISTRIBUTIONS, SECONDS_PER_DAY, LengthDist, Traffic
 
@@ -106,6 +106,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--front-end-ms", type=float, default=None,
                    help="server latency before the engine sees a request (HTTP, template, tokenizer); default: "
                         "fitted from the bench file's concurrency-1 TTFT, else 0")
+    s.add_argument("--wake-ms", type=float, default=None,
+                   help="extra time of the first step after the engine idled (a host's idle cores run slower "
+                        "for a while); default: fitted from the bench file's request-rate levels, else 0")
     s.add_argument("--num-requests", type=int, default=2000, help="simulated per run (default %(default)s)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--predict-rates", type=_rates, default=None, metavar="R1,R2,...",
@@ -190,14 +193,20 @@ def build_inputs(args: argparse.Namespace) -> PlanInputs:
                       step_model=step_model, traffic=traffic, slo=SLO(args.slo_ttft, args.slo_tpot),
                       limits=limits,
                       apis=_apis(args), sim=SimSettings(num_requests=args.num_requests, seed=args.seed),
-                      usable_memory_fraction=args.memory_fraction, fit=fit,
-                      front_end_s=args.front_end_ms / 1e3 if args.front_end_ms is not None else
-                      fit.front_end_s if fit else 0.0)
+                      usable_memory_fraction=args.memory_fraction, fit=fit, latency=_latency(args, fit))
+
+
+def _latency(args: argparse.Namespace, fit: StepFit | None) -> ServerLatency:
+    """The fitted front end and wake-up, each replaced where the user gave one."""
+    fitted = fit.latency if fit else ServerLatency()
+    return ServerLatency(
+        front_end_s=args.front_end_ms / 1e3 if args.front_end_ms is not None else fitted.front_end_s,
+        wake_s=args.wake_ms / 1e3 if args.wake_ms is not None else fitted.wake_s, idle_s=fitted.idle_s)
 
 
 def predictions_table(inputs: PlanInputs, rates: list[float]) -> str:
     rows = []
-    replica = Replica(inputs.step_model, inputs.limits, inputs.front_end_s)
+    replica = Replica(inputs.step_model, inputs.limits, inputs.latency)
     for r in rates:
         s = predict(replica, inputs.traffic.prompt, inputs.traffic.output, r, inputs.sim)
         rows.append([f"{r:g}", f"{s['req_per_s']:.3g}", f"{s['output_tok_per_s']:.1f}", f"{s['ttft_p50_ms']:.0f}",

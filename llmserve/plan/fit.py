@@ -18,21 +18,28 @@ Two parts, because a request's time to first token has two: the engine's steps, 
   gives there. TTFT at higher concurrency is not used: a closed loop's c clients send at once, and the front
   end, on the cores the model uses, then holds whole waves of first tokens back together (a measured c=32
   wave: 32 equal TTFTs), which Poisson arrivals do not do.
+- The engine's wake-up (ServerLatency.wake_s): a step after the engine idled is slower on a host whose
+  cores idled, which no closed-loop level shows. From request-rate levels in the files (light Poisson load,
+  `llmserve bench --request-rate`), replayed with their own arrival times and token counts: the median of
+  measured minus simulated TTFT over the requests that found the simulated engine idle. Without such a
+  level it is 0.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from llmserve.plan.simulator import SchedulerLimits, SimResult, simulate
+from llmserve.plan.simulator import SchedulerLimits, ServerLatency, SimResult, simulate
 from llmserve.plan.step_model import LinearStepModel
 from llmserve.plan.traffic import SimRequest
 
 COEFFICIENTS = ("overhead_s", "per_decode_row_s", "per_prefill_token_s", "per_attention_pair_s")
+MIN_WAKE_SAMPLES = 5  # requests that found the engine idle, for a wake-up cost to be fitted
 
 
 @dataclass(frozen=True)
@@ -48,8 +55,10 @@ class StepFit:
     observations: list[Observation]
     predicted: list[float]
     columns: list[str]  # the coefficients the data could tell apart (the others are 0)
-    front_end_s: float = 0.0  # latency before the engine sees a request (0 without a concurrency-1 level)
+    # front end: 0 without a concurrency-1 level; wake-up: 0 without a request-rate level
+    latency: ServerLatency = ServerLatency()
     ttft_c1: tuple[float, float] | None = None  # (measured, engine's) mean TTFT at concurrency 1
+    wake_samples: int = 0  # requests of request-rate levels that found the engine idle
 
     def describe(self) -> dict[str, Any]:
         rows = [{"source": o.source, "measured_ms": o.seconds * 1e3, "fitted_ms": p * 1e3,
@@ -57,7 +66,8 @@ class StepFit:
         ttft = None if self.ttft_c1 is None else {"measured_ms": self.ttft_c1[0] * 1e3,
                                                   "engine_ms": self.ttft_c1[1] * 1e3}
         return {**self.model.describe(), "fitted_columns": self.columns, "observations": rows,
-                "front_end_s": self.front_end_s, "ttft_c1": ttft}
+                "front_end_s": self.latency.front_end_s, "wake_s": self.latency.wake_s,
+                "wake_after_idle_s": self.latency.idle_s, "wake_samples": self.wake_samples, "ttft_c1": ttft}
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,25 @@ def closed_loop_levels(doc: dict[str, Any]) -> list[tuple[dict[str, Any], list[S
                 continue
             reqs = [SimRequest(0.0, round(prompt), round(output))] * int(s["num_ok"])
         out.append((s, reqs))
+    return out
+
+
+def rate_levels(doc: dict[str, Any]) -> list[tuple[dict[str, Any], list[SimRequest], list[float]]]:
+    """(summary, the requests it ran, their measured TTFTs in seconds) of each request-rate level with
+    per-request records: the run's own send times and server token counts, in arrival order."""
+    out = []
+    for level in doc.get("levels", []):
+        s = level.get("summary", {})
+        if s.get("mode") != "rate":
+            continue
+        recs = sorted((r for r in level.get("requests", []) if r.get("ok") and r.get("prompt_tokens")
+                       and r.get("ttft_ms") is not None and r.get("start_ms") is not None),
+                      key=lambda r: r["start_ms"])
+        if not recs:
+            continue
+        reqs = [SimRequest(r["start_ms"] / 1e3, int(r["prompt_tokens"]), max(1, int(r.get("output_tokens") or 1)))
+                for r in recs]
+        out.append((s, reqs, [r["ttft_ms"] / 1e3 for r in recs]))
     return out
 
 
@@ -149,8 +178,24 @@ def fit_step_model(docs: Sequence[dict[str, Any]], limits: SchedulerLimits | Non
         active.pop(int(np.argmin(sol)))  # a negative cost: the data cannot see that one
     model = LinearStepModel(*(float(v) for v in coef))
     ttft_c1 = _ttft_at_one(docs, model, limits)
-    front_end = max(0.0, ttft_c1[0] - ttft_c1[1]) if ttft_c1 else 0.0
-    return StepFit(model, obs, [float(v) for v in x @ coef], [COEFFICIENTS[i] for i in active], front_end, ttft_c1)
+    latency = ServerLatency(front_end_s=max(0.0, ttft_c1[0] - ttft_c1[1]) if ttft_c1 else 0.0)
+    wake, samples = _wake_after_idle(docs, model, limits, latency)
+    return StepFit(model, obs, [float(v) for v in x @ coef], [COEFFICIENTS[i] for i in active],
+                   replace(latency, wake_s=wake), ttft_c1, samples)
+
+
+def _wake_after_idle(docs: Sequence[dict[str, Any]], model: LinearStepModel, limits: SchedulerLimits,
+                     latency: ServerLatency) -> tuple[float, int]:
+    """(wake-up seconds, how many requests it was measured on): the median TTFT the requests that found
+    the engine idle have beyond the simulated one, over the request-rate levels replayed as they ran."""
+    extra = []
+    for doc in docs:
+        for _s, reqs, ttfts in rate_levels(doc):
+            sim = simulate(reqs, model, limits, latency=latency)
+            extra += [ttfts[i] - sim.ttft[i] for i in sim.woken]
+    if len(extra) < MIN_WAKE_SAMPLES:
+        return 0.0, len(extra)
+    return max(0.0, statistics.median(extra)), len(extra)
 
 
 def _ttft_at_one(docs: Sequence[dict[str, Any]], model: LinearStepModel,

@@ -27,7 +27,7 @@ from llmserve.plan.cost import (
 from llmserve.plan.fit import StepFit
 from llmserve.plan.hardware import HardwareSpec
 from llmserve.plan.model_spec import GB, ModelSpec, memory_fit
-from llmserve.plan.simulator import SchedulerLimits, SimResult, simulate
+from llmserve.plan.simulator import SchedulerLimits, ServerLatency, SimResult, simulate
 from llmserve.plan.step_model import StepModel
 from llmserve.plan.traffic import SECONDS_PER_DAY, LengthDist, SimRequest, Traffic, draw_requests
 
@@ -78,20 +78,20 @@ class PlanInputs:
     apis: tuple[ApiPrice, ...] = ()
     sim: SimSettings = field(default_factory=SimSettings)
     usable_memory_fraction: float = 0.9
-    front_end_s: float = 0.0  # the server's latency before the engine sees a request (fitted, or given)
+    latency: ServerLatency = ServerLatency()  # front end and wake-up (fitted, or given)
     fit: StepFit | None = None  # where the step model came from, when it was fitted
 
 
 @dataclass(frozen=True)
 class Replica:
-    """One server as the simulator sees it: its step time, its scheduler, its front end's latency."""
+    """One server as the simulator sees it: its step time, its scheduler, what it adds outside the steps."""
 
     step_model: StepModel
     limits: SchedulerLimits = field(default_factory=SchedulerLimits)
-    front_end_s: float = 0.0
+    latency: ServerLatency = ServerLatency()
 
     def run(self, reqs: list[SimRequest]) -> SimResult:
-        return simulate(reqs, self.step_model, self.limits, front_end_s=self.front_end_s)
+        return simulate(reqs, self.step_model, self.limits, latency=self.latency)
 
 
 def predict(replica: Replica, prompt: LengthDist, output: LengthDist, rate: float, sim: SimSettings) -> dict[str, Any]:
@@ -148,7 +148,8 @@ def make_plan(p: PlanInputs) -> dict[str, Any]:
             "hardware": asdict(p.hardware), "step_model": p.step_model.describe(),
             "traffic": {**asdict(tr), "requests_per_day": tr.rate * SECONDS_PER_DAY, "miss_rate": tr.miss_rate},
             "slo": asdict(p.slo), "scheduler": asdict(p.limits), "simulation": asdict(p.sim),
-            "front_end_s": p.front_end_s,
+            "front_end_s": p.latency.front_end_s, "wake_s": p.latency.wake_s,
+            "wake_after_idle_s": p.latency.idle_s,
             "apis": [asdict(a) for a in p.apis],
         },
         "memory": {
@@ -165,7 +166,7 @@ def make_plan(p: PlanInputs) -> dict[str, Any]:
         doc["feasible"] = False
         doc["reason"] = "the weights and one sequence's KV do not fit in the usable memory"
         return doc
-    replica = Replica(p.step_model, replace(p.limits, max_num_seqs=seqs), p.front_end_s)
+    replica = Replica(p.step_model, replace(p.limits, max_num_seqs=seqs), p.latency)
     saturation = saturation_throughput(replica, tr.prompt, tr.output, p.sim)
     capacity, at_cap = replica_capacity(replica, tr.prompt, tr.output, p.slo, p.sim, saturation)
     if capacity <= 0 or at_cap is None:

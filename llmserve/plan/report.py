@@ -42,9 +42,11 @@ def format_plan(doc: dict[str, Any]) -> str:
     lines.append(f"- SLO: p99 TTFT <= {slo['ttft_p99_s'] * 1e3:g} ms, p99 TPOT <= {slo['tpot_p99_s'] * 1e3:g} ms; "
                  f"scheduler: max_num_seqs {inp['scheduler']['max_num_seqs']}, "
                  f"{inp['scheduler']['max_num_batched_tokens']} tokens per step")
-    front = inp.get("front_end_s") or 0.0
+    front, wake = inp.get("front_end_s") or 0.0, inp.get("wake_s") or 0.0
     lines.append(f"- step model: {_step_model_line(inp['step_model'])}"
-                 + (f"; the server's front end adds {front * 1e3:.0f} ms before the engine" if front else ""))
+                 + (f"; the server's front end adds {front * 1e3:.0f} ms before the engine" if front else "")
+                 + (f"; a step after {inp.get('wake_after_idle_s', 0) * 1e3:.0f} ms or more of idle takes "
+                    f"{wake * 1e3:.0f} ms longer" if wake else ""))
     lines.append(f"- machine: {hw['memory_gb']:.3g} GB, ${hw['dollars_per_hour']:g}/hour")
     lines += ["", render_table(
         ["params", "weights GB", "KV bytes/token", "KV GB/seq", "tokens/seq", "max seqs (KV)", "needed", "fits"],

@@ -7,7 +7,8 @@ unless it ends the prompt, ends on a KV block boundary; only `max_long_partial_p
 than a chunk are prefilled at once, and shorter ones pass a long one that waits. A prompt's last chunk
 yields its first token in the same step. The step's duration comes from a `StepModel`; requests arriving
 during a step wait for the next. Left out: preemption (the planner keeps max_num_seqs within what the KV
-memory holds) and the prefix cache (the planner takes cache hits off the traffic instead).
+memory holds) and the prefix cache (the planner takes cache hits off the traffic instead). What the server
+adds outside the steps (its front end, and a slower first step after the engine idled) is `ServerLatency`.
 
 Why a step loop and not a closed formula: TTFT is queueing (Poisson arrivals, service times that depend
 on the batch they share), and a step loop is cheap: per step the work is O(prompts being filled), not
@@ -48,6 +49,27 @@ class SchedulerLimits:
                              f"({self.max_num_batched_tokens}): every running decode must fit one step's budget")
 
 
+@dataclass(frozen=True)
+class ServerLatency:
+    """What a request waits for outside the step model's steps; both fitted to bench results (fit.py).
+
+    front_end_s: HTTP, chat template and tokenizer before the engine sees a request.
+    wake_s: added to the first step after the engine idled at least `idle_s`. A host whose cores idled runs
+    slower for a while: on the Zen 4 VM of benchmarks/README.md, a ~180 ms prefill took 15-30 ms longer
+    after 0.3-2.5 s of idle than back to back, and a plain matmul loop 15 % longer, so it is the machine,
+    not the engine. A closed-loop sweep never idles that long (a client sends its next request at once),
+    so the step model fitted to it cannot see this; at light Poisson load most requests find the engine idle.
+    """
+
+    front_end_s: float = 0.0
+    wake_s: float = 0.0
+    idle_s: float = 0.2
+
+    def __post_init__(self) -> None:
+        if min(self.front_end_s, self.wake_s) < 0 or self.idle_s <= 0:
+            raise ValueError(f"server latencies must be >= 0 (idle_s > 0), got {self}")
+
+
 @dataclass
 class SimResult:
     """Per request (in arrival order) and for the run; times in seconds."""
@@ -64,6 +86,7 @@ class SimResult:
     step_end: list[float]  # when each step ended (step k at step_end[k - 1])
     step_shape: list[tuple[int, int, int]]  # what each step carried: (decode rows, their context, prompt tokens)
     first_step: list[int]  # the step that gave each request its first token
+    woken: list[int]  # requests that reached an engine idle for at least ServerLatency.idle_s
 
     def decode_steps(self, i: int) -> range:
         """Indices (into step_end, step_shape) of request i's decode steps: those after its first token."""
@@ -98,11 +121,11 @@ class SimResult:
 
 
 def simulate(requests: Sequence[SimRequest], model: StepModel, limits: SchedulerLimits,
-             closed_loop: int | None = None, front_end_s: float = 0.0) -> SimResult:
+             closed_loop: int | None = None, latency: ServerLatency = ServerLatency()) -> SimResult:
     """Run `requests` (sorted by arrival) through one replica until all have finished. With `closed_loop`
     = c, their arrival times are ignored: c clients each send the next request when their previous answer
-    has ended (`llmserve bench --concurrency c`). `front_end_s`: the server's latency before the engine
-    sees a request (HTTP, template, tokenizer), counted in TTFT like the queue."""
+    has ended (`llmserve bench --concurrency c`). `latency`: what the server adds outside the steps, counted
+    in TTFT like the queue."""
     n = len(requests)
     arrival = [r.arrival for r in requests]
     released = n
@@ -124,6 +147,9 @@ def simulate(requests: Sequence[SimRequest], model: StepModel, limits: Scheduler
     num_decoding = 0
     decode_context = 0  # KV tokens the decoding requests attend to in the coming step
     t, step, nxt, remaining = 0.0, 0, 0, n
+    front_end_s = latency.front_end_s
+    woken: list[int] = []
+    wake = 0.0  # added to the coming step: the engine has just woken up
     busy = batch_time = 0.0
     max_batch = 0
     chunk, max_long = limits.chunk, limits.max_long_partial_prefills
@@ -133,7 +159,10 @@ def simulate(requests: Sequence[SimRequest], model: StepModel, limits: Scheduler
             (waiting_long if requests[nxt].prompt_len > chunk else waiting).append(nxt)
             nxt += 1
         if not num_decoding and not filling and not waiting and not waiting_long:
-            t = arrival[nxt] + front_end_s  # idle until the next arrival
+            idle_from, t = t, arrival[nxt] + front_end_s  # idle until the next arrival
+            if t - idle_from >= latency.idle_s:
+                woken.append(nxt)
+                wake = latency.wake_s
             continue
         budget = limits.max_num_batched_tokens - num_decoding
         prefill_tokens, pairs, long_prefills = 0, 0.0, 0
@@ -162,7 +191,8 @@ def simulate(requests: Sequence[SimRequest], model: StepModel, limits: Scheduler
             budget -= k
             filling.append([r, k])
         running = num_decoding + len(filling)
-        dt = model.step_time(num_decoding, decode_context, prefill_tokens, pairs)
+        dt = model.step_time(num_decoding, decode_context, prefill_tokens, pairs) + wake
+        wake = 0.0
         t += dt
         step += 1
         step_end.append(t)
@@ -204,7 +234,7 @@ def simulate(requests: Sequence[SimRequest], model: StepModel, limits: Scheduler
     tpot: list[float | None] = [
         (e2e[i] - ttft[i]) / (requests[i].output_len - 1) if requests[i].output_len > 1 else None for i in range(n)]
     return SimResult(arrival, ttft, e2e, tpot, [r.output_len for r in requests], step,
-                     busy, batch_time, max_batch, step_end, step_shape, first_step)
+                     busy, batch_time, max_batch, step_end, step_shape, first_step, woken)
 
 
 def _chunk(done: int, total: int, budget: int, limits: SchedulerLimits) -> int:

@@ -12,14 +12,17 @@ weight, v_proj's rows, up_proj's rows), so the model computes the same function 
 and our int4 kernels run it. Then AutoAWQ's clipping search: per group of weights, the clamp range
 [-m, m], m in (0.5, 1] x max|w|, with the least output error of that linear. A clip lowers every linear's
 own output error (on held-out text too), yet on Qwen2.5-Coder-0.5B clipping gate/up raised perplexity by 6 %
-(benchmarks/README.md): a linear's error is not the model's. So the clips are kept by kind of linear (v,
-o, gate/up, down), one kind at a time, where they lower the quantized model's loss on the calibration text.
+(benchmarks/README.md): a linear's error is not the model's. The scales showed the same on that model
+(each block's error lower, perplexity higher than round to nearest). So both are kept by kind, one kind at
+a time, only where they lower the int4 model's loss on the calibration text: first the scales (qkv, o,
+gate/up, down), then, on the model with the kept scales folded, the clips (v, o, gate/up, down), whose
+search runs in a second pass over the layers for that reason.
 
 The groups of AutoAWQ's Llama/Qwen2 recipe (awq/models/llama.py): q/k/v after input_layernorm (error
 measured on the attention block's output), gate/up after post_attention_layernorm (on the MLP's output),
 o after v (only where there is one v head per query head: with grouped heads one v channel feeds several
-o channels), down after up. Searches run on the full-precision layer, then all scales are applied;
-each layer's calibration inputs are the full-precision model's (the previous layer before quantization).
+o channels), down after up. Searches run on the full-precision layer; each layer's calibration inputs are
+the full-precision model's (the previous layer before quantization).
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ class AWQConfig:
     clip: bool = True  # the clipping search after the scales
     max_shrink: float = 0.5  # clip ranges down to (1 - max_shrink) x max|w|, in steps of 1/grid
     max_seq_len: int = 512  # calibration sequence length in tokens
+    # keep a kind's scales (and clips) only where they lower the int4 model's calibration loss; False: all
+    # of them, as AutoAWQ does
+    select_by_loss: bool = True
 
     def __post_init__(self) -> None:
         check_group_size(self.group_size)
@@ -74,12 +80,17 @@ class BlockSearch:
 class AWQResult:
     groups: dict[str, Int4Groups]  # the model's parameter name ("layers.0.mlp.down_proj.weight") -> its groups
     searches: list[BlockSearch] = field(default_factory=list)
-    # kind of linear -> the quantized model's calibration loss with that kind's clips kept (and the kinds
-    # kept before it), tried in CLIP_KINDS order after "none"; clipped: the kinds kept
+    # kind -> the int4 model's calibration loss with that kind's scales (clips) kept, and the kinds kept
+    # before it, tried in SCALE_KINDS (CLIP_KINDS) order after "none"; scaled / clipped: the kinds kept
+    scale_losses: dict[str, float] = field(default_factory=dict)
+    scaled: list[str] = field(default_factory=list)
     clip_losses: dict[str, float] = field(default_factory=dict)
     clipped: list[str] = field(default_factory=list)
 
 
+# the linear each block's scales multiply (its input columns), by block
+SCALE_KINDS = {"qkv": "self_attn.qkv_proj", "o": "self_attn.o_proj", "gate_up": "mlp.gate_up_proj",
+               "down": "mlp.down_proj"}
 # the linears a clip applies to, by kind (q and k are never clipped: AutoAWQ, their errors go through the softmax)
 CLIP_KINDS = {"v": "self_attn.qkv_proj", "o": "self_attn.o_proj", "gate_up": "mlp.gate_up_proj",
               "down": "mlp.down_proj"}
@@ -101,21 +112,32 @@ def awq_quantize(model: nn.Module, samples: list[torch.Tensor], config: AWQConfi
     clipped), for checking that the folding keeps the model's function."""
     start = time.perf_counter()
     result = AWQResult({})
+    cos_sins = [model.rotary.lookup(torch.arange(len(ids)), model.embed_tokens.weight.dtype) for ids in samples]
     xs = [model.embed_tokens(ids) for ids in samples]
-    cos_sins = [model.rotary.lookup(torch.arange(len(ids)), xs[0].dtype) for ids in samples]
-    clips: dict[str, tuple[torch.Tensor, slice | None]] = {}  # parameter name -> its clipped rows, which rows
     for index, layer in enumerate(model.layers):
-        xs = _search_layer(index, layer, xs, cos_sins, config, result, clips)
+        xs = _search_layer(index, layer, xs, cos_sins, config, result)
         logger.info("AWQ: layer %d/%d searched (%.0fs)", index + 1, len(model.layers), time.perf_counter() - start)
-    if clips:
-        result.clipped = _keep_clips_that_pay(model, samples, clips, config.group_size, result.clip_losses)
+    searched = [k for k in SCALE_KINDS if any(s.block == k for s in result.searches)]
+    result.scaled = (_keep_scales_that_pay(model, samples, result.searches, searched, config.group_size,
+                                           result.scale_losses) if config.select_by_loss else searched)
+    for s in result.searches:
+        if s.block in result.scaled:
+            _fold_block(model.layers[s.layer], s.block, s.scales)
+    if config.clip:
+        clips: dict[str, tuple[torch.Tensor, slice | None]] = {}  # parameter name -> its clip limits, which rows
+        xs = [model.embed_tokens(ids) for ids in samples]
+        for index, layer in enumerate(model.layers):  # the second pass: the clips see the folded scales
+            xs = _clip_layer(index, layer, xs, cos_sins, config, clips)
+        result.clipped = _keep_clips_that_pay(model, samples, clips, config.group_size, result.clip_losses,
+                                              config.select_by_loss)
     for name, linear in _decoder_linears(model):
         groups = fit_groups(linear.weight, config.group_size)
         result.groups[f"{name}.weight"] = groups
         if quantize:
             linear.weight.copy_(groups.dequantize())
-    logger.info("AWQ: %d layers searched on %d calibration tokens in %.1fs; clips kept: %s", len(model.layers),
-                sum(len(s) for s in samples), time.perf_counter() - start, ", ".join(result.clipped) or "none")
+    logger.info("AWQ: %d layers searched on %d calibration tokens in %.1fs; scales kept: %s; clips kept: %s",
+                len(model.layers), sum(len(s) for s in samples), time.perf_counter() - start,
+                ", ".join(result.scaled) or "none", ", ".join(result.clipped) or "none")
     return result
 
 
@@ -126,16 +148,13 @@ def _decoder_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
 
 
 def _keep_clips_that_pay(model: nn.Module, samples: list[torch.Tensor], clips: dict[str, tuple[torch.Tensor,
-                         slice | None]], group_size: int, losses: dict[str, float]) -> list[str]:
-    """The kinds of linear whose clips lower the int4 model's loss on `samples`, tried one kind at a time
-    (greedy, in CLIP_KINDS order); the linears are left at full precision with the kept kinds' clips.
-    Memory: the clips are kept as limits (one per group), and each trial swaps in new int4-rounded weights
-    while the full-precision ones wait aside (not a second copy of the model)."""
+                         slice | None]], group_size: int, losses: dict[str, float], select: bool = True) -> list[str]:
+    """The kinds of linear whose clips lower the int4 model's loss on `samples` (`select`; else all kinds);
+    the linears are left at full precision with the kept kinds' clips. Memory: the clips are kept as limits
+    (one per group)."""
     linears = _decoder_linears(model)
-    dense = {name: linear.weight for name, linear in linears}
 
-    def weights(kinds: set[str], name: str) -> torch.Tensor:
-        w = dense[name].detach()
+    def weights(kinds: set[str], name: str, w: torch.Tensor) -> torch.Tensor:
         if any(name.endswith(CLIP_KINDS[k]) for k in kinds) and name in clips:
             limits, rows = clips[name]
             w = w.clone()
@@ -143,9 +162,67 @@ def _keep_clips_that_pay(model: nn.Module, samples: list[torch.Tensor], clips: d
             w[part] = apply_clip(w[part], limits)
         return w
 
-    def loss(kinds: set[str]) -> float:
+    kept = (_greedy_by_loss(model, samples, list(CLIP_KINDS), lambda kinds, name, w: fake_quantize(
+        weights(kinds, name, w), group_size), losses, "clips") if select else set(CLIP_KINDS))
+    for name, linear in linears:
+        linear.weight.copy_(weights(kept, name, linear.weight.detach()))
+    return [k for k in CLIP_KINDS if k in kept]
+
+
+def _keep_scales_that_pay(model: nn.Module, samples: list[torch.Tensor], searches: list[BlockSearch],
+                          kinds: list[str], group_size: int, losses: dict[str, float]) -> list[str]:
+    """The blocks whose scales lower the int4 model's loss on `samples`, tried one kind at a time."""
+    kept = _greedy_by_loss(model, samples, kinds, scaled_int4_weight(model, searches, group_size), losses, "scales")
+    return [k for k in kinds if k in kept]
+
+
+def scaled_int4_weight(model: nn.Module, searches: list[BlockSearch], group_size: int
+                       ) -> Callable[[set[str], str, torch.Tensor], torch.Tensor]:
+    """f(kinds, linear name, its dense weight): the int4 weight the model folded with those kinds' scales
+    would have, mapped back (its columns divided by its own scales, the rows a later block's scales divide
+    multiplied back), so the unfolded model (norms untouched) computes what the folded one would."""
+    by_linear: dict[str, list[tuple[str, torch.Tensor, slice | None]]] = {}  # linear -> (kind, s, rows or None)
+    for s in searches:
+        layer = model.layers[s.layer]
+        by_linear.setdefault(f"layers.{s.layer}.{SCALE_KINDS[s.block]}", []).append((s.block, s.scales, None))
+        before = _scaled_rows(layer, s.block)
+        if before is not None:
+            by_linear.setdefault(f"layers.{s.layer}.{before[0]}", []).append((s.block, s.scales, before[1]))
+
+    def int4_weight(kept: set[str], name: str, w: torch.Tensor) -> torch.Tensor:
+        scales = [(s, rows) for kind, s, rows in by_linear.get(name, []) if kind in kept]
+        if not scales:
+            return fake_quantize(w, group_size)
+        w = w.clone()
+        for s, rows in scales:
+            if rows is None:
+                w.mul_(s)
+            else:
+                w[rows] /= s.view(-1, 1)
+        w = fake_quantize(w, group_size)
+        for s, rows in scales:
+            if rows is None:
+                w.div_(s)
+            else:
+                w[rows] *= s.view(-1, 1)
+        return w
+
+    return int4_weight
+
+
+def _greedy_by_loss(model: nn.Module, samples: list[torch.Tensor], kinds: list[str],
+                    int4_weight: Callable[[set[str], str, torch.Tensor], torch.Tensor], losses: dict[str, float],
+                    what: str) -> set[str]:
+    """The kinds kept by a greedy pass (in `kinds` order): a kind stays where the int4 model with it (and
+    the kinds kept before it) has a lower calibration loss. `int4_weight(kinds, name, dense weight)` is a
+    linear's int4-rounded weight with those kinds applied. Each trial swaps in new weights while the
+    full-precision ones wait aside (not a second copy of the model); they are put back at the end."""
+    linears = _decoder_linears(model)
+    dense = {name: linear.weight for name, linear in linears}
+
+    def loss(kept: set[str]) -> float:
         for name, linear in linears:
-            linear.weight = nn.Parameter(fake_quantize(weights(kinds, name), group_size), requires_grad=False)
+            linear.weight = nn.Parameter(int4_weight(kept, name, dense[name].detach()), requires_grad=False)
         total, count = 0.0, 0
         for ids in samples:
             logits = model.lm_head(causal_forward(model, ids)).float()
@@ -155,17 +232,16 @@ def _keep_clips_that_pay(model: nn.Module, samples: list[torch.Tensor], clips: d
 
     kept: set[str] = set()
     losses["none"] = best = loss(kept)
-    for kind in CLIP_KINDS:
+    for kind in kinds:
         losses[kind] = trial = loss(kept | {kind})
         if trial < best:
             kept.add(kind)
             best = trial
     for name, linear in linears:
         linear.weight = dense[name]
-        linear.weight.copy_(weights(kept, name))
-    logger.info("AWQ: calibration loss (nats/token) without clips %.4f; %s", losses["none"],
-                ", ".join(f"+{k} {losses[k]:.4f}" for k in CLIP_KINDS))
-    return [k for k in CLIP_KINDS if k in kept]
+    logger.info("AWQ: calibration loss (nats/token) without %s %.4f; %s", what, losses["none"],
+                ", ".join(f"+{k} {losses[k]:.4f}" for k in kinds))
+    return kept
 
 
 def attention_output(layer: nn.Module, normed: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
@@ -198,20 +274,29 @@ def gated_activation(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
     return nn.functional.silu(gate) * up
 
 
-def _search_layer(index: int, layer: nn.Module, xs: list[torch.Tensor], cos_sins: list, config: AWQConfig,
-                  result: AWQResult, clips: dict[str, tuple[torch.Tensor, slice | None]]) -> list[torch.Tensor]:
-    """One decoder layer: its scales searched and folded, and (config.clip) each linear's clipped weight
-    found, into `clips`, not applied. Returns its full-precision outputs (the next layer's calibration
-    inputs)."""
+def _layer_inputs(layer: nn.Module, xs: list[torch.Tensor], cos_sins: list) -> tuple[dict[str, torch.Tensor],
+                                                                                     list[torch.Tensor], list]:
+    """One decoder layer at full precision: each linear's calibration inputs (all sequences, concatenated),
+    the normed inputs per sequence (for the attention block), and the layer's outputs (the next layer's
+    calibration inputs)."""
     attn, mlp = layer.self_attn, layer.mlp
-    # the full-precision layer's inputs to each linear, per sequence
     normed = [layer.input_layernorm(x) for x in xs]
     attended = [attention_output(layer, a, cs) for a, cs in zip(normed, cos_sins, strict=True)]
     mids = [x + attn.o_proj(o) for x, o in zip(xs, attended, strict=True)]
     hs = [layer.post_attention_layernorm(m) for m in mids]
     gated = [gated_activation(layer, h) for h in hs]
     outputs = [m + mlp.down_proj(g) for m, g in zip(mids, gated, strict=True)]
-    a, o, h, g = (torch.cat(t) for t in (normed, attended, hs, gated))
+    inputs = {name: torch.cat(t) for name, t in zip(SCALE_KINDS.values(), (normed, attended, hs, gated), strict=True)}
+    return inputs, normed, outputs
+
+
+def _search_layer(index: int, layer: nn.Module, xs: list[torch.Tensor], cos_sins: list, config: AWQConfig,
+                  result: AWQResult) -> list[torch.Tensor]:
+    """One decoder layer's scale searches (into `result.searches`; nothing folded). Returns its
+    full-precision outputs."""
+    attn, mlp = layer.self_attn, layer.mlp
+    inputs, normed, outputs = _layer_inputs(layer, xs, cos_sins)
+    a, o, h, g = (inputs[name] for name in SCALE_KINDS.values())
 
     def attention_block() -> torch.Tensor:
         return torch.cat([attn.o_proj(attention_output(layer, n, cs)) for n, cs in zip(normed, cos_sins, strict=True)])
@@ -223,30 +308,49 @@ def _search_layer(index: int, layer: nn.Module, xs: list[torch.Tensor], cos_sins
     }
     if attn.num_heads == attn.num_kv_heads:
         searches["o"] = (attn.o_proj, o, lambda: attn.o_proj(o))
-    scales = {}
     for block, (linear, x, inspect) in searches.items():
-        scales[block], search = _search_scales(linear, x, inspect, config)
-        result.searches.append(BlockSearch(index, block, *search, scales=scales[block]))
-    # fold: the op before divides by s, the linear's input columns multiply by it (and so do its inputs,
-    # for the clipping search below)
-    v_rows = slice(attn.q_size + attn.kv_size, None)
-    up_rows = slice(mlp.intermediate_size, None)
-    _fold(scales["qkv"], layer.input_layernorm.weight, None, attn.qkv_proj)
-    if "o" in scales:
-        _fold(scales["o"], attn.qkv_proj.weight[v_rows], attn.qkv_proj.bias, attn.o_proj, v_rows)
-        o = o / scales["o"]
-    _fold(scales["gate_up"], layer.post_attention_layernorm.weight, None, mlp.gate_up_proj)
-    _fold(scales["down"], mlp.gate_up_proj.weight[up_rows], None, mlp.down_proj)
-    a, h, g = a / scales["qkv"], h / scales["gate_up"], g / scales["down"]
-
-    if config.clip:
-        inputs = {"self_attn.qkv_proj": (a, v_rows), "self_attn.o_proj": (o, None), "mlp.gate_up_proj": (h, None),
-                  "mlp.down_proj": (g, None)}
-        for name, (x, rows) in inputs.items():
-            w = layer.get_submodule(name).weight
-            clips[f"layers.{index}.{name}"] = (clip_limits(w[rows] if rows is not None else w, x,
-                                                           config.group_size, config), rows)
+        s, search = _search_scales(linear, x, inspect, config)
+        result.searches.append(BlockSearch(index, block, *search, scales=s))
     return outputs
+
+
+def _clip_layer(index: int, layer: nn.Module, xs: list[torch.Tensor], cos_sins: list, config: AWQConfig,
+                clips: dict[str, tuple[torch.Tensor, slice | None]]) -> list[torch.Tensor]:
+    """Each linear's clip limits on its (scaled) calibration inputs, into `clips`, not applied. Returns the
+    layer's full-precision outputs."""
+    inputs, _normed, outputs = _layer_inputs(layer, xs, cos_sins)
+    v_rows = slice(layer.self_attn.q_size + layer.self_attn.kv_size, None)
+    for name, x in inputs.items():
+        rows = v_rows if name == SCALE_KINDS["qkv"] else None
+        w = layer.get_submodule(name).weight
+        clips[f"layers.{index}.{name}"] = (clip_limits(w[rows] if rows is not None else w, x, config.group_size,
+                                                       config), rows)
+    return outputs
+
+
+def _scaled_rows(layer: nn.Module, block: str) -> tuple[str, slice] | None:
+    """(the linear, its rows) that make block's input where that is a linear (o: v's rows of qkv_proj; down:
+    up's rows of gate_up_proj); None where it is a norm."""
+    if block == "o":
+        return SCALE_KINDS["qkv"], slice(layer.self_attn.q_size + layer.self_attn.kv_size, None)
+    if block == "down":
+        return SCALE_KINDS["gate_up"], slice(layer.mlp.intermediate_size, None)
+    return None
+
+
+def _fold_block(layer: nn.Module, block: str, s: torch.Tensor) -> None:
+    """Fold one block's scales into the layer: what makes its input divides by s, its linear's input columns
+    multiply by it (the product is unchanged)."""
+    before = _scaled_rows(layer, block)
+    if before is None:
+        norm = layer.input_layernorm if block == "qkv" else layer.post_attention_layernorm
+        norm.weight.div_(s)
+    else:
+        linear, rows = layer.get_submodule(before[0]), before[1]
+        linear.weight[rows].div_(s.view(-1, 1))
+        if linear.bias is not None:
+            linear.bias[rows].div_(s)
+    layer.get_submodule(SCALE_KINDS[block]).weight.mul_(s)
 
 
 def _search_scales(linear: nn.Linear, x: torch.Tensor, inspect: Callable[[], torch.Tensor], config: AWQConfig
@@ -277,16 +381,6 @@ def _search_scales(linear: nn.Linear, x: torch.Tensor, inspect: Callable[[], tor
     linear.weight.copy_(weight)
     error, s, alpha = best
     return s, (alpha, error, rtn_error)
-
-
-def _fold(s: torch.Tensor, before: torch.Tensor, before_bias: torch.Tensor | None, linear: nn.Linear,
-          bias_rows: slice | None = None) -> None:
-    """Divide what makes the input by s (a norm's weight or a linear's rows, in place) and multiply the
-    linear's input columns by it: the product is unchanged."""
-    before.div_(s.view(-1, 1) if before.dim() == 2 else s)
-    if before_bias is not None and bias_rows is not None:
-        before_bias[bias_rows].div_(s)
-    linear.weight.mul_(s)
 
 
 def clip_limits(w: torch.Tensor, x: torch.Tensor, group_size: int, config: AWQConfig) -> torch.Tensor:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from llmserve.bench.metrics import percentile
-from llmserve.plan.simulator import SchedulerLimits, simulate
+from llmserve.plan.simulator import SchedulerLimits, ServerLatency, simulate
 from llmserve.plan.step_model import LinearStepModel
-from llmserve.plan.traffic import SimRequest
+from llmserve.plan.traffic import LengthDist, SimRequest, draw_requests
 
 
 def synthetic_bench(model: LinearStepModel, prompt: int, output: int, concurrencies: tuple[int, ...],
@@ -32,3 +32,17 @@ def synthetic_bench(model: LinearStepModel, prompt: int, output: int, concurrenc
         levels.append(level)
     return {"schema": "llmserve-bench/1", "server": {"model": "synthetic"}, "summary": [lv["summary"] for lv in levels],
             "levels": levels, "complete": True}
+
+
+def synthetic_rate_level(model: LinearStepModel, latency: ServerLatency, prompt: int, output: int, rate: float,
+                         n: int, seed: int = 0) -> dict[str, Any]:
+    """What `llmserve bench --request-rate R --out` writes (per-request records), for a server that is the
+    simulator running `model` with `latency`."""
+    reqs = draw_requests(LengthDist(prompt), LengthDist(output), rate, n, seed)
+    res = simulate(reqs, model, SchedulerLimits(), latency=latency)
+    records = [{"ok": True, "start_ms": r.arrival * 1e3, "prompt_tokens": r.prompt_len, "output_tokens": r.output_len,
+                "ttft_ms": t * 1e3} for r, t in zip(reqs, res.ttft, strict=True)]
+    summary = {"mode": "rate", "label": f"rate={rate}", "request_rate": rate, "num_requests": n, "num_ok": n,
+               **{k: v for k, v in res.summary().items() if k.endswith("_ms") or k.endswith("_per_s")}}
+    return {"schema": "llmserve-bench/1", "server": {"model": "synthetic"}, "summary": [summary],
+            "levels": [{"summary": summary, "requests": records}], "complete": True}

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from llmserve.plan.fit import fit_step_model
-from llmserve.plan.simulator import SchedulerLimits
+from llmserve.plan.simulator import SchedulerLimits, ServerLatency
 from llmserve.plan.step_model import LinearStepModel
 
-from .helpers import synthetic_bench
+from .helpers import synthetic_bench, synthetic_rate_level
 
 
 @pytest.mark.parametrize("records", [False, True])
@@ -25,7 +25,8 @@ def test_recovers_a_linear_step_model(records: bool) -> None:
     assert all(abs(d["error"]) < 0.02 for d in fit.describe()["observations"])
     # TTFT at c=1 is all engine here: no front-end latency is left over
     measured, engine = fit.ttft_c1
-    assert engine == pytest.approx(measured, rel=0.02) and fit.front_end_s < 0.02 * measured
+    assert engine == pytest.approx(measured, rel=0.02) and fit.latency.front_end_s < 0.02 * measured
+    assert fit.latency.wake_s == 0.0 and fit.wake_samples == 0  # no request-rate level: nothing to see it in
 
 
 def test_front_end_latency_is_what_ttft_at_one_has_beyond_the_engine() -> None:
@@ -34,8 +35,23 @@ def test_front_end_latency_is_what_ttft_at_one_has_beyond_the_engine() -> None:
     for level in doc["levels"]:  # a front end that takes 30 ms before the engine sees each request
         level["summary"]["ttft_mean_ms"] += 30.0
     fit = fit_step_model([doc])
-    assert fit.front_end_s == pytest.approx(0.030, abs=0.002)
+    assert fit.latency.front_end_s == pytest.approx(0.030, abs=0.002)
     assert fit.model.per_prefill_token_s == pytest.approx(0.0002, rel=0.02)  # the engine is not blamed
+
+
+def test_wake_up_after_idle_is_fitted_from_a_light_request_rate_level() -> None:
+    true = LinearStepModel(0.010, 0.002, 0.0002)
+    server = ServerLatency(front_end_s=0.0, wake_s=0.025)
+    sweep = synthetic_bench(true, 200, 64, (1, 4, 16))  # closed loops never idle: no wake-up in them
+    light = synthetic_rate_level(true, server, 200, 64, rate=0.5, n=60)
+    fit = fit_step_model([sweep, light])
+    assert fit.latency.wake_s == pytest.approx(0.025, abs=0.001)
+    assert 30 <= fit.wake_samples <= 60  # most of a light load's requests find the engine idle
+    assert fit.model.per_prefill_token_s == pytest.approx(0.0002, rel=0.02)  # the steps are fitted as before
+    assert fit.describe()["wake_s"] == fit.latency.wake_s
+    # a server that does not slow down after idle gets none
+    plain = fit_step_model([sweep, synthetic_rate_level(true, ServerLatency(), 200, 64, rate=0.5, n=60)])
+    assert plain.latency.wake_s == pytest.approx(0.0, abs=1e-9)
 
 
 def test_median_gap_counts_as_a_plain_decode_step_where_prompts_are_rare() -> None:

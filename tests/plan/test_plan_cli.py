@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from llmserve.cli import main as llmserve_main
-from llmserve.plan.simulator import SchedulerLimits
+from llmserve.plan.simulator import SchedulerLimits, ServerLatency
 from llmserve.plan.step_model import LinearStepModel
 
-from .helpers import synthetic_bench
+from .helpers import synthetic_bench, synthetic_rate_level
 
 # The measured server: 20 ms a step + 5 ms per decode row + 0.1 ms per prompt token, max_num_seqs 8.
 SERVER = LinearStepModel(0.020, 0.005, 0.0001)
@@ -49,6 +49,25 @@ def test_replica_count_from_a_synthetic_bench_file(bench_file: Path, tmp_path: P
     assert doc["replicas"] == replicas
     assert doc["cost"]["dollars_per_month"] == pytest.approx(replicas * 730.0)
     assert doc["inputs"]["step_model"]["per_decode_row_s"] == pytest.approx(0.005, rel=0.02)
+
+
+def test_wake_up_fitted_from_a_light_level_in_the_bench_files_and_overridable(
+        bench_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    light = tmp_path / "light.json"
+    light.write_text(json.dumps(synthetic_rate_level(SERVER, ServerLatency(wake_s=0.040), 100, 50, rate=0.3, n=40)))
+    common = ["--bench", str(bench_file), str(light), *SMALL_MODEL, "--dollars-per-hour", "1", "--rate", "0.2",
+              "--prompt-len", "100", "--output-len", "50", "--max-num-seqs", "8", "--apis", "none",
+              "--predict-rates", "0.1"]
+    rc, fitted = _plan(tmp_path, *common)
+    assert rc == 0
+    assert fitted["inputs"]["wake_s"] == pytest.approx(0.040, abs=0.001)
+    assert "takes 40 ms longer" in capsys.readouterr().out
+    _, given = _plan(tmp_path, *common, "--wake-ms", "0")
+    assert given["inputs"]["wake_s"] == 0.0
+    # at a light load most requests pay it: the median TTFT is a prompt step (20 + 10 ms) plus the wake-up
+    assert fitted["per_replica"]["predicted"]["ttft_p50_ms"] == pytest.approx(
+        given["per_replica"]["predicted"]["ttft_p50_ms"] + 40, abs=2)
+    assert llmserve_main(["plan", *common, "--wake-ms", "-5"]) == 2
 
 
 def test_a_tight_slo_lowers_capacity(bench_file: Path, tmp_path: Path) -> None:

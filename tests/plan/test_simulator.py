@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from llmserve.plan.simulator import SchedulerLimits, simulate
+from llmserve.plan.simulator import SchedulerLimits, ServerLatency, simulate
 from llmserve.plan.step_model import LinearStepModel
 from llmserve.plan.traffic import LengthDist, SimRequest, draw_requests
 
@@ -73,11 +73,31 @@ def test_short_prompts_pass_a_waiting_long_one(max_long: int, expected: list[flo
 def test_front_end_latency_delays_the_engine_and_counts_in_ttft() -> None:
     model = LinearStepModel(0.010, 0.001, 0.0001)
     reqs = [SimRequest(0.0, 100, 2), SimRequest(0.015, 100, 2)]
-    res = simulate(reqs, model, SchedulerLimits(), front_end_s=0.020)
+    res = simulate(reqs, model, SchedulerLimits(), latency=ServerLatency(front_end_s=0.020))
     # the first reaches the engine at 20 ms: prompt step 20 ms, done at 40 ms; the second reaches it at
     # 35 ms, mid-step, and runs in the next step beside the first's decode (10 + 1 + 10 = 21 ms) -> 61 ms
     assert res.ttft == pytest.approx([0.040, 0.061 - 0.015])
     assert res.e2e[0] == pytest.approx(0.061)
+
+
+def test_a_step_after_idle_pays_the_wake_up_and_back_to_back_steps_do_not() -> None:
+    model = LinearStepModel(0.010, 0.001, 0.0001)
+    latency = ServerLatency(wake_s=0.005, idle_s=0.2)
+    # the first arrives after 0.5 s of idle; the second 0.1 s after the first ended (too short an idle);
+    # the third 1 s later; the fourth during the third's prompt step
+    reqs = [SimRequest(0.5, 100, 1), SimRequest(0.62, 100, 1), SimRequest(1.62, 100, 1), SimRequest(1.625, 100, 1)]
+    res = simulate(reqs, model, SchedulerLimits(), latency=latency)
+    assert res.woken == [0, 2]
+    # a prompt step is 10 + 10 ms, plus 5 ms when it wakes the engine; the fourth waits out the third's step
+    assert res.ttft == pytest.approx([0.025, 0.020, 0.025, 0.025 - 0.005 + 0.020])
+    assert simulate(reqs, model, SchedulerLimits()).ttft == pytest.approx([0.020, 0.020, 0.020, 0.035])
+
+
+def test_server_latencies_are_checked() -> None:
+    with pytest.raises(ValueError, match="must be >= 0"):
+        ServerLatency(wake_s=-0.001)
+    with pytest.raises(ValueError, match="idle_s > 0"):
+        ServerLatency(idle_s=0.0)
 
 
 def test_max_num_seqs_queues_the_rest() -> None:

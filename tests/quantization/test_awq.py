@@ -1,6 +1,7 @@
 """AWQ: the scales are finite and invertible (folded, the model computes what it did), the search never does
-worse than round to nearest on the calibration data, and a checkpoint `llmserve quantize` writes serves the
-same tokens as the engine that quantized in memory."""
+worse than round to nearest on the calibration data, scales and clips are kept only where the int4 model's
+calibration loss says so, and a checkpoint `llmserve quantize` writes serves the same tokens as the engine
+that quantized in memory."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from llmserve.quantization.awq import (
     awq_quantize,
     calibration_samples,
     causal_forward,
+    scaled_int4_weight,
 )
 from llmserve.quantization.int4_groups import fake_quantize
 from llmserve.quantization.quantize_checkpoint import SERVE_AWQ_GROUP_SIZE, quantize_checkpoint
@@ -28,6 +30,8 @@ from tests.quantization.tiny_models import make_tiny_hf_dir
 
 # small enough for 2 cores: a coarse alpha grid, short calibration sequences
 QUICK = AWQConfig(group_size=32, grid=5, max_seq_len=128)
+# every scale folded (AutoAWQ's way), no clips: what the folding and search tests look at
+ALL_SCALES = AWQConfig(group_size=32, grid=5, max_seq_len=128, clip=False, select_by_loss=False)
 
 
 def _dense_model(path):
@@ -57,8 +61,7 @@ def test_scales_are_finite_and_folding_them_keeps_the_function(kind, request):
     original, tokenizer = _dense_model(path)
     folded, _ = _dense_model(path)
     samples = calibration_samples(tokenizer, QUICK.max_seq_len)[:4]
-    result = awq_quantize(folded, samples, AWQConfig(group_size=32, grid=5, max_seq_len=128, clip=False),
-                          quantize=False)
+    result = awq_quantize(folded, samples, ALL_SCALES, quantize=False)
     blocks = {s.block for s in result.searches}
     assert blocks == ({"qkv", "gate_up", "down", "o"} if kind == "tiny_mha" else {"qkv", "gate_up", "down"})
     for s in result.searches:
@@ -85,8 +88,7 @@ def test_search_error_is_at_most_round_to_nearest(tiny_gqa):
     original, tokenizer = _dense_model(tiny_gqa)
     awq, _ = _dense_model(tiny_gqa)
     samples = calibration_samples(tokenizer, QUICK.max_seq_len)[:4]
-    config = AWQConfig(group_size=32, grid=5, max_seq_len=128, clip=False)
-    result = awq_quantize(awq, samples, config)
+    result = awq_quantize(awq, samples, ALL_SCALES)
     for s in result.searches:
         assert s.error <= s.rtn_error
     assert any(s.error < 0.95 * s.rtn_error for s in result.searches)  # the outlier channels: AWQ helps
@@ -111,6 +113,44 @@ def test_search_error_is_at_most_round_to_nearest(tiny_gqa):
     assert quantized <= rtn
 
 
+def _nll(model, samples) -> float:
+    return sum(torch.nn.functional.cross_entropy(_logits(model, ids)[:-1].float(), ids[1:], reduction="sum").item()
+               for ids in samples) / sum(len(ids) - 1 for ids in samples)
+
+
+@torch.no_grad()
+def test_a_scale_trial_computes_what_the_folded_int4_model_does(tiny_mha):
+    """The scale selection tries kinds without folding: each linear's int4 weight mapped back. With every
+    kind on, the unfolded model with those weights gives the folded int4 model's logits (MHA: o's scales
+    divide v's rows of qkv_proj, so a linear carries two blocks' scales)."""
+    folded, tokenizer = _dense_model(tiny_mha)
+    unfolded, _ = _dense_model(tiny_mha)
+    samples = calibration_samples(tokenizer, QUICK.max_seq_len)[:2]
+    result = awq_quantize(folded, samples, ALL_SCALES)  # all four kinds folded, then int4
+    assert result.scaled == ["qkv", "o", "gate_up", "down"] and not result.scale_losses
+    int4_weight = scaled_int4_weight(unfolded, result.searches, 32)
+    for i, layer in enumerate(unfolded.layers):
+        for part in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            linear = layer.get_submodule(part)
+            linear.weight.copy_(int4_weight(set(result.scaled), f"layers.{i}.{part}", linear.weight))
+    for ids in samples:
+        torch.testing.assert_close(_logits(unfolded, ids), _logits(folded, ids), rtol=1e-3, atol=1e-3)
+
+
+@torch.no_grad()
+def test_scales_are_kept_only_where_they_lower_the_quantized_model_s_loss(tiny_gqa):
+    model, tokenizer = _dense_model(tiny_gqa)
+    samples = calibration_samples(tokenizer, QUICK.max_seq_len)[:4]
+    result = awq_quantize(model, samples, AWQConfig(group_size=32, grid=5, max_seq_len=128, clip=False))
+    assert set(result.scale_losses) == {"none", "qkv", "gate_up", "down"}  # GQA: no o scales
+    assert _nll(model, samples) == pytest.approx(min(result.scale_losses.values()), rel=1e-5)
+    assert set(result.scaled) <= {"qkv", "gate_up", "down"}
+    # the folded norms show which were kept
+    original, _ = _dense_model(tiny_gqa)
+    folded_norm = not torch.equal(model.layers[0].input_layernorm.weight, original.layers[0].input_layernorm.weight)
+    assert folded_norm == ("qkv" in result.scaled)
+
+
 @torch.no_grad()
 def test_clips_are_kept_only_where_they_lower_the_quantized_model_s_loss(tiny_gqa):
     """The clip of each kind of linear is tried on the int4 model; the model it leaves is the tried one with
@@ -119,8 +159,7 @@ def test_clips_are_kept_only_where_they_lower_the_quantized_model_s_loss(tiny_gq
     samples = calibration_samples(tokenizer, QUICK.max_seq_len)[:4]
     result = awq_quantize(model, samples, QUICK)  # clip on; the linears end on their int4 values
     assert set(result.clip_losses) == {"none", "v", "o", "gate_up", "down"}
-    nll = sum(torch.nn.functional.cross_entropy(_logits(model, ids)[:-1].float(), ids[1:], reduction="sum").item()
-              for ids in samples) / sum(len(ids) - 1 for ids in samples)
+    nll = _nll(model, samples)
     assert nll == pytest.approx(min(result.clip_losses.values()), rel=1e-6)
     assert nll <= result.clip_losses["none"]
     assert set(result.clipped) <= {"v", "o", "gate_up", "down"}
@@ -152,10 +191,14 @@ def test_quantize_writes_autoawq_layout(written, tiny_one_layer):
     assert scales.dtype == torch.float16 and scales.shape == (128 // SERVE_AWQ_GROUP_SIZE, 64)
     assert "model.layers.0.self_attn.q_proj.bias" in names and "model.layers.0.input_layernorm.weight" in names
     assert not any(n.endswith("proj.weight") and ".layers." in n for n in names)
-    # the norms hold the folded scales: they differ from the source's
-    src = load_checkpoint(str(tiny_one_layer)).weights["model.layers.0.input_layernorm.weight"]
+    # the norms hold the folded scales where those were kept (the provenance says which)
+    kept = config["llmserve_quantization"]["scales_kept"]
+    assert set(kept) <= {"qkv", "gate_up", "down"} and "clips_kept" in config["llmserve_quantization"]
+    src = load_checkpoint(str(tiny_one_layer)).weights
     with safe_open(str(written / "model.safetensors"), "pt") as f:
-        assert not torch.equal(f.get_tensor("model.layers.0.input_layernorm.weight"), src)
+        for norm, kind in (("input_layernorm", "qkv"), ("post_attention_layernorm", "gate_up")):
+            name = f"model.layers.0.{norm}.weight"
+            assert torch.equal(f.get_tensor(name).float(), src[name].float()) == (kind not in kept)
     assert (written / "tokenizer.json").exists() and (written / "generation_config.json").exists()
 
 
