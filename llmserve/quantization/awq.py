@@ -319,9 +319,8 @@ def _clip_layer(index: int, layer: nn.Module, xs: list[torch.Tensor], cos_sins: 
     """Each linear's clip limits on its (scaled) calibration inputs, into `clips`, not applied. Returns the
     layer's full-precision outputs."""
     inputs, _normed, outputs = _layer_inputs(layer, xs, cos_sins)
-    v_rows = slice(layer.self_attn.q_size + layer.self_attn.kv_size, None)
     for name, x in inputs.items():
-        rows = v_rows if name == SCALE_KINDS["qkv"] else None
+        rows = _v_rows(layer) if name == SCALE_KINDS["qkv"] else None
         w = layer.get_submodule(name).weight
         clips[f"layers.{index}.{name}"] = (clip_limits(w[rows] if rows is not None else w, x, config.group_size,
                                                        config), rows)
@@ -332,10 +331,15 @@ def _scaled_rows(layer: nn.Module, block: str) -> tuple[str, slice] | None:
     """(the linear, its rows) that make block's input where that is a linear (o: v's rows of qkv_proj; down:
     up's rows of gate_up_proj); None where it is a norm."""
     if block == "o":
-        return SCALE_KINDS["qkv"], slice(layer.self_attn.q_size + layer.self_attn.kv_size, None)
+        return SCALE_KINDS["qkv"], _v_rows(layer)
     if block == "down":
         return SCALE_KINDS["gate_up"], slice(layer.mlp.intermediate_size, None)
     return None
+
+
+def _v_rows(layer: nn.Module) -> slice:
+    """v's rows of the fused qkv_proj."""
+    return slice(layer.self_attn.q_size + layer.self_attn.kv_size, None)
 
 
 def _fold_block(layer: nn.Module, block: str, s: torch.Tensor) -> None:
