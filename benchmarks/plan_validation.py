@@ -45,7 +45,7 @@ from llmserve.bench.report import load_result, render_table  # noqa: E402
 from llmserve.plan.fit import fit_step_model, rate_levels  # noqa: E402
 from llmserve.plan.planner import Replica, SimSettings, predict  # noqa: E402
 from llmserve.plan.simulator import SchedulerLimits  # noqa: E402
-from llmserve.plan.traffic import LengthDist  # noqa: E402
+from llmserve.plan.traffic import LengthDist, SimRequest  # noqa: E402
 
 METRICS = (("TTFT p50 ms", "ttft_p50_ms"), ("TTFT p99 ms", "ttft_p99_ms"), ("TPOT p50 ms", "tpot_p50_ms"),
            ("TPOT p99 ms", "tpot_p99_ms"), ("req/s", "req_per_s"), ("out tok/s", "output_tok_per_s"))
@@ -151,7 +151,7 @@ def compact(path: Path) -> None:
     path.write_text(json.dumps(doc, indent=1) + "\n")
 
 
-def predictions(replica: Replica, summary: dict[str, Any], reqs: list, seeds: int) -> dict[str, Any]:
+def predictions(replica: Replica, summary: dict[str, Any], reqs: list[SimRequest], seeds: int) -> dict[str, Any]:
     replay = replica.run(reqs).summary()
     rate = float(summary["request_rate"])
     prompt = LengthDist(statistics.fmean(r.prompt_len for r in reqs))
@@ -297,9 +297,8 @@ def main() -> int:
                   if fit.ttft_c1 else "no concurrency-1 level in the fit: taken as 0")
     idle_rates = ", ".join(f"{s['request_rate']:g}" for doc in idle for s in doc["summary"])
     wake_text = (f"a step after {fit.latency.idle_s * 1e3:.0f} ms or more of idle {fit.latency.wake_s * 1e3:.1f} ms "
-                 f"longer (median over the {fit.wake_samples} requests of the light level "
-                 f"({idle_rates} req/s) that found the "
-                 "engine idle)" if idle else "no light level: no wake-up cost")
+                 f"longer (median over the {fit.wake_samples} requests of the light level, {idle_rates} req/s, "
+                 "that found the engine idle)" if idle else "no light level: no wake-up cost")
     cfg = sweep.get("config", {})
     sweep_levels = ",".join(f"{s['concurrency']}:{s['num_requests']}" for s in sweep["summary"])
     fractions = ", ".join(f"{r['rate'] / peak:.2f}" for r in rows)

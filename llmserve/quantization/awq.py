@@ -113,19 +113,19 @@ def awq_quantize(model: nn.Module, samples: list[torch.Tensor], config: AWQConfi
     start = time.perf_counter()
     result = AWQResult({})
     cos_sins = [model.rotary.lookup(torch.arange(len(ids)), model.embed_tokens.weight.dtype) for ids in samples]
-    xs = [model.embed_tokens(ids) for ids in samples]
+    embedded = [model.embed_tokens(ids) for ids in samples]
+    xs = embedded
     for index, layer in enumerate(model.layers):
         xs = _search_layer(index, layer, xs, cos_sins, config, result)
         logger.info("AWQ: layer %d/%d searched (%.0fs)", index + 1, len(model.layers), time.perf_counter() - start)
-    searched = [k for k in SCALE_KINDS if any(s.block == k for s in result.searches)]
-    result.scaled = (_keep_scales_that_pay(model, samples, result.searches, searched, config.group_size,
-                                           result.scale_losses) if config.select_by_loss else searched)
+    result.scaled = _keep_scales_that_pay(model, samples, result.searches, config.group_size, result.scale_losses,
+                                          config.select_by_loss)
     for s in result.searches:
         if s.block in result.scaled:
             _fold_block(model.layers[s.layer], s.block, s.scales)
     if config.clip:
         clips: dict[str, tuple[torch.Tensor, slice | None]] = {}  # parameter name -> its clip limits, which rows
-        xs = [model.embed_tokens(ids) for ids in samples]
+        xs = embedded
         for index, layer in enumerate(model.layers):  # the second pass: the clips see the folded scales
             xs = _clip_layer(index, layer, xs, cos_sins, config, clips)
         result.clipped = _keep_clips_that_pay(model, samples, clips, config.group_size, result.clip_losses,
@@ -170,9 +170,12 @@ def _keep_clips_that_pay(model: nn.Module, samples: list[torch.Tensor], clips: d
 
 
 def _keep_scales_that_pay(model: nn.Module, samples: list[torch.Tensor], searches: list[BlockSearch],
-                          kinds: list[str], group_size: int, losses: dict[str, float]) -> list[str]:
-    """The blocks whose scales lower the int4 model's loss on `samples`, tried one kind at a time."""
-    kept = _greedy_by_loss(model, samples, kinds, scaled_int4_weight(model, searches, group_size), losses, "scales")
+                          group_size: int, losses: dict[str, float], select: bool = True) -> list[str]:
+    """The blocks whose scales lower the int4 model's loss on `samples`, tried one kind at a time (`select`;
+    else every block searched). Nothing is folded here."""
+    kinds = [k for k in SCALE_KINDS if any(s.block == k for s in searches)]
+    kept = (_greedy_by_loss(model, samples, kinds, scaled_int4_weight(model, searches, group_size), losses,
+                            "scales") if select else set(kinds))
     return [k for k in kinds if k in kept]
 
 
@@ -195,19 +198,22 @@ def scaled_int4_weight(model: nn.Module, searches: list[BlockSearch], group_size
             return fake_quantize(w, group_size)
         w = w.clone()
         for s, rows in scales:
-            if rows is None:
-                w.mul_(s)
-            else:
-                w[rows] /= s.view(-1, 1)
+            _rescale(w, s, rows)
         w = fake_quantize(w, group_size)
         for s, rows in scales:
-            if rows is None:
-                w.div_(s)
-            else:
-                w[rows] *= s.view(-1, 1)
+            _rescale(w, 1 / s, rows)
         return w
 
     return int4_weight
+
+
+def _rescale(w: torch.Tensor, s: torch.Tensor, rows: slice | None) -> None:
+    """In place, as folding s changes a linear: its input columns times s (rows None: s is its own input's
+    scale), or those rows divided by s (they make the input of the block s belongs to)."""
+    if rows is None:
+        w.mul_(s)
+    else:
+        w[rows] /= s.view(-1, 1)
 
 
 def _greedy_by_loss(model: nn.Module, samples: list[torch.Tensor], kinds: list[str],
@@ -351,10 +357,10 @@ def _fold_block(layer: nn.Module, block: str, s: torch.Tensor) -> None:
         norm.weight.div_(s)
     else:
         linear, rows = layer.get_submodule(before[0]), before[1]
-        linear.weight[rows].div_(s.view(-1, 1))
+        _rescale(linear.weight, s, rows)
         if linear.bias is not None:
             linear.bias[rows].div_(s)
-    layer.get_submodule(SCALE_KINDS[block]).weight.mul_(s)
+    _rescale(layer.get_submodule(SCALE_KINDS[block]).weight, s, None)
 
 
 def _search_scales(linear: nn.Linear, x: torch.Tensor, inspect: Callable[[], torch.Tensor], config: AWQConfig
