@@ -2,21 +2,25 @@
 """Does `llmserve plan`'s simulator predict a real server? Fit on a concurrency sweep, check at request rates.
 
 1. Start `llmserve serve` (the default model, default flags) and wait for /health.
-2. `llmserve bench` closed loop at a concurrency sweep: the step-time model is fitted to it (plan/fit.py),
-   then a light request-rate level (a tenth of the sweep's highest requests/s), where most requests find
-   the engine idle: the wake-up cost of a step after idle is fitted to it.
-3. `llmserve bench --request-rate` (Poisson arrivals) at three rates, fractions of the sweep's highest
+2. `llmserve bench` closed loop at a concurrency sweep, and one concurrency-1 level of short prompts (its
+   TTFT beside the sweep's tells the front end from the prompt's cost): the step-time model is fitted to
+   them (plan/fit.py); then a light request-rate level (a tenth of the sweep's highest requests/s), where
+   most requests find the engine idle: the wake-up cost of a step after idle is fitted to it.
+3. `llmserve bench --request-rate` (Poisson arrivals) at three rates, fractions of the first sweep's highest
    measured requests/s, fixed before measuring; none of their data enters the fit.
-4. The simulator's predictions for those rates against the measurements: p50/p99 TTFT, TPOT and
-   throughput. Two predictions: "Poisson", what `llmserve plan` does (fresh Poisson arrivals, fixed mean
-   lengths, averaged over seeds), and "replay" (the very arrival times and token counts of the run, which
-   takes the luck of one run's arrivals out of the comparison). Target: within 20 %.
+4. Steps 2-3 again, `--rounds` times in all, each with its own seed: this host's speed drifts by 20 % over
+   minutes (the same sweep: a 172 ms TTFT at c=1 in one run, 219 ms in another), so a fit measured in one
+   stretch and rates in the next compare two machines. Interleaved rounds show both the same mix.
+5. The simulator's predictions for those rates against the measurements, each rate's rounds pooled: p50/p99
+   TTFT, TPOT and throughput. Two predictions: "Poisson", what `llmserve plan` does (fresh Poisson arrivals,
+   fixed mean lengths, averaged over seeds), and "replay" (the very arrival times and token counts of the
+   run, which takes the luck of one run's arrivals out of the comparison). Target: within 20 %.
 
-    .venv/bin/python benchmarks/plan_validation.py                 # ~15 minutes on 2 cores
+    .venv/bin/python benchmarks/plan_validation.py                 # ~22 minutes on 2 cores
     .venv/bin/python benchmarks/plan_validation.py --reuse         # re-predict from the saved bench files
 
 Writes benchmarks/results/plan_validation.{json,md,png} and the bench files
-plan_validation_{sweep,idle,rates}.json.
+plan_validation_{sweep,short,idle,rates}_r{1,2,...}.json.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from bench_vs_peers import machine_facts, port_free, stop_group  # noqa: E402
 
+from llmserve.bench.metrics import percentile  # noqa: E402
 from llmserve.bench.report import load_result, render_table  # noqa: E402
 from llmserve.plan.fit import fit_step_model, rate_levels  # noqa: E402
 from llmserve.plan.planner import Replica, SimSettings, predict  # noqa: E402
@@ -104,6 +109,11 @@ class ForeignCpu(threading.Thread):
         return False
 
 
+def round_paths(out_dir: Path, r: int) -> dict[str, Path]:
+    """Round r's bench files: the sweep, the short-prompt level, the light level, the validated rates."""
+    return {kind: out_dir / f"plan_validation_{kind}_r{r}.json" for kind in ("sweep", "short", "idle", "rates")}
+
+
 def level_windows(doc: dict[str, Any]) -> list[tuple[float, float]]:
     """(start, end) wall-clock of each level, chained back from the run's end (levels run one after another)."""
     end, out = float(doc["finished_unix"]), []
@@ -133,10 +143,13 @@ def serve(args: argparse.Namespace, log: Path) -> subprocess.Popen[bytes]:
     raise RuntimeError("server not ready after 900 s")
 
 
-def bench(args: argparse.Namespace, out: Path, *load: str) -> None:
+def bench(args: argparse.Namespace, out: Path, *load: str, input_len: int | None = None, seed: int = 1234) -> None:
+    """One `llmserve bench` run. A level's prompts are seeded by (seed, level label): a run of another prompt
+    length with a level label used before needs another seed, or its prompts are prefixes of the earlier
+    ones and hit the prefix cache."""
     cmd = [sys.executable, "-m", "llmserve.cli", "bench", "--base-url", f"http://127.0.0.1:{args.port}",
-           "--workload", "random", "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-           "--seed", "1234", "--warmup", "2", "--no-progress", "--out", str(out), *load]
+           "--workload", "random", "--input-len", str(input_len or args.input_len), "--output-len",
+           str(args.output_len), "--seed", str(seed), "--warmup", "2", "--no-progress", "--out", str(out), *load]
     print(f"[plan-validation] {' '.join(cmd)}", flush=True)
     subprocess.check_call(cmd, cwd=REPO)
 
@@ -151,17 +164,33 @@ def compact(path: Path) -> None:
     path.write_text(json.dumps(doc, indent=1) + "\n")
 
 
-def predictions(replica: Replica, summary: dict[str, Any], reqs: list[SimRequest], seeds: int) -> dict[str, Any]:
-    replay = replica.run(reqs).summary()
-    rate = float(summary["request_rate"])
+def figures(ttft_s: list[float], tpot_s: list[float], output_tokens: int, wall_s: float) -> dict[str, float]:
+    """The compared figures of requests pooled over rounds: percentiles over all of them, throughput over the
+    rounds' summed wall time (one definition for the measured and the replayed runs)."""
+    return {"ttft_p50_ms": percentile(ttft_s, 50) * 1e3, "ttft_p99_ms": percentile(ttft_s, 99) * 1e3,
+            "tpot_p50_ms": percentile(tpot_s, 50) * 1e3, "tpot_p99_ms": percentile(tpot_s, 99) * 1e3,
+            "req_per_s": len(ttft_s) / wall_s, "output_tok_per_s": output_tokens / wall_s}
+
+
+def predictions(replica: Replica, rounds: list[tuple[dict[str, Any], list[SimRequest], list[dict[str, Any]]]],
+                seeds: int) -> dict[str, Any]:
+    """Measured, replayed and Poisson-predicted figures of one request rate, its rounds pooled: (summary,
+    requests, their bench records) per round."""
+    recs = [r for _s, _reqs, records in rounds for r in records]
+    measured = figures([r["ttft_ms"] / 1e3 for r in recs], [r["tpot_ms"] / 1e3 for r in recs if r.get("tpot_ms")],
+                       sum(int(r["output_tokens"]) for r in recs), sum(float(s["wall_s"]) for s, _r, _x in rounds))
+    sims = [replica.run(reqs) for _s, reqs, _x in rounds]
+    replay = figures([t for sim in sims for t in sim.ttft], [t for sim in sims for t in sim.tpot if t is not None],
+                     sum(sum(sim.output_tokens) for sim in sims), sum(sim.summary()["wall_s"] for sim in sims))
+    reqs = [r for _s, rs, _x in rounds for r in rs]
+    rate = float(rounds[0][0]["request_rate"])
     prompt = LengthDist(statistics.fmean(r.prompt_len for r in reqs))
     output = LengthDist(statistics.fmean(r.output_len for r in reqs))
     n = max(len(reqs), 10)  # as many requests as were measured
     runs = [predict(replica, prompt, output, rate, SimSettings(n, 0.0, seed)) for seed in range(seeds)]
     poisson = {key: statistics.fmean(r[key] for r in runs) for _name, key in METRICS}
     poisson["p99_spread_ms"] = [min(r["ttft_p99_ms"] for r in runs), max(r["ttft_p99_ms"] for r in runs)]
-    return {"rate": rate, "num_requests": len(reqs), "measured": {k: summary[k] for _n, k in METRICS},
-            "poisson": poisson, "replay": {k: replay[k] for _n, k in METRICS}}
+    return {"rate": rate, "num_requests": len(reqs), "measured": measured, "poisson": poisson, "replay": replay}
 
 
 def comparison_table(rows: list[dict[str, Any]]) -> str:
@@ -224,10 +253,16 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--sweep", default="1:8,2:8,4:16,8:32,16:48,32:64", help="concurrency:requests,...")
     ap.add_argument("--fractions", default="0.2,0.4,0.6", help="request rates as fractions of the sweep's max")
-    ap.add_argument("--rate-requests", type=int, default=200, help="requests per request-rate level")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="measure everything this many times, interleaved: the host's speed drifts by 20 %% over "
+                         "minutes, so the fit and the validated rates must see the same stretch of it")
+    ap.add_argument("--rate-requests", type=int, default=100, help="requests per request-rate level and round")
+    ap.add_argument("--short-input-len", type=int, default=64,
+                    help="prompt length of the concurrency-1 level that tells the front end from prefill (0: none)")
+    ap.add_argument("--short-requests", type=int, default=12)
     ap.add_argument("--idle-fraction", type=float, default=0.1,
                     help="the light level the wake-up after idle is fitted to, as a fraction of the sweep's max")
-    ap.add_argument("--idle-requests", type=int, default=40)
+    ap.add_argument("--idle-requests", type=int, default=20)
     ap.add_argument("--seeds", type=int, default=20, help="Poisson predictions averaged over this many seeds")
     ap.add_argument("--reuse", action="store_true", help="no server: predict from the saved bench files")
     ap.add_argument("--max-foreign", type=float, default=0.1, metavar="CORES",
@@ -237,53 +272,81 @@ def main() -> int:
     ap.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
     args = ap.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    sweep_path, rates_path = args.out_dir / "plan_validation_sweep.json", args.out_dir / "plan_validation_rates.json"
-    idle_path = args.out_dir / "plan_validation_idle.json"
     limits = SchedulerLimits()  # the server runs its defaults: max_num_seqs 64, 512 tokens, chunks of 256
     levels = [lv.split(":") for lv in args.sweep.split(",")]
     foreign_path = args.out_dir / "plan_validation_foreign_cpu.json"
     if not args.reuse:
         if not port_free(args.port):
             raise SystemExit(f"port {args.port} is busy")
+        for old in args.out_dir.glob("plan_validation_*_r*.json"):
+            old.unlink()
         watch = ForeignCpu()
         watch.start()
         if args.wait_quiet > 0 and not watch.wait_quiet(0.15, args.wait_quiet):
             print("[plan-validation] the machine did not get quiet; measuring anyway", flush=True)
         proc = serve(args, args.out_dir / "plan_validation.server.log")
+        rates: list[float] = []
+        idle_rate = 0.0
         try:
-            bench(args, sweep_path, "--concurrency", ",".join(c for c, _ in levels),
-                  "--num-requests", ",".join(n for _, n in levels))
-            peak = max(s["req_per_s"] for s in load_result(sweep_path)["summary"])
-            bench(args, idle_path, "--request-rate", str(round(args.idle_fraction * peak, 3)),
-                  "--num-requests", str(args.idle_requests))
-            rates = [round(float(f) * peak, 3) for f in args.fractions.split(",")]
-            bench(args, rates_path, "--request-rate", ",".join(map(str, rates)),
-                  "--num-requests", str(args.rate_requests))
+            for r in range(1, args.rounds + 1):
+                # every round its own seed: a level label repeated with the same seed repeats its prompts,
+                # which would then hit the prefix cache whole
+                path = round_paths(args.out_dir, r)
+                seed = 1234 + 100 * r
+                bench(args, path["sweep"], "--concurrency", ",".join(c for c, _ in levels),
+                      "--num-requests", ",".join(n for _, n in levels), seed=seed)
+                peak = max(s["req_per_s"] for s in load_result(path["sweep"])["summary"])
+                if not rates:  # fixed by round 1's sweep, before any rate is measured
+                    rates = [round(float(f) * peak, 3) for f in args.fractions.split(",")]
+                    idle_rate = round(args.idle_fraction * peak, 3)
+                if args.short_input_len:
+                    bench(args, path["short"], "--concurrency", "1", "--num-requests", str(args.short_requests),
+                          input_len=args.short_input_len, seed=seed + 1)
+                bench(args, path["idle"], "--request-rate", str(idle_rate), "--num-requests", str(args.idle_requests),
+                      seed=seed)
+                bench(args, path["rates"], "--request-rate", ",".join(map(str, rates)),
+                      "--num-requests", str(args.rate_requests), seed=seed)
         finally:
             stop_group(proc, os.getpgid(proc.pid))
             watch.stop_event.set()
-        foreign = {path.name: [watch.mean(a, b) for a, b in level_windows(load_result(path))]
-                   for path in (sweep_path, idle_path, rates_path) if path.exists()}
-        for path in (sweep_path, idle_path, rates_path):
-            compact(path)
+        paths = [p for r in range(1, args.rounds + 1) for p in round_paths(args.out_dir, r).values() if p.exists()]
+        foreign = {p.name: [watch.mean(a, b) for a, b in level_windows(load_result(p))] for p in paths}
+        for p in paths:
+            compact(p)
         foreign_path.write_text(json.dumps(foreign, indent=1) + "\n")
     foreign = json.loads(foreign_path.read_text()) if foreign_path.exists() else {}
-    sweep, measured = load_result(sweep_path), load_result(rates_path)
-    sweep_busy = foreign.get(sweep_path.name, [None] * len(sweep["levels"]))
-    dropped = [lv["summary"]["label"] for lv, b in zip(sweep["levels"], sweep_busy, strict=True)
-               if b is not None and b > args.max_foreign]
-    clean = {**sweep, "levels": [lv for lv in sweep["levels"] if lv["summary"]["label"] not in dropped]}
+    found = [round_paths(args.out_dir, r) for r in range(1, 100)]
+    found = [path for path in found if path["sweep"].exists() and path["rates"].exists()]
+    if not found:
+        raise SystemExit(f"no plan_validation_sweep_r1.json / _rates_r1.json in {args.out_dir}")
+    docs = {kind: [load_result(path[kind]) for path in found if path[kind].exists()] for kind in found[0]}
+    if not args.short_input_len:
+        docs["short"] = []
+    dropped, clean = [], []
+    for path, sweep in zip(found, docs["sweep"], strict=True):
+        busy = foreign.get(path["sweep"].name, [None] * len(sweep["levels"]))
+        out = [f"{lv['summary']['label']} (round {found.index(path) + 1})"
+               for lv, b in zip(sweep["levels"], busy, strict=True) if b is not None and b > args.max_foreign]
+        dropped += out
+        clean.append({**sweep, "levels": [lv for lv, b in zip(sweep["levels"], busy, strict=True)
+                                          if b is None or b <= args.max_foreign]})
     t0 = time.perf_counter()
-    idle = [load_result(idle_path)] if idle_path.exists() else []  # older runs had no idle level
-    fit = fit_step_model([clean, *idle], limits)
-    rows = [predictions(Replica(fit.model, limits, fit.latency), s, reqs, args.seeds)
-            for s, reqs, _ttfts in rate_levels(measured)]
-    for row, busy in zip(rows, foreign.get(rates_path.name, [None] * len(rows)), strict=True):
-        row["foreign_cores"] = busy
+    idle, short = docs["idle"], docs["short"]
+    fit = fit_step_model([*clean, *short, *idle], limits)
+    replica = Replica(fit.model, limits, fit.latency)
+    per_rate = list(zip(*[[(s, reqs, recs) for s, reqs, recs in rate_levels(doc)] for doc in docs["rates"]],
+                        strict=True))
+    rows = [predictions(replica, list(rounds), args.seeds) for rounds in per_rate]
+    busy_rates = [[b for b in foreign.get(path["rates"].name, []) if b is not None] for path in found]
+    for i, row in enumerate(rows):
+        samples = [busy[i] for busy in busy_rates if len(busy) > i]
+        row["foreign_cores"] = max(samples) if samples else None
     sim_s = time.perf_counter() - t0
+    sweep = docs["sweep"][0]
     peak = max(s["req_per_s"] for s in sweep["summary"])
     facts = machine_facts()
-    doc = {"machine": facts, "sweep": sweep_path.name, "rates": rates_path.name,
+    doc = {"machine": facts, "rounds": len(found), "bench_files": [p.name for path in found for p in path.values()
+                                                                    if p.exists()],
            "peak_req_per_s": peak, "step_model": fit.describe(), "comparison": rows, "target": TARGET,
            "simulation_seconds": sim_s, "foreign_cores": foreign, "levels_left_out_of_fit": dropped,
            "misses": verdict(rows, ("ttft_p50_ms", "ttft_p99_ms", "req_per_s"))}
@@ -293,17 +356,27 @@ def main() -> int:
                 for o in doc["step_model"]["observations"]]
     sm = fit.model
     rate_list = ", ".join(f"{r['rate']:.2f}" for r in rows)
-    front_text = ("TTFT at c=1 {:.1f} ms measured, {:.1f} ms of engine steps".format(*(v * 1e3 for v in fit.ttft_c1))
-                  if fit.ttft_c1 else "no concurrency-1 level in the fit: taken as 0")
-    idle_rates = ", ".join(f"{s['request_rate']:g}" for doc in idle for s in doc["summary"])
+    ttft_lengths = sorted({round(o.prompt_len) for o in fit.observations if o.front_end})
+    if "front_end_s" in fit.columns:
+        front_text = ("fitted with the prompt's cost to the mean TTFT at c=1 of "
+                      + " and ".join(f"{p:.0f}" for p in ttft_lengths) + "-token prompts")
+    elif fit.ttft_c1:
+        front_text = "TTFT at c=1 {:.1f} ms measured, {:.1f} ms of engine steps".format(*(v * 1e3 for v in fit.ttft_c1))
+    else:
+        front_text = "no concurrency-1 level in the fit: taken as 0"
+    idle_rates = ", ".join(sorted({f"{s['request_rate']:g}" for doc in idle for s in doc["summary"]}))
     wake_text = (f"a step after {fit.latency.idle_s * 1e3:.0f} ms or more of idle {fit.latency.wake_s * 1e3:.1f} ms "
-                 f"longer (median over the {fit.wake_samples} requests of the light level, {idle_rates} req/s, "
+                 f"longer (median over the {fit.wake_samples} requests of the light levels, {idle_rates} req/s, "
                  "that found the engine idle)" if idle else "no light level: no wake-up cost")
     cfg = sweep.get("config", {})
+    short_levels = [s for doc in short for s in doc["summary"]]
+    short_text = (f" and c=1 at {statistics.fmean(s['prompt_tokens_server_mean'] for s in short_levels):.0f}-token "
+                  f"prompts ({short_levels[0]['num_requests']} requests)" if short_levels else "")
     sweep_levels = ",".join(f"{s['concurrency']}:{s['num_requests']}" for s in sweep["summary"])
     fractions = ", ".join(f"{r['rate'] / peak:.2f}" for r in rows)
     per_rate = "/".join(str(r["num_requests"]) for r in rows)
-    busy_text = ", ".join("-" if b is None else f"{b:.2f}" for b in foreign.get(sweep_path.name, [])) or "not measured"
+    busy_text = "; ".join(", ".join("-" if b is None else f"{b:.2f}" for b in foreign.get(path["sweep"].name, []))
+                          for path in found) or "not measured"
     left_out = (f" Left out of the fit (other processes above {args.max_foreign:g} cores): {', '.join(dropped)}."
                 if dropped else "")
     report = "\n\n".join([
@@ -311,21 +384,24 @@ def main() -> int:
         f"Generated {time.strftime('%Y-%m-%d %H:%M')} by `benchmarks/plan_validation.py`; {facts['cpu']}, "
         f"{facts['cpus']} CPUs; `llmserve serve` defaults ({sweep.get('server', {}).get('model')}); `llmserve bench "
         f"--workload {cfg.get('workload')} --input-len {cfg.get('input_len')} --output-len {cfg.get('output_len')}`.",
-        f"Step model fitted to the sweep ({sweep_levels}, concurrency:requests): {sm.overhead_s * 1e3:.2f} ms + "
+        f"{len(found)} rounds, interleaved (each: the sweep, the short prompts, the light level, the rates). "
+        f"Step model fitted to the sweeps ({sweep_levels}, concurrency:requests){short_text}: "
+        f"{sm.overhead_s * 1e3:.2f} ms + "
         f"{sm.per_decode_row_s * 1e3:.3f} ms per decode row + {sm.per_prefill_token_s * 1e3:.4f} ms per prompt "
         f"token + {sm.per_attention_pair_s * 1e9:.3f} ns per attention pair (fitted: {', '.join(fit.columns)}); "
         f"front end {fit.latency.front_end_s * 1e3:.1f} ms before the engine sees a request ({front_text}); "
         f"{wake_text}.",
-        render_table(["closed-loop level", "measured ms", "fitted ms", "error"], fit_rows, markdown=True),
+        render_table(["closed-loop level (rounds in order)", "measured ms", "fitted ms", "error"], fit_rows,
+                     markdown=True),
         f"Request rates: {rate_list} req/s ({fractions} x the sweep's highest, "
-        f"{peak:.2f} req/s), {per_rate} Poisson arrivals. Predictions: Poisson = mean of "
+        f"{peak:.2f} req/s, round 1), {per_rate} Poisson arrivals (the rounds pooled). Predictions: Poisson = mean of "
         f"{args.seeds} simulated runs of as many requests (for TTFT p99 the range over those runs: how far a p99 "
         "of that many requests moves by luck alone); replay = the run's own arrival times and token counts.",
         comparison_table(rows),
         ("Within 20 % on TTFT p50/p99 and throughput (Poisson prediction)." if not doc["misses"] else
          "Beyond 20 % (Poisson prediction): " + "; ".join(doc["misses"])),
         "Other cores: CPU used outside the server and the load generator during each level (a 2-core host). "
-        f"During the sweep's levels: {busy_text}.{left_out}",
+        f"During the sweeps' levels (rounds apart by ;): {busy_text}.{left_out}",
         f"Fit and all predictions took {sim_s:.1f} s.",
     ]) + "\n"
     (args.out_dir / "plan_validation.md").write_text(report)

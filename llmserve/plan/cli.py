@@ -105,7 +105,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="prompts longer than a chunk prefilled at once (default %(default)s)")
     s.add_argument("--front-end-ms", type=float, default=None,
                    help="server latency before the engine sees a request (HTTP, template, tokenizer); default: "
-                        "fitted from the bench file's concurrency-1 TTFT, else 0")
+                        "fitted from the bench files' concurrency-1 TTFT (with two prompt lengths, apart from the "
+                        "prompt's cost), else 0")
     s.add_argument("--wake-ms", type=float, default=None,
                    help="extra time of the first step after the engine idled (a host's idle cores run slower "
                         "for a while); default: fitted from the bench file's request-rate levels, else 0")

@@ -14,10 +14,17 @@ Two parts, because a request's time to first token has two: the engine's steps, 
   level, the mean TPOT (decode steps against the batch size, with the prompt chunks of the streams that
   start meanwhile) and the median inter-token gap (a step without prompt tokens, where those are most
   steps). Least squares in relative error, coefficients >= 0.
-- The front end's latency: the measured TTFT at concurrency 1 minus the engine's TTFT the fitted model
-  gives there. TTFT at higher concurrency is not used: a closed loop's c clients send at once, and the front
-  end, on the cores the model uses, then holds whole waves of first tokens back together (a measured c=32
-  wave: 32 equal TTFTs), which Poisson arrivals do not do.
+- The front end's latency and the prompt's cost, from the mean TTFT at concurrency 1: the front end (a
+  constant per request) plus the engine's prefill steps. With concurrency-1 levels at two or more prompt
+  lengths (a factor of 1.5 apart) they join the least squares as observations, with the front end as a
+  fifth unknown: the prompt lengths tell the constant from the per-token cost. This matters because the
+  decode streams above see prompt chunks only as a few long gaps, so they pin the per-token cost loosely:
+  on the Zen 4 host one prompt length gave 0.54 ms a token where a step trace measured 0.69, and the
+  difference (41 ms a request) was taken for front end, which a queue of prompts does not wait on. With one
+  prompt length the front end is what the measured TTFT has beyond the fitted engine's, as before.
+  TTFT at higher concurrency is not used: a closed loop's c clients send at once, and the front end, on
+  the cores the model uses, then holds whole waves of first tokens back together (a measured c=32 wave:
+  32 equal TTFTs), which Poisson arrivals do not do.
 - The engine's wake-up (ServerLatency.wake_s): a step after the engine idled is slower on a host whose
   cores idled, which no closed-loop level shows. From request-rate levels in the files (light Poisson load,
   `llmserve bench --request-rate`), replayed with their own arrival times and token counts: the median of
@@ -40,6 +47,13 @@ from llmserve.plan.traffic import SimRequest
 
 COEFFICIENTS = ("overhead_s", "per_decode_row_s", "per_prefill_token_s", "per_attention_pair_s")
 MIN_WAKE_SAMPLES = 5  # requests that found the engine idle, for a wake-up cost to be fitted
+PROMPT_LENGTH_RATIO = 1.5  # concurrency-1 prompt lengths this far apart tell the front end from prefill
+# The attention term, where the data can tell it apart at all, joins only if it halves the fit's RMS relative
+# error: one coefficient for a decode row's KV reads and a prompt's (query, key) products, costs that differ by
+# orders of magnitude, is a degree of freedom that noise fills. On the Zen 4 host a c=1 level of 94-token
+# prompts beside the 286-token sweep cut the error by 36 % with it, at 3.8 us a pair and a quarter of the
+# per-row cost: it had bent the prompt's cost into a curve, and TPOT under Poisson load came out 14 % low.
+ATTENTION_GAIN = 0.5
 
 
 @dataclass(frozen=True)
@@ -47,6 +61,8 @@ class Observation:
     source: str
     seconds: float  # the measured mean
     features: tuple[float, float, float, float]  # the same mean with a step costing 1, rows, tokens, pairs
+    front_end: float = 0.0  # how many times the front end's latency the mean holds (1 for a TTFT)
+    prompt_len: float = 0.0  # the level's mean prompt tokens
 
 
 @dataclass(frozen=True)
@@ -54,7 +70,7 @@ class StepFit:
     model: LinearStepModel
     observations: list[Observation]
     predicted: list[float]
-    columns: list[str]  # the coefficients the data could tell apart (the others are 0)
+    columns: list[str]  # the coefficients the data could tell apart (the others are 0), "front_end_s" if fitted
     # front end: 0 without a concurrency-1 level; wake-up: 0 without a request-rate level
     latency: ServerLatency = ServerLatency()
     ttft_c1: tuple[float, float] | None = None  # (measured, engine's) mean TTFT at concurrency 1
@@ -105,9 +121,9 @@ def closed_loop_levels(doc: dict[str, Any]) -> list[tuple[dict[str, Any], list[S
     return out
 
 
-def rate_levels(doc: dict[str, Any]) -> list[tuple[dict[str, Any], list[SimRequest], list[float]]]:
-    """(summary, the requests it ran, their measured TTFTs in seconds) of each request-rate level with
-    per-request records: the run's own send times and server token counts, in arrival order."""
+def rate_levels(doc: dict[str, Any]) -> list[tuple[dict[str, Any], list[SimRequest], list[dict[str, Any]]]]:
+    """(summary, the requests it ran, their bench records) of each request-rate level with per-request
+    records: the run's own send times and server token counts, in arrival order."""
     out = []
     for level in doc.get("levels", []):
         s = level.get("summary", {})
@@ -120,14 +136,15 @@ def rate_levels(doc: dict[str, Any]) -> list[tuple[dict[str, Any], list[SimReque
             continue
         reqs = [SimRequest(r["start_ms"] / 1e3, int(r["prompt_tokens"]), max(1, int(r.get("output_tokens") or 1)))
                 for r in recs]
-        out.append((s, reqs, [r["ttft_ms"] / 1e3 for r in recs]))
+        out.append((s, reqs, recs))
     return out
 
 
 def observations(docs: Sequence[dict[str, Any]], limits: SchedulerLimits,
                  min_plain_share: float = 0.7) -> list[Observation]:
-    """The fit's observations (see the module doc); the median gap counts as a plain decode step where at
-    least `min_plain_share` of a stream's steps carry no prompt tokens."""
+    """The fit's observations (see the module doc): TPOT means, median gaps and concurrency-1 TTFT means; the
+    median gap counts as a plain decode step where at least `min_plain_share` of a stream's steps carry no
+    prompt tokens."""
     obs = []
     for doc in docs:
         for s, reqs in closed_loop_levels(doc):
@@ -142,6 +159,9 @@ def observations(docs: Sequence[dict[str, Any]], limits: SchedulerLimits,
             typical = _typical_plain_step(runs[0], min_plain_share)
             if s.get("itl_p50_ms") and typical is not None:
                 obs.append(Observation(f"ITL p50 {tag}", s["itl_p50_ms"] / 1e3, (1.0, typical[0], 0.0, typical[1])))
+            if c == 1 and s.get("ttft_mean_ms"):
+                obs.append(Observation(f"TTFT {tag}", s["ttft_mean_ms"] / 1e3,
+                                       tuple(statistics.fmean(run.ttft) for run in runs), 1.0, prompt))
     return obs
 
 
@@ -159,28 +179,36 @@ def _typical_plain_step(res: SimResult, min_plain_share: float) -> tuple[float, 
 def fit_step_model(docs: Sequence[dict[str, Any]], limits: SchedulerLimits | None = None) -> StepFit:
     """Fit to the closed-loop levels of bench results measured with the scheduler `limits`. The attention
     term joins only where the data can tell it from the per-row and per-token costs (prompt lengths that
-    differ across levels or files); with one prompt length it is a multiple of them."""
+    differ across levels or files); with one prompt length it is a multiple of them. The front end joins
+    where concurrency-1 levels at two prompt lengths can tell it from the prompt's cost (module doc)."""
     limits = limits or SchedulerLimits()
     obs = observations(docs, limits)
     if len({o.source.split(" c=")[1] for o in obs if o.source.startswith("TPOT")}) < 2:
         raise ValueError("a step model needs closed-loop levels at two or more concurrencies "
                          "(llmserve bench --concurrency 1,4,16,...)")
-    x = np.array([o.features for o in obs])
+    ttft = [o for o in obs if o.front_end]
+    lengths = [o.prompt_len for o in ttft]
+    joint = len(lengths) > 1 and max(lengths) >= PROMPT_LENGTH_RATIO * min(lengths)
+    if not joint:  # the TTFTs cannot tell the front end from prefill: the front end is their residual
+        obs = [o for o in obs if not o.front_end]
+    x = np.array([(*o.features, o.front_end) for o in obs])
     y = np.array([o.seconds for o in obs])
     rel = x / y[:, None]  # relative error: each row divided by its measurement
-    active = [0, 1, 2, 3] if _separable(rel, 3) else [0, 1, 2]
-    coef = np.zeros(4)
-    while active:
-        sol, *_ = np.linalg.lstsq(rel[:, active], np.ones(len(y)), rcond=None)
-        if (sol >= 0).all():
-            coef[active] = sol
-            break
-        active.pop(int(np.argmin(sol)))  # a negative cost: the data cannot see that one
-    model = LinearStepModel(*(float(v) for v in coef))
+    base = [0, 1, 2] + ([4] if joint else [])
+    coef, active = _nonnegative_fit(rel, base)
+    if _separable(rel[:, :4], 3):  # the attention term joins where it pays (see ATTENTION_GAIN)
+        with_pairs, active_pairs = _nonnegative_fit(rel, [*base[:3], 3, *base[3:]])
+        if _rms(rel, with_pairs) < (1 - ATTENTION_GAIN) * _rms(rel, coef):
+            coef, active = with_pairs, active_pairs
+    model = LinearStepModel(*(float(v) for v in coef[:4]))
     ttft_c1 = _ttft_at_one(docs, model, limits)
-    latency = ServerLatency(front_end_s=max(0.0, ttft_c1[0] - ttft_c1[1]) if ttft_c1 else 0.0)
+    if joint:
+        front_end = float(coef[4])
+    else:
+        front_end = max(0.0, ttft_c1[0] - ttft_c1[1]) if ttft_c1 else 0.0
+    latency = ServerLatency(front_end_s=front_end)
     wake, samples = _wake_after_idle(docs, model, limits, latency)
-    return StepFit(model, obs, [float(v) for v in x @ coef], [COEFFICIENTS[i] for i in active],
+    return StepFit(model, obs, [float(v) for v in x @ coef], [(*COEFFICIENTS, "front_end_s")[i] for i in active],
                    replace(latency, wake_s=wake), ttft_c1, samples)
 
 
@@ -190,12 +218,29 @@ def _wake_after_idle(docs: Sequence[dict[str, Any]], model: LinearStepModel, lim
     the engine idle have beyond the simulated one, over the request-rate levels replayed as they ran."""
     extra = []
     for doc in docs:
-        for _s, reqs, ttfts in rate_levels(doc):
+        for _s, reqs, records in rate_levels(doc):
             sim = simulate(reqs, model, limits, latency=latency)
-            extra += [ttfts[i] - sim.ttft[i] for i in sim.woken]
+            extra += [records[i]["ttft_ms"] / 1e3 - sim.ttft[i] for i in sim.woken]
     if len(extra) < MIN_WAKE_SAMPLES:
         return 0.0, len(extra)
     return max(0.0, statistics.median(extra)), len(extra)
+
+
+def _nonnegative_fit(rel: np.ndarray, columns: list[int]) -> tuple[np.ndarray, list[int]]:
+    """Least squares of `rel` @ coef = 1 over `columns`, dropping the most negative until none is negative
+    (a negative cost: the data cannot see that one); the coefficients and the columns kept."""
+    active, coef = list(columns), np.zeros(rel.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(rel[:, active], np.ones(len(rel)), rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return coef, active
+
+
+def _rms(rel: np.ndarray, coef: np.ndarray) -> float:
+    return float(np.sqrt(np.mean((rel @ coef - 1) ** 2)))
 
 
 def _ttft_at_one(docs: Sequence[dict[str, Any]], model: LinearStepModel,

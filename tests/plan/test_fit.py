@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from llmserve.plan.fit import fit_step_model
-from llmserve.plan.simulator import SchedulerLimits, ServerLatency
+from llmserve.plan.simulator import SchedulerLimits, ServerLatency, simulate
 from llmserve.plan.step_model import LinearStepModel
+from llmserve.plan.traffic import SimRequest
 
 from .helpers import synthetic_bench, synthetic_rate_level
 
@@ -37,6 +40,32 @@ def test_front_end_latency_is_what_ttft_at_one_has_beyond_the_engine() -> None:
     fit = fit_step_model([doc])
     assert fit.latency.front_end_s == pytest.approx(0.030, abs=0.002)
     assert fit.model.per_prefill_token_s == pytest.approx(0.0002, rel=0.02)  # the engine is not blamed
+
+
+def _ttft_at_one(model: LinearStepModel, prompt: int, front_end_s: float) -> float:
+    return statistics.fmean(simulate([SimRequest(0.0, prompt, 64)] * 8, model, SchedulerLimits(), closed_loop=1).ttft) \
+        + front_end_s
+
+
+def test_two_prompt_lengths_at_one_tell_the_front_end_from_the_prompt_cost() -> None:
+    # Decode steps as the linear model says, but prompt tokens dearer in the steps that carry them (as eager
+    # prompt steps are beside a compiled decode): the TPOT levels barely see it, TTFT at c=1 shows it all.
+    decode = LinearStepModel(0.010, 0.002, 0.0002)
+    prompts = LinearStepModel(0.010, 0.002, 0.0003)
+    sweep = synthetic_bench(decode, 200, 64, (1, 4, 16))
+    long = synthetic_bench(decode, 800, 64, (1,))
+    for doc, prompt in ((sweep, 200), (long, 800)):  # c=1's TTFT: the dear prompt and a 30 ms front end
+        doc["levels"][0]["summary"]["ttft_mean_ms"] = _ttft_at_one(prompts, prompt, 0.030) * 1e3
+    residual = fit_step_model([sweep])  # one prompt length: the front end is what TTFT has beyond the engine
+    assert "front_end_s" not in residual.columns and not [o for o in residual.observations if o.front_end]
+    assert residual.latency.front_end_s > 0.045  # the dear prompt's 20 ms taken for front end
+    joint = fit_step_model([sweep, long])
+    assert joint.columns[-1] == "front_end_s"
+    assert {o.prompt_len for o in joint.observations if o.front_end} == {200.0, 800.0}
+    for prompt, rel in ((800, 0.02), (500, 0.06)):  # the joint fit follows TTFT over prompt length
+        true = _ttft_at_one(prompts, prompt, 0.030)
+        assert _ttft_at_one(joint.model, prompt, joint.latency.front_end_s) == pytest.approx(true, rel=rel)
+    assert _ttft_at_one(residual.model, 800, residual.latency.front_end_s) < 0.85 * _ttft_at_one(prompts, 800, 0.030)
 
 
 def test_wake_up_after_idle_is_fitted_from_a_light_request_rate_level() -> None:
