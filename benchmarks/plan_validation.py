@@ -323,20 +323,18 @@ def main() -> int:
     if not args.short_input_len:
         docs["short"] = []
     dropped, clean = [], []
-    for path, sweep in zip(found, docs["sweep"], strict=True):
+    for r, (path, sweep) in enumerate(zip(found, docs["sweep"], strict=True), start=1):
         busy = foreign.get(path["sweep"].name, [None] * len(sweep["levels"]))
-        out = [f"{lv['summary']['label']} (round {found.index(path) + 1})"
-               for lv, b in zip(sweep["levels"], busy, strict=True) if b is not None and b > args.max_foreign]
-        dropped += out
+        dropped += [f"{lv['summary']['label']} (round {r})"
+                    for lv, b in zip(sweep["levels"], busy, strict=True) if b is not None and b > args.max_foreign]
         clean.append({**sweep, "levels": [lv for lv, b in zip(sweep["levels"], busy, strict=True)
                                           if b is None or b <= args.max_foreign]})
     t0 = time.perf_counter()
     idle, short = docs["idle"], docs["short"]
     fit = fit_step_model([*clean, *short, *idle], limits)
     replica = Replica(fit.model, limits, fit.latency)
-    per_rate = list(zip(*[[(s, reqs, recs) for s, reqs, recs in rate_levels(doc)] for doc in docs["rates"]],
-                        strict=True))
-    rows = [predictions(replica, list(rounds), args.seeds) for rounds in per_rate]
+    by_rate = zip(*[rate_levels(doc) for doc in docs["rates"]], strict=True)  # each rate's levels, a round each
+    rows = [predictions(replica, list(rounds), args.seeds) for rounds in by_rate]
     busy_rates = [[b for b in foreign.get(path["rates"].name, []) if b is not None] for path in found]
     for i, row in enumerate(rows):
         samples = [busy[i] for busy in busy_rates if len(busy) > i]
