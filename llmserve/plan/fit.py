@@ -63,6 +63,7 @@ class Observation:
     features: tuple[float, float, float, float]  # the same mean with a step costing 1, rows, tokens, pairs
     front_end: float = 0.0  # how many times the front end's latency the mean holds (1 for a TTFT)
     prompt_len: float = 0.0  # the level's mean prompt tokens
+    num_requests: int = 0  # the level's requests (weighs a TTFT in the mean TTFT at concurrency 1)
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,7 @@ def observations(docs: Sequence[dict[str, Any]], limits: SchedulerLimits,
                 obs.append(Observation(f"ITL p50 {tag}", s["itl_p50_ms"] / 1e3, (1.0, typical[0], 0.0, typical[1])))
             if c == 1 and s.get("ttft_mean_ms"):
                 obs.append(Observation(f"TTFT {tag}", s["ttft_mean_ms"] / 1e3,
-                                       tuple(statistics.fmean(run.ttft) for run in runs), 1.0, prompt))
+                                       tuple(statistics.fmean(run.ttft) for run in runs), 1.0, prompt, len(reqs)))
     return obs
 
 
@@ -201,7 +202,7 @@ def fit_step_model(docs: Sequence[dict[str, Any]], limits: SchedulerLimits | Non
         if _rms(rel, with_pairs) < (1 - ATTENTION_GAIN) * _rms(rel, coef):
             coef, active = with_pairs, active_pairs
     model = LinearStepModel(*(float(v) for v in coef[:4]))
-    ttft_c1 = _ttft_at_one(docs, model, limits)
+    ttft_c1 = _ttft_at_one(ttft, coef)
     if joint:
         front_end = float(coef[4])
     else:
@@ -243,19 +244,15 @@ def _rms(rel: np.ndarray, coef: np.ndarray) -> float:
     return float(np.sqrt(np.mean((rel @ coef - 1) ** 2)))
 
 
-def _ttft_at_one(docs: Sequence[dict[str, Any]], model: LinearStepModel,
-                 limits: SchedulerLimits) -> tuple[float, float] | None:
-    """(measured, simulated engine) mean TTFT over the concurrency-1 levels, weighted by requests."""
-    measured = engine = 0.0
-    n = 0
-    for doc in docs:
-        for s, reqs in closed_loop_levels(doc):
-            if int(s["concurrency"]) == 1 and s.get("ttft_mean_ms"):
-                sim = simulate(reqs, model, limits, closed_loop=1)
-                measured += s["ttft_mean_ms"] / 1e3 * len(reqs)
-                engine += sum(sim.ttft)
-                n += len(reqs)
-    return (measured / n, engine / n) if n else None
+def _ttft_at_one(ttft: list[Observation], coef: np.ndarray) -> tuple[float, float] | None:
+    """(measured, fitted engine) mean TTFT over the concurrency-1 levels' TTFT observations, weighted by
+    requests: the engine's is linear in the coefficients, so their replays are not run again."""
+    n = sum(o.num_requests for o in ttft)
+    if not n:
+        return None
+    measured = sum(o.seconds * o.num_requests for o in ttft)
+    engine = sum(float(np.dot(o.features, coef[:4])) * o.num_requests for o in ttft)
+    return measured / n, engine / n
 
 
 def _separable(rel: np.ndarray, column: int, tolerance: float = 0.02) -> bool:
