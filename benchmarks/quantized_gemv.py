@@ -58,7 +58,7 @@ def main() -> None:
     print("| tokens | what | PyTorch hot ms | native hot ms | PyTorch streamed ms | native streamed ms | "
           "streamed speed-up | native streamed GB/s |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
-    for tokens in (1, 2, 4, 8):
+    for tokens in (1, 2, 4, 5, 6, 8):
         xs = {k: torch.randn(tokens, k, dtype=torch.bfloat16) for k in (576, 1536)}
         for what, nbytes in (("int4 layers", int4_bytes), ("int8 head", HEAD[0] * HEAD[1])):
             def step(native: bool, what=what, xs=xs) -> None:
