@@ -1,15 +1,17 @@
-"""The native quantized products against PyTorch's weight-only kernels, on SmolLM2's shapes.
+"""The native quantized products against PyTorch's weight-only kernels, on SmolLM2's shapes (or another model's).
 
     .venv/bin/python benchmarks/quantized_gemv.py
+    .venv/bin/python benchmarks/quantized_gemv.py --shapes qwen2.5-coder-1.5b --tokens 1,5,8
 
-One decode step's worth of weights (30 layers x qkv, o, gate_up, down in int4; the 49152 x 576 output
-head in int8), each layer its own weight as in the model, timed per token count in two states: "hot"
+One decode step's worth of weights (SmolLM2: 30 layers x qkv, o, gate_up, down in int4; the 49152 x 576
+output head in int8), each layer its own weight as in the model, timed per token count in two states: "hot"
 (the same step repeated, weights partly in cache) and "streamed" (a 256 MiB read between steps evicts
 them, as a real step's other work does). The streamed figure is what a server's step pays.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -22,8 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from llmserve.kernels import native_quantized_kernels  # noqa: E402
 from llmserve.quantization.weight_only import WeightOnlyLinear  # noqa: E402
 
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down: [out, in]
-HEAD = (49152, 576)
+# per model: layers, the linears' [out, in] (qkv, o, gate_up, down) and the output head's
+SHAPE_SETS = {
+    "smollm2": (30, [(960, 576), (576, 576), (3072, 576), (576, 1536)], (49152, 576)),
+    "qwen2.5-coder-1.5b": (28, [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960)], (151936, 1536)),
+}
 
 
 def timed(step, evict: torch.Tensor | None, repeats: int = 15) -> float:
@@ -40,33 +45,39 @@ def timed(step, evict: torch.Tensor | None, repeats: int = 15) -> float:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", choices=sorted(SHAPE_SETS), default="smollm2")
+    ap.add_argument("--tokens", default="1,2,4,5,6,8", help="token counts (default: %(default)s)")
+    args = ap.parse_args()
+    num_layers, shapes, head = SHAPE_SETS[args.shapes]
     if not native_quantized_kernels():
         sys.exit("the native quantized kernels are not built vectorized on this machine (AVX-512 VNNI)")
     torch.manual_seed(0)
     print("quantizing one step's weights twice (native and PyTorch layouts) ...", flush=True)
     layers = {native: [] for native in (True, False)}
-    for _ in range(30):
-        for out_features, in_features in SHAPES:
+    for _ in range(num_layers):
+        for out_features, in_features in shapes:
             weight = torch.randn(out_features, in_features, dtype=torch.bfloat16) * 0.02
             for native in (True, False):
                 layers[native].append(WeightOnlyLinear(weight, "int4", native_kernels=native))
-    head_weight = torch.randn(*HEAD, dtype=torch.bfloat16) * 0.02
+    head_weight = torch.randn(*head, dtype=torch.bfloat16) * 0.02
     heads = {native: WeightOnlyLinear(head_weight, "int8", native_kernels=native) for native in (True, False)}
     evict = torch.ones(2**26)  # 256 MiB
     int4_bytes = sum(m.qweight.numel() * m.qweight.element_size() for m in layers[True])
-    print(f"int4 layers: {int4_bytes / 1e6:.1f} MB (native layout); head: {HEAD[0] * HEAD[1] / 1e6:.1f} MB int8")
+    print(f"int4 layers: {int4_bytes / 1e6:.1f} MB (native layout); head: {head[0] * head[1] / 1e6:.1f} MB int8")
     print("| tokens | what | PyTorch hot ms | native hot ms | PyTorch streamed ms | native streamed ms | "
           "streamed speed-up | native streamed GB/s |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|")
-    for tokens in (1, 2, 4, 5, 6, 8):
-        xs = {k: torch.randn(tokens, k, dtype=torch.bfloat16) for k in (576, 1536)}
-        for what, nbytes in (("int4 layers", int4_bytes), ("int8 head", HEAD[0] * HEAD[1])):
+    widths = {in_features for _, in_features in shapes}
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        xs = {k: torch.randn(tokens, k, dtype=torch.bfloat16) for k in widths}
+        for what, nbytes in (("int4 layers", int4_bytes), ("int8 head", head[0] * head[1])):
             def step(native: bool, what=what, xs=xs) -> None:
                 if what == "int4 layers":
                     for layer in layers[native]:
                         layer(xs[layer.weight.shape[1]])
                 else:
-                    heads[native](xs[576])
+                    heads[native](xs[head[1]])
             hot = {n: timed(lambda n=n: step(n), None) for n in (False, True)}
             streamed = {n: timed(lambda n=n: step(n), evict) for n in (False, True)}
             print(f"| {tokens} | {what} | {hot[False]:.2f} | {hot[True]:.2f} | {streamed[False]:.2f} | "
