@@ -26,6 +26,7 @@ plan_validation_{sweep,short,idle,rates}_r{1,2,...}.json.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -143,7 +144,7 @@ def serve(args: argparse.Namespace, log: Path) -> subprocess.Popen[bytes]:
     raise RuntimeError("server not ready after 900 s")
 
 
-def bench(args: argparse.Namespace, out: Path, *load: str, input_len: int | None = None, seed: int = 1234) -> None:
+def bench(args: argparse.Namespace, out: Path, *load: str, seed: int, input_len: int | None = None) -> None:
     """One `llmserve bench` run. A level's prompts are seeded by (seed, level label): a run of another prompt
     length with a level label used before needs another seed, or its prompts are prefixes of the earlier
     ones and hit the prefix cache."""
@@ -315,8 +316,8 @@ def main() -> int:
             compact(p)
         foreign_path.write_text(json.dumps(foreign, indent=1) + "\n")
     foreign = json.loads(foreign_path.read_text()) if foreign_path.exists() else {}
-    found = [round_paths(args.out_dir, r) for r in range(1, 100)]
-    found = [path for path in found if path["sweep"].exists() and path["rates"].exists()]
+    found = list(itertools.takewhile(lambda path: path["sweep"].exists() and path["rates"].exists(),
+                                     (round_paths(args.out_dir, r) for r in itertools.count(1))))
     if not found:
         raise SystemExit(f"no plan_validation_sweep_r1.json / _rates_r1.json in {args.out_dir}")
     docs = {kind: [load_result(path[kind]) for path in found if path[kind].exists()] for kind in found[0]}
@@ -335,10 +336,10 @@ def main() -> int:
     replica = Replica(fit.model, limits, fit.latency)
     by_rate = zip(*[rate_levels(doc) for doc in docs["rates"]], strict=True)  # each rate's levels, a round each
     rows = [predictions(replica, list(rounds), args.seeds) for rounds in by_rate]
-    busy_rates = [[b for b in foreign.get(path["rates"].name, []) if b is not None] for path in found]
+    busy_rates = [foreign.get(path["rates"].name, []) for path in found]  # per round, a figure per rate (or None)
     for i, row in enumerate(rows):
-        samples = [busy[i] for busy in busy_rates if len(busy) > i]
-        row["foreign_cores"] = max(samples) if samples else None
+        row["foreign_cores"] = max((busy[i] for busy in busy_rates if i < len(busy) and busy[i] is not None),
+                                   default=None)
     sim_s = time.perf_counter() - t0
     sweep = docs["sweep"][0]
     peak = max(s["req_per_s"] for s in sweep["summary"])

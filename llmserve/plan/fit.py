@@ -198,16 +198,14 @@ def fit_step_model(docs: Sequence[dict[str, Any]], limits: SchedulerLimits | Non
     base = [0, 1, 2] + ([4] if joint else [])
     coef, active = _nonnegative_fit(rel, base)
     if _separable(rel[:, :4], 3):  # the attention term joins where it pays (see ATTENTION_GAIN)
-        with_pairs, active_pairs = _nonnegative_fit(rel, [*base[:3], 3, *base[3:]])
+        with_pairs, active_pairs = _nonnegative_fit(rel, sorted([*base, 3]))
         if _rms(rel, with_pairs) < (1 - ATTENTION_GAIN) * _rms(rel, coef):
             coef, active = with_pairs, active_pairs
     model = LinearStepModel(*(float(v) for v in coef[:4]))
     ttft_c1 = _ttft_at_one(ttft, coef)
-    if joint:
-        front_end = float(coef[4])
-    else:
-        front_end = max(0.0, ttft_c1[0] - ttft_c1[1]) if ttft_c1 else 0.0
-    latency = ServerLatency(front_end_s=front_end)
+    # joint: a coefficient of the fit; else what the measured TTFT at c=1 has beyond the fitted engine's
+    residual = max(0.0, ttft_c1[0] - ttft_c1[1]) if ttft_c1 else 0.0
+    latency = ServerLatency(front_end_s=float(coef[4]) if joint else residual)
     wake, samples = _wake_after_idle(docs, model, limits, latency)
     return StepFit(model, obs, [float(v) for v in x @ coef], [(*COEFFICIENTS, "front_end_s")[i] for i in active],
                    replace(latency, wake_s=wake), ttft_c1, samples)
