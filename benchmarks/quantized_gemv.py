@@ -2,11 +2,14 @@
 
     .venv/bin/python benchmarks/quantized_gemv.py
     .venv/bin/python benchmarks/quantized_gemv.py --shapes qwen2.5-coder-1.5b --tokens 1,5,8
+    .venv/bin/python benchmarks/quantized_gemv.py --shapes qwen2.5-coder-1.5b --tokens 1,8,32 --parts 2,1
 
 One decode step's worth of weights (SmolLM2: 30 layers x qkv, o, gate_up, down in int4; the 49152 x 576
 output head in int8), each layer its own weight as in the model, timed per token count in two states: "hot"
 (the same step repeated, weights partly in cache) and "streamed" (a 256 MiB read between steps evicts
 them, as a real step's other work does). The streamed figure is what a server's step pays.
+`--parts 2,1`: instead, the native int4 products alone with their inputs split into each number of int8 parts
+(2: ~16 bits; 1: Q8_0), alternated per token count.
 """
 
 from __future__ import annotations
@@ -48,11 +51,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", choices=sorted(SHAPE_SETS), default="smollm2")
     ap.add_argument("--tokens", default="1,2,4,5,6,8", help="token counts (default: %(default)s)")
+    ap.add_argument("--parts", help="compare the int4 kernel's activation parts instead, e.g. 2,1")
     args = ap.parse_args()
     num_layers, shapes, head = SHAPE_SETS[args.shapes]
     if not native_quantized_kernels():
         sys.exit("the native quantized kernels are not built vectorized on this machine (AVX-512 VNNI)")
     torch.manual_seed(0)
+    if args.parts:
+        return compare_parts(num_layers, shapes, [int(t) for t in args.tokens.split(",")],
+                             [int(p) for p in args.parts.split(",")])
     print("quantizing one step's weights twice (native and PyTorch layouts) ...", flush=True)
     layers = {native: [] for native in (True, False)}
     for _ in range(num_layers):
@@ -83,6 +90,28 @@ def main() -> None:
             print(f"| {tokens} | {what} | {hot[False]:.2f} | {hot[True]:.2f} | {streamed[False]:.2f} | "
                   f"{streamed[True]:.2f} | {streamed[False] / streamed[True]:.2f}x | "
                   f"{nbytes / streamed[True] / 1e6:.1f} |", flush=True)
+
+
+def compare_parts(num_layers: int, shapes: list[tuple[int, int]], token_counts: list[int], parts: list[int]) -> None:
+    """One step's int4 products (weights streamed) per number of activation parts, alternated 4 times: the best."""
+    print("quantizing one step's int4 weights ...", flush=True)
+    layers = [WeightOnlyLinear(torch.randn(out_features, in_features, dtype=torch.bfloat16) * 0.02, "int4",
+                               native_kernels=True)
+              for _ in range(num_layers) for out_features, in_features in shapes]
+    evict = torch.ones(2**26)  # 256 MiB
+    print("| tokens | " + " | ".join(f"{p} part{'s' if p > 1 else ''} ms" for p in parts) + " | ratio |")
+    print("|---:|" + "---:|" * (len(parts) + 1))
+    for tokens in token_counts:
+        xs = {k: torch.randn(tokens, k, dtype=torch.bfloat16) for _, k in shapes}
+        best = {p: float("inf") for p in parts}
+        for _ in range(4):
+            for p in parts:
+                def step(p=p, xs=xs) -> None:
+                    for layer in layers:
+                        torch.ops.llmserve.int4_gemv(xs[layer.weight.shape[1]], layer.qweight, layer.out_features, p)
+                best[p] = min(best[p], timed(step, evict, repeats=3))
+        print(f"| {tokens} | " + " | ".join(f"{best[p]:.1f}" for p in parts) +
+              f" | {best[parts[0]] / best[parts[-1]]:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

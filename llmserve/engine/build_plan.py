@@ -28,7 +28,7 @@ from llmserve.loader.awq_format import AWQ_FORMAT
 from llmserve.loader.gguf import INT4_GRID_FORMATS
 from llmserve.loader.int8_format import INT8_FORMAT
 from llmserve.models.llama import LlamaConfig
-from llmserve.quantization.weight_only import AMX_MIN_TOKENS, QUANTIZED_MAX_TOKENS
+from llmserve.quantization.weight_only import AMX_MIN_TOKENS, Q8_MAX_TOKENS, QUANTIZED_MAX_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ class BuildPlan:
     num_kv_blocks: int
     max_model_len: int
     head: str = "int8"  # a quantized model's output head: "int8" (it ranks every token), "int4" for a draft
+    activation_parts: int = 2  # the native int4 kernel's inputs: 2 int8 parts (~16 bits) or 1 (Q8_0)
     tensor_parallel_size: int = 1  # ranks the model is split over (distributed/)
     reasons: dict[str, str] = field(default_factory=dict, compare=False)  # why, per choice
 
@@ -69,7 +70,7 @@ class BuildPlan:
             ("dtype", str(self.dtype).removeprefix("torch.")),
             ("weights", self.weights + (f", output head {self.head}" if self.head != "int8" else "")),
             ("small steps", f"{self.small_step_kernels} kernels, <= {self.small_step_max_tokens} tokens"
-             if self.small_step_max_tokens else "-"),
+             + (", int4 inputs as Q8_0" if self.activation_parts == 1 else "") if self.small_step_max_tokens else "-"),
             ("large steps", f"int8 x int8 ({self.int8_products})" if self.int8_activations else "dense products"),
             ("attention", self.attention),
             ("elementwise", self.elementwise),
@@ -123,8 +124,11 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
         weights = head = "int4"  # on PyTorch's int4 kernel a step would cost more than the target's
         reasons["weights"] = ("auto: a speculative draft, whose weights decide which tokens are proposed, never "
                               "which are kept: the fastest, output head included")
-    small, small_max, products = "", 0, ""
+    small, small_max, products, parts = "", 0, "", 2
     int8_activations = bool(mc.int8_activations)
+    if mc.q8_activations and weights not in ("int4", "int4+int8"):
+        raise ValueError(f"q8_activations are the int4 kernel's inputs, and this model's weights run "
+                         f"{weights!r} ({reasons.get('weights', 'as asked')})")
     if int8_activations and weights == "as loaded":
         raise ValueError(f"int8_activations needs quantized weights, and quantization={mc.quantization!r} keeps this "
                          f"model's as loaded ({reasons.get('weights', 'as asked')}): ask for 'int8' or 'int4'")
@@ -139,6 +143,8 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
         if built and not vectorized:
             reasons["small steps"] = "llmserve's need AVX-512 VNNI or AVX2"
         small_max = QUANTIZED_MAX_TOKENS[weights]
+        if mc.q8_activations and small != "native":
+            raise ValueError("q8_activations need llmserve's native int4 kernel (AVX-512 VNNI or AVX2)")
         if weights == "int4+int8":
             reasons["small steps"] = f"int8 layers up to {QUANTIZED_MAX_TOKENS['int8']} tokens"
         if mc.int8_activations is None:  # auto: where the file itself is 4-bit and int8 products are fast here
@@ -157,6 +163,20 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
                                           "perplexity on SmolLM2 (benchmarks/README.md)")
             elif weights == "int4+int8":
                 reasons["large steps"] = "auto: int8 activations cost this kind of file +1.8 % perplexity"
+        q8 = mc.q8_activations
+        if q8 is None:  # auto: where `llmserve eval` measured them to leave the model's quality as it was
+            q8 = mc.quantization == "auto" and small == "native" and (weights == "int4+int8" or mc.draft)
+        if q8:
+            parts = 1
+            if not int8_activations:  # the int4 layers take steps up to Q8_MAX_TOKENS; dense products beyond
+                small_max = Q8_MAX_TOKENS
+            why = ("as asked" if mc.q8_activations else "auto: a draft's weights only propose" if mc.draft else
+                   f"auto: a K-quant mix, {_Q8_MEASURED}")
+            reasons["small steps"] = "; ".join(filter(None, [
+                why, reasons.get("small steps"),
+                f"int4 layers up to {small_max} tokens, their inputs as Q8_0: half the integer work"]))
+        elif mc.q8_activations is None and small == "native" and weights == "int4":
+            reasons["small steps"] = f"auto: ~16-bit int4 inputs for a 4-bit file, {_Q8_MEASURED}"
         if int8_activations:
             products = "amx" if wanted and amx_int8_gemm() else "onednn"
             if products == "amx":
@@ -202,7 +222,7 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
         int8_activations=int8_activations, int8_products=products, attention=attention,
         elementwise=elementwise, argmax=argmax, compile=compile_mode,
         fused_decode_max_tokens=fused_max if fused else 0, kv_cache=spec, num_kv_blocks=num_blocks,
-        max_model_len=max_model_len, head=head, tensor_parallel_size=tp, reasons=reasons,
+        max_model_len=max_model_len, head=head, tensor_parallel_size=tp, activation_parts=parts, reasons=reasons,
     )
 
 
@@ -219,6 +239,12 @@ def _check_tensor_parallel(config: EngineConfig, model: LlamaConfig, weights: st
     reasons["tensor parallel"] = ("each rank its heads, MLP units and vocabulary rows; two all-reduces a layer, "
                                   "the decoder stack layer by layer")
 
+
+# What Q8_0 inputs to the int4 kernel (llama.cpp's activations) cost, by `llmserve eval`'s perplexity on gensim's
+# text, every token through the kernel (benchmarks/README.md, issue 20, session 33): a tenth of a percent or less
+# on the Qwen2.5-Coder Q4_K_M files, but +1.45 % on SmolLM2's Q4_1, whose q/k/v and gate/up inputs carry a few
+# channels far larger than the rest (a group of 32 that holds one rounds its other 31 coarsely).
+_Q8_MEASURED = "Q8_0 inputs cost Qwen2.5-Coder-1.5B's Q4_K_M +0.03 % perplexity, SmolLM2's Q4_1 +1.45 %"
 
 # GGML types stored on a 4-bit grid that int4 takes over (groups of 32, fp16 scale and minimum: Q4_1's
 # grid holds Q4_0 and Q4_1 exactly, and Q4_K up to the fp16 rounding of its scales and minimums): the

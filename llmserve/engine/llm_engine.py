@@ -346,9 +346,11 @@ class LLMEngine:
         those sizes), so no request pays for it."""
         start = time.perf_counter()
         greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-        wide = min(17, self.config.scheduler.max_num_seqs)  # past the quantized kernels' 8 and 16 tokens
-        batches = ([list(range(100, 140))], [list(range(200, 240)), list(range(300, 303))],
-                   [list(range(400 + i, 420 + i)) for i in range(wide)])
+        # decode batches of each size class: up to 8 tokens (every quantized kernel), past 8 (the int8 kernel's
+        # limit) and past the plan's small-step limit (dense products)
+        sizes = sorted({1, 3, 9, self.plan.small_step_max_tokens + 1})
+        batches = [[list(range(100 * size + i, 100 * size + i + 20)) for i in range(size)]
+                   for size in sizes if size <= self.config.scheduler.max_num_seqs]
         for batch in batches:
             self._run_to_completion([(f"warm-up-{len(batch)}-{i}", prompt, greedy, None)
                                      for i, prompt in enumerate(batch)])

@@ -97,7 +97,7 @@ class ModelRunner:
             kv_spec = dataclasses.replace(kv_spec, num_kv_heads=self.config.num_kv_heads)
         if plan.weights != "as loaded":
             quantize_model(model, plan.weights, plan.small_step_kernels == "native", plan.small_step_max_tokens,
-                           grids, plan.head)
+                           grids, plan.head, plan.activation_parts)
         if packed := prepack_linears(model):
             logger.info("%d linear weights prepacked for oneDNN", packed)
             if plan.compile == "off" and not plan.int8_activations:

@@ -89,6 +89,51 @@ class _ServedInt8Projection(torch.nn.Module):
         return y[:, self.cols].to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
+def q8_input_reference(model, method: str, grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                       max_tokens: int | None = None):
+    """`quantized_reference`, each int4 projection computed as llmserve's int4 kernel does under `q8_activations`
+    in calls of at most `max_tokens` rows (default: Q8_MAX_TOKENS): the inputs at their Q8_0 levels (per group of
+    32: round(x / step) * step, step = max|x| / 127, float32 as the kernel rounds them) times q * scale, plus the
+    inputs as they are times the group minimums. Larger calls multiply the dense weight."""
+    from torch import nn
+
+    from llmserve.quantization.weight_only import Q8_MAX_TOKENS, layer_method_of
+
+    ref = quantized_reference(model, method, grids)
+    grids = grids or {}
+    limit = Q8_MAX_TOKENS if max_tokens is None else max_tokens
+    for name, module in list(ref.model.layers.named_modules(prefix="model.layers")):
+        for child_name, child in list(module.named_children()):
+            grid = grids.get(f"{name}.{child_name}.weight")
+            if isinstance(child, nn.Linear) and layer_method_of(method, grid) == "int4":
+                setattr(module, child_name, _Q8InputProjection(child, grid, limit))
+    return ref
+
+
+class _Q8InputProjection(torch.nn.Module):
+    """One int4 projection on Q8_0 inputs (see `q8_input_reference`), at or below `limit` rows."""
+
+    def __init__(self, dense: torch.nn.Linear, grid, limit: int) -> None:
+        from llmserve.quantization.weight_only import _quantize_int4
+
+        super().__init__()
+        q, scale, lo, _ = _quantize_int4(dense.weight.detach().float(), grid)
+        out_features, in_features = q.shape
+        self.scaled = (q.float().view(out_features, -1, 32) * scale[..., None]).view(out_features, in_features)
+        self.mins = lo.repeat_interleave(32, dim=1)
+        self.dense, self.limit = dense, limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.reshape(-1, x.shape[-1]).shape[0] > self.limit:
+            return self.dense(x)
+        groups = x.float().reshape(*x.shape[:-1], -1, 32)
+        step = groups.abs().amax(dim=-1, keepdim=True) / 127
+        step = torch.where(step > 0, step, torch.ones_like(step))
+        levels = (torch.round(groups * (1 / step)) * step).reshape(x.shape)
+        y = torch.nn.functional.linear(levels, self.scaled) + torch.nn.functional.linear(x.float(), self.mins)
+        return (y if self.dense.bias is None else y + self.dense.bias).to(x.dtype)
+
+
 def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Greedy decoding with transformers' KV cache and no logits processors (EOS is not special)."""
     out_ids: list[int] = []

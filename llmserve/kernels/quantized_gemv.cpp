@@ -20,7 +20,9 @@
 //     16 fp16 scales, 16 fp16 minimums (w = q * scale + min)
 // The activations of each group become two int8 parts, x ~ step * (hi + lo / 254): `vpdpbusd` multiplies
 // the unsigned nibbles by them exactly, so the only rounding is that ~16-bit split (|error| <= step / 508,
-// step = max|x| / 127 over the group) and float32 sums.
+// step = max|x| / 127 over the group) and float32 sums. Or one part, x ~ step * hi: llama.cpp's Q8_0
+// activations (|error| <= step / 2), half the integer work, which bounds a step of 8 or more tokens (the
+// build plan chooses per model: what Q8_0 costs depends on it). The minimums' term takes x's exact sums.
 // int8 layout, per row block: for each input, the 16 rows' int8 weights; the row scales are applied at
 // the end. Weights widen to float32 and multiply with `vfmadd`: float32 math throughout.
 
@@ -60,12 +62,21 @@ constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of the loop the weigh
 // 4.17 ms (T0, 4 KiB ahead) -> 3.57 ms (T2, 8 KiB ahead), 15.9 -> 18.6 GB/s (T1 the same within noise).
 constexpr int64_t kInt4PrefetchBytes = 8192;
 
+// A step of more than kMaxTokens tokens passes over each tile of row blocks once per kMaxTokens tokens; a tile
+// this size stays in L2 between passes, so the weights stream from memory once, not once a pass.
+constexpr int64_t kTileBytes = 256 * 1024;
+
 // Row blocks split between torch's threads, contiguous so that each thread reads one stream; each thread
-// runs `pass(first_token, tokens, block_begin, block_end)` over its blocks for every kMaxTokens tokens.
+// runs `pass(first_token, tokens, block_begin, block_end)` over each tile of its blocks for every kMaxTokens
+// tokens. `block_bytes`: the weight bytes of one row block.
 template <typename Pass>
-void for_token_passes(int64_t num_blocks, int64_t m, const Pass& pass) {
+void for_token_passes(int64_t num_blocks, int64_t m, int64_t block_bytes, const Pass& pass) {
+  const int64_t tile = m <= kMaxTokens ? num_blocks : std::max<int64_t>(1, kTileBytes / block_bytes);
   at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t0 = 0; t0 < m; t0 += kMaxTokens) pass(t0, std::min(kMaxTokens, m - t0), begin, end);
+    for (int64_t b = begin; b < end; b += tile) {
+      const int64_t tile_end = std::min(end, b + tile);
+      for (int64_t t0 = 0; t0 < m; t0 += kMaxTokens) pass(t0, std::min(kMaxTokens, m - t0), b, tile_end);
+    }
   });
 }
 
@@ -99,16 +110,16 @@ void check_activations(const at::Tensor& x, const char* op) {
 // ---- int4 -------------------------------------------------------------------------------------------
 
 // One pass's tokens, as the int4 loop reads them: per token and group, int8 parts hi and lo with
-// x ~ step * (hi + lo / 254), and the exact sum of x (the minimums' term).
+// x ~ step * (hi + lo / 254) (or hi alone, x ~ step * hi), and the exact sum of x (the minimums' term).
 struct Int4Tokens {
   const int8_t* hi;  // [tokens, k]
-  const int8_t* lo;
+  const int8_t* lo;  // nullptr: one part
   const float* step;  // [tokens, k / 32]
   const float* sum;
 
   Int4Tokens from(int64_t token, int64_t k) const {
     const int64_t groups = k / kGroup;
-    return {hi + token * k, lo + token * k, step + token * groups, sum + token * groups};
+    return {hi + token * k, lo ? lo + token * k : nullptr, step + token * groups, sum + token * groups};
   }
 };
 
@@ -122,12 +133,12 @@ inline __m512 load16(const at::BFloat16* x) {  // bf16 is the top half of a floa
 
 // Splits the activations; its buffers are reused across calls (one per thread that calls).
 template <typename T>
-Int4Tokens split_activations(const T* x, int64_t m, int64_t k) {
+Int4Tokens split_activations(const T* x, int64_t m, int64_t k, bool two_parts) {
   thread_local std::vector<int8_t> hi, lo;
   thread_local std::vector<float> step, sum;
   const int64_t groups = k / kGroup;
   hi.resize(m * k);
-  lo.resize(m * k);
+  lo.resize(two_parts ? m * k : 0);
   step.resize(m * groups);
   sum.resize(m * groups);
   for (int64_t tg = 0; tg < m * groups; ++tg) {
@@ -144,8 +155,9 @@ Int4Tokens split_activations(const T* x, int64_t m, int64_t k) {
                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(hi.data() + tg * kGroup + 16 * half),
                        _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(h)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(lo.data() + tg * kGroup + 16 * half),
-                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(l)));
+      if (two_parts)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(lo.data() + tg * kGroup + 16 * half),
+                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(l)));
     }
 #else
     const T* v = x + tg * kGroup;
@@ -160,13 +172,13 @@ Int4Tokens split_activations(const T* x, int64_t m, int64_t k) {
       const float scaled = as_float(v[i]) * inv;
       const float h = std::nearbyint(scaled);
       hi[tg * kGroup + i] = static_cast<int8_t>(h);
-      lo[tg * kGroup + i] = static_cast<int8_t>(std::nearbyint((scaled - h) * 254.f));
+      if (two_parts) lo[tg * kGroup + i] = static_cast<int8_t>(std::nearbyint((scaled - h) * 254.f));
     }
     step[tg] = s;
     sum[tg] = total;
 #endif
   }
-  return {hi.data(), lo.data(), step.data(), sum.data()};
+  return {hi.data(), two_parts ? lo.data() : nullptr, step.data(), sum.data()};
 }
 
 template <typename T>
@@ -179,14 +191,14 @@ void int4_rows_portable(const uint8_t* w, Int4Tokens a, T* out, int64_t m, int64
       const uint8_t* p = w + b * groups * kInt4GroupBytes;
       for (int64_t g = 0; g < groups; ++g, p += kInt4GroupBytes) {
         const int8_t* hi = a.hi + t * k + g * kGroup;
-        const int8_t* lo = a.lo + t * k + g * kGroup;
+        const int8_t* lo = a.lo ? a.lo + t * k + g * kGroup : nullptr;
         int32_t dot_hi[kRows] = {}, dot_lo[kRows] = {};
         for (int c = 0; c < 4; ++c) {
           for (int r = 0; r < kRows; ++r) {
             for (int s = 0; s < 4; ++s) {
               const uint8_t byte = p[c * 64 + 4 * r + s];
               dot_hi[r] += (byte & 15) * hi[8 * c + s] + (byte >> 4) * hi[8 * c + 4 + s];
-              dot_lo[r] += (byte & 15) * lo[8 * c + s] + (byte >> 4) * lo[8 * c + 4 + s];
+              if (lo) dot_lo[r] += (byte & 15) * lo[8 * c + s] + (byte >> 4) * lo[8 * c + 4 + s];
             }
           }
         }
@@ -205,8 +217,9 @@ void int4_rows_portable(const uint8_t* w, Int4Tokens a, T* out, int64_t m, int64
 
 #if LLMSERVE_GEMV_AVX512
 // Per 64 weight bytes (16 rows x 8 inputs; a row's 4 bytes are one int32 lane): low nibbles times
-// inputs 8c..8c+3, high nibbles times 8c+4..8c+7, for each token's hi and lo part: four `vpdpbusd`.
-template <int M, typename T>
+// inputs 8c..8c+3, high nibbles times 8c+4..8c+7, for each token's hi and lo part: four `vpdpbusd`
+// (two with one part).
+template <int M, int Parts, typename T>
 void int4_rows_avx512(const uint8_t* w, Int4Tokens a, T* out, int64_t k, int64_t n, int64_t block_begin,
                       int64_t block_end) {
   const int64_t groups = k / kGroup;
@@ -219,8 +232,9 @@ void int4_rows_avx512(const uint8_t* w, Int4Tokens a, T* out, int64_t k, int64_t
     for (int64_t g = 0; g < groups; ++g, p += kInt4GroupBytes) {
       for (int line = 0; line < kInt4GroupBytes; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(p) + kInt4PrefetchBytes + line, _MM_HINT_T2);
-      // [low nibbles, high nibbles]: independent dependency chains (one for both past kMergeChainsFrom tokens)
-      constexpr int S = M >= kMergeChainsFrom ? 1 : 2;
+      // [low nibbles, high nibbles]: independent dependency chains (one for both past kMergeChainsFrom tokens
+      // of two parts; one part keeps two chains a token, as many accumulators as two parts' merged chains)
+      constexpr int S = Parts == 2 && M >= kMergeChainsFrom ? 1 : 2;
       __m512i dot_hi[M][S], dot_lo[M][S];
       for (int t = 0; t < M; ++t) {
         for (int s = 0; s < S; ++s) dot_hi[t][s] = dot_lo[t][s] = _mm512_setzero_si512();
@@ -232,19 +246,24 @@ void int4_rows_avx512(const uint8_t* w, Int4Tokens a, T* out, int64_t k, int64_t
         const __m512i high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
         for (int t = 0; t < M; ++t) {
           const int32_t* hi = reinterpret_cast<const int32_t*>(a.hi + t * k + g * kGroup + 8 * c);
-          const int32_t* lo = reinterpret_cast<const int32_t*>(a.lo + t * k + g * kGroup + 8 * c);
+          const int32_t* lo = reinterpret_cast<const int32_t*>(Parts == 2 ? a.lo + t * k + g * kGroup + 8 * c : nullptr);
           dot_hi[t][0] = _mm512_dpbusd_epi32(dot_hi[t][0], low, _mm512_set1_epi32(hi[0]));
           dot_hi[t][S - 1] = _mm512_dpbusd_epi32(dot_hi[t][S - 1], high, _mm512_set1_epi32(hi[1]));
-          dot_lo[t][0] = _mm512_dpbusd_epi32(dot_lo[t][0], low, _mm512_set1_epi32(lo[0]));
-          dot_lo[t][S - 1] = _mm512_dpbusd_epi32(dot_lo[t][S - 1], high, _mm512_set1_epi32(lo[1]));
+          if constexpr (Parts == 2) {
+            dot_lo[t][0] = _mm512_dpbusd_epi32(dot_lo[t][0], low, _mm512_set1_epi32(lo[0]));
+            dot_lo[t][S - 1] = _mm512_dpbusd_epi32(dot_lo[t][S - 1], high, _mm512_set1_epi32(lo[1]));
+          }
         }
       }
       const __m512 scales = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256)));
       const __m512 mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 288)));
       for (int t = 0; t < M; ++t) {
         const __m512 dot_h = _mm512_cvtepi32_ps(S == 1 ? dot_hi[t][0] : _mm512_add_epi32(dot_hi[t][0], dot_hi[t][S - 1]));
-        const __m512 dot_l = _mm512_cvtepi32_ps(S == 1 ? dot_lo[t][0] : _mm512_add_epi32(dot_lo[t][0], dot_lo[t][S - 1]));
-        const __m512 dot = _mm512_fmadd_ps(dot_l, lo_weight, dot_h);
+        __m512 dot = dot_h;
+        if constexpr (Parts == 2) {
+          const __m512 dot_l = _mm512_cvtepi32_ps(S == 1 ? dot_lo[t][0] : _mm512_add_epi32(dot_lo[t][0], dot_lo[t][S - 1]));
+          dot = _mm512_fmadd_ps(dot_l, lo_weight, dot_h);
+        }
         const __m512 scale = _mm512_mul_ps(scales, _mm512_set1_ps(a.step[t * groups + g]));
         total[t] = _mm512_fmadd_ps(dot, scale, total[t]);
         total[t] = _mm512_fmadd_ps(mins, _mm512_set1_ps(a.sum[t * groups + g]), total[t]);
@@ -265,7 +284,7 @@ void int4_rows_avx512(const uint8_t* w, Int4Tokens a, T* out, int64_t k, int64_t
 // `vpmaddwd` by ones a group widens them to the int32 row sums. The integer dot products are the AVX-512
 // loop's, exactly, and so is the float32 arithmetic after them. A 256-bit vector holds 8 rows: each row
 // block is two halves, bytes 0-31 (rows 0-7) and 32-63 (rows 8-15) of every 64-byte vector.
-template <int M, typename T>
+template <int M, int Parts, typename T>
 void int4_rows_avx2(const uint8_t* w, Int4Tokens a, T* out, int64_t k, int64_t n, int64_t block_begin,
                     int64_t block_end) {
   const int64_t groups = k / kGroup;
@@ -286,7 +305,7 @@ void int4_rows_avx2(const uint8_t* w, Int4Tokens a, T* out, int64_t k, int64_t n
         for (int t = 0; t < M; ++t) {
           // the nibbles are unpacked again for each token (from L1): holding all eight in registers spilled
           const int32_t* hi = reinterpret_cast<const int32_t*>(a.hi + t * k + g * kGroup);
-          const int32_t* lo = reinterpret_cast<const int32_t*>(a.lo + t * k + g * kGroup);
+          const int32_t* lo = reinterpret_cast<const int32_t*>(Parts == 2 ? a.lo + t * k + g * kGroup : nullptr);
           __m256i sum_hi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // [low, high nibbles]
           __m256i sum_lo[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
 #pragma GCC unroll 4
@@ -296,12 +315,17 @@ void int4_rows_avx2(const uint8_t* w, Int4Tokens a, T* out, int64_t k, int64_t n
             const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
             sum_hi[0] = _mm256_add_epi16(sum_hi[0], _mm256_maddubs_epi16(low, _mm256_set1_epi32(hi[2 * c])));
             sum_hi[1] = _mm256_add_epi16(sum_hi[1], _mm256_maddubs_epi16(high, _mm256_set1_epi32(hi[2 * c + 1])));
-            sum_lo[0] = _mm256_add_epi16(sum_lo[0], _mm256_maddubs_epi16(low, _mm256_set1_epi32(lo[2 * c])));
-            sum_lo[1] = _mm256_add_epi16(sum_lo[1], _mm256_maddubs_epi16(high, _mm256_set1_epi32(lo[2 * c + 1])));
+            if constexpr (Parts == 2) {
+              sum_lo[0] = _mm256_add_epi16(sum_lo[0], _mm256_maddubs_epi16(low, _mm256_set1_epi32(lo[2 * c])));
+              sum_lo[1] = _mm256_add_epi16(sum_lo[1], _mm256_maddubs_epi16(high, _mm256_set1_epi32(lo[2 * c + 1])));
+            }
           }
           const __m256 dot_h = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(sum_hi[0], sum_hi[1]), ones));
-          const __m256 dot_l = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(sum_lo[0], sum_lo[1]), ones));
-          const __m256 dot = _mm256_fmadd_ps(dot_l, lo_weight, dot_h);
+          __m256 dot = dot_h;
+          if constexpr (Parts == 2) {
+            const __m256 dot_l = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_add_epi16(sum_lo[0], sum_lo[1]), ones));
+            dot = _mm256_fmadd_ps(dot_l, lo_weight, dot_h);
+          }
           const __m256 scale = _mm256_mul_ps(scales, _mm256_set1_ps(a.step[t * groups + g]));
           total[t][half] = _mm256_fmadd_ps(dot, scale, total[t][half]);
           total[t][half] = _mm256_fmadd_ps(mins, _mm256_set1_ps(a.sum[t * groups + g]), total[t][half]);
@@ -318,20 +342,20 @@ void int4_rows_avx2(const uint8_t* w, Int4Tokens a, T* out, int64_t k, int64_t n
 }
 #endif
 
-template <typename T>
+template <int Parts, typename T>
 void int4_product(const at::Tensor& x, const uint8_t* w, at::Tensor& out, bool portable) {
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1), num_blocks = n / kRows;
-  const Int4Tokens a = split_activations(x.data_ptr<T>(), m, k);
+  const Int4Tokens a = split_activations(x.data_ptr<T>(), m, k, Parts == 2);
   T* o = out.data_ptr<T>();
   if (portable) return int4_rows_portable(w, a, o, m, k, n, 0, num_blocks);
-  for_token_passes(num_blocks, m, [&](int64_t t0, int64_t mt, int64_t begin, int64_t end) {
+  for_token_passes(num_blocks, m, k / kGroup * kInt4GroupBytes, [&](int64_t t0, int64_t mt, int64_t begin, int64_t end) {
 #if LLMSERVE_GEMV_AVX512
     with_token_count<kMaxTokens>(mt, [&](auto tokens) {
-      int4_rows_avx512<decltype(tokens)::value>(w, a.from(t0, k), o + t0 * n, k, n, begin, end);
+      int4_rows_avx512<decltype(tokens)::value, Parts>(w, a.from(t0, k), o + t0 * n, k, n, begin, end);
     });
 #elif LLMSERVE_GEMV_AVX2
     with_token_count<kMaxTokens>(mt, [&](auto tokens) {
-      int4_rows_avx2<decltype(tokens)::value>(w, a.from(t0, k), o + t0 * n, k, n, begin, end);
+      int4_rows_avx2<decltype(tokens)::value, Parts>(w, a.from(t0, k), o + t0 * n, k, n, begin, end);
     });
 #else
     int4_rows_portable(w, a.from(t0, k), o + t0 * n, mt, k, n, begin, end);
@@ -339,8 +363,10 @@ void int4_product(const at::Tensor& x, const uint8_t* w, at::Tensor& out, bool p
   });
 }
 
-at::Tensor int4_gemv_impl(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, bool portable) {
+at::Tensor int4_gemv_impl(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, int64_t activation_parts,
+                          bool portable) {
   check_activations(x_in, "int4_gemv");
+  TORCH_CHECK(activation_parts == 1 || activation_parts == 2, "int4_gemv: activation_parts must be 1 or 2");
   const at::Tensor x = x_in.contiguous();
   const int64_t k = x.size(1);
   TORCH_CHECK(k % kGroup == 0 && n % kRows == 0, "int4_gemv: in_features must be a multiple of 32 and "
@@ -349,22 +375,25 @@ at::Tensor int4_gemv_impl(const at::Tensor& x_in, const at::Tensor& packed, int6
               packed.numel() == n / kRows * (k / kGroup) * kInt4GroupBytes,
               "int4_gemv: packed weight does not match [", n, ", ", k, "]");
   at::Tensor out = at::empty({x.size(0), n}, x.options());
-  if (x.scalar_type() == at::kBFloat16) {
-    int4_product<at::BFloat16>(x, packed.data_ptr<uint8_t>(), out, portable);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  if (activation_parts == 2) {
+    bf16 ? int4_product<2, at::BFloat16>(x, w, out, portable) : int4_product<2, float>(x, w, out, portable);
   } else {
-    int4_product<float>(x, packed.data_ptr<uint8_t>(), out, portable);
+    bf16 ? int4_product<1, at::BFloat16>(x, w, out, portable) : int4_product<1, float>(x, w, out, portable);
   }
   return out;
 }
 
 // x [tokens, k] times the int4 weight packed by `pack_int4` (kernels/quantized_gemv.py): [tokens, n].
-at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
-  return int4_gemv_impl(x, packed, n, false);
+// `activation_parts`: 2 (x to ~16 bits) or 1 (x as Q8_0: an int8 per input, a scale per 32).
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t activation_parts) {
+  return int4_gemv_impl(x, packed, n, activation_parts, false);
 }
 
 // The same product through the portable loop, single-threaded: what the vector path is tested against.
-at::Tensor int4_gemv_portable(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
-  return int4_gemv_impl(x, packed, n, true);
+at::Tensor int4_gemv_portable(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t activation_parts) {
+  return int4_gemv_impl(x, packed, n, activation_parts, true);
 }
 
 // ---- int8 -------------------------------------------------------------------------------------------
@@ -482,7 +511,7 @@ void int8_product(const at::Tensor& x, const int8_t* w, const float* scales, at:
   for (int64_t i = 0; i < m * k; ++i) xf[i] = as_float(xs[i]);
   const float* x32 = xf.data();
 #endif
-  for_token_passes(num_blocks, m, [&](int64_t t0, int64_t mt, int64_t begin, int64_t end) {
+  for_token_passes(num_blocks, m, k * kRows, [&](int64_t t0, int64_t mt, int64_t begin, int64_t end) {
 #if LLMSERVE_GEMV_AVX512
     with_token_count<kMaxTokens>(mt, [&](auto tokens) {
       int8_rows_avx512<decltype(tokens)::value>(w, x32 + t0 * k, scales, o + t0 * n, k, n, begin, end);
@@ -540,8 +569,8 @@ bool quantized_gemv_vectorized() {
 
 TORCH_LIBRARY_FRAGMENT(llmserve, m) {
   m.def("quantized_gemv_vectorized() -> bool");
-  m.def("int4_gemv(Tensor x, Tensor packed, int n) -> Tensor");
-  m.def("int4_gemv_portable(Tensor x, Tensor packed, int n) -> Tensor");
+  m.def("int4_gemv(Tensor x, Tensor packed, int n, int activation_parts=2) -> Tensor");
+  m.def("int4_gemv_portable(Tensor x, Tensor packed, int n, int activation_parts=2) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor packed, Tensor scales, int n) -> Tensor");
   m.def("int8_gemv_portable(Tensor x, Tensor packed, Tensor scales, int n) -> Tensor");
 }

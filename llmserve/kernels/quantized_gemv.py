@@ -53,7 +53,7 @@ def register_fakes() -> None:
     """Output shapes of the ops, so that torch.compile keeps them inside its graphs."""
 
     @torch.library.register_fake("llmserve::int4_gemv")
-    def _(x, packed, n):
+    def _(x, packed, n, activation_parts=2):
         return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake("llmserve::int8_gemv")

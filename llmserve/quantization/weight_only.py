@@ -32,6 +32,10 @@ from llmserve.quantization.int8_activations import int8_linear, pack_int8_weight
 INT4_GROUP_SIZE = 32
 # Steps with at most this many tokens use the quantized kernel (the crossover measured above).
 QUANTIZED_MAX_TOKENS = {"int8": 8, "int4": 16, "int4+int8": 16}
+# ... and with Q8_0 inputs (one activation part), whose int4 products of 32 tokens cost what 16 did with two:
+# Qwen2.5-Coder-1.5B's, weights streamed, Zen 5: 16 tokens 64 -> 37 ms, 32 tokens 129 -> 71 ms, against ~165 ms
+# for its whole step of 32 tokens on the dense bf16 weights (benchmarks/README.md, issue 20, session 33).
+Q8_MAX_TOKENS = 32
 # With the AMX int8 x int8 product, steps from this many tokens take it: all 120 of SmolLM2's products with
 # weights streamed, int4 kernel 4.0 ms at 4 tokens and 7.0 ms at 8; AMX 5.8 ms at 9 and at 16 tokens (any
 # count up to 16 is the same tile work) (benchmarks/quantized_gemv.py, benchmarks/int8_gemm.py). Quality:
@@ -48,14 +52,19 @@ class WeightOnlyLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, method: str, native_kernels: bool = False,
                  max_quantized_tokens: int | None = None, bias: torch.Tensor | None = None,
-                 grid: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 grid: tuple[torch.Tensor, torch.Tensor] | None = None, activation_parts: int = 2) -> None:
         """`native_kernels`: small steps through `torch.ops.llmserve` (the caller has loaded them), which
         keep a weight copy of their own layout instead of PyTorch's. `grid`: int4's (scale, min) per group,
-        the file's own (see the module docstring); int8 has no use for it."""
+        the file's own (see the module docstring); int8 has no use for it. `activation_parts`: how the native
+        int4 kernel takes a small step's inputs, 2 int8 parts (~16 bits) or 1 (Q8_0: an int8 per input, a
+        scale per 32, half the integer work; the build plan chooses, see `Q8_MAX_TOKENS`)."""
         super().__init__()
         if method not in ("int8", "int4"):
             raise ValueError(f"a layer's quantization is 'int8' or 'int4', got {method!r}")
+        if activation_parts not in (1, 2):
+            raise ValueError(f"activation_parts is 1 or 2, got {activation_parts}")
         self.method = method
+        self.activation_parts = activation_parts
         self.max_quantized_tokens = max_quantized_tokens or QUANTIZED_MAX_TOKENS[method]
         dtype = weight.dtype
         out_features, in_features = weight.shape
@@ -126,7 +135,7 @@ class WeightOnlyLinear(nn.Module):
 
 
 def _native_int4(layer: WeightOnlyLinear, x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.llmserve.int4_gemv(x, layer.qweight, layer.out_features)
+    return torch.ops.llmserve.int4_gemv(x, layer.qweight, layer.out_features, layer.activation_parts)
 
 
 def _native_int8(layer: WeightOnlyLinear, x: torch.Tensor) -> torch.Tensor:
@@ -191,14 +200,16 @@ def layer_method_of(method: str, grid: tuple[torch.Tensor, torch.Tensor] | None)
 
 def quantize_model(model: nn.Module, method: str, native_kernels: bool = False,
                    max_quantized_tokens: int | None = None,
-                   grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None, head: str = "int8") -> nn.Module:
+                   grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None, head: str = "int8",
+                   activation_parts: int = 2) -> nn.Module:
     """Replace every `nn.Linear` of the decoder layers by a `WeightOnlyLinear` (its bias, if any, kept), and
     give the output head `head` weights, int8 unless asked (its logits rank every token; a speculative draft
     takes int4), a tied embedding staying as it is (a lookup reads one row).
     `method`: "int8", "int4", or "int4+int8" (int4 where the file stored the weight on a 4-bit grid,
     int8 where it stored more bits). `native_kernels`: the caller has loaded `llmserve.kernels`; small steps
     use them. `max_quantized_tokens`: the largest step the small-step kernels take (default and ceiling:
-    the layer's method's). `grids`: the checkpoint's `int4_grids` (Hugging Face names)."""
+    the layer's method's, Q8_MAX_TOKENS for int4 on Q8_0 inputs). `grids`: the checkpoint's `int4_grids`
+    (Hugging Face names). `activation_parts`: the int4 layers' small-step inputs (see `WeightOnlyLinear`)."""
     grids = {k.removeprefix("model."): v for k, v in (grids or {}).items()}
     for prefix, module in list(model.layers.named_modules(prefix="layers")):
         for child_name, child in list(module.named_children()):
@@ -207,9 +218,10 @@ def quantize_model(model: nn.Module, method: str, native_kernels: bool = False,
                 grid = None if None in sources else (torch.cat([g[0] for g in sources]),
                                                      torch.cat([g[1] for g in sources]))
                 layer_method = layer_method_of(method, grid)
-                cap = min(max_quantized_tokens or QUANTIZED_MAX_TOKENS[layer_method],
-                          QUANTIZED_MAX_TOKENS[layer_method])
+                ceiling = Q8_MAX_TOKENS if layer_method == "int4" and activation_parts == 1 else \
+                    QUANTIZED_MAX_TOKENS[layer_method]
+                cap = min(max_quantized_tokens or ceiling, ceiling)
                 setattr(module, child_name, WeightOnlyLinear(child.weight, layer_method, native_kernels, cap,
-                                                             child.bias, grid))
+                                                             child.bias, grid, activation_parts))
     model.lm_head = WeightOnlyLinear(model.lm_head.weight, head, native_kernels)
     return model

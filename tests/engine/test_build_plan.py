@@ -97,3 +97,33 @@ def test_a_draft_runs_the_fastest_weights_head_included():
         assert draft.weights == "as loaded"
     asked = _plan(_formats("Q5_0"), draft=True, quantization="int8")
     assert (asked.weights, asked.head) == ("int8", "int8")
+
+
+def test_q8_inputs_by_default_for_a_k_quant_mix():
+    """auto: the int4 kernel takes a small step's inputs as Q8_0 (llama.cpp's activations) for a K-quant mix, whose
+    int4 layers then take steps up to Q8_MAX_TOKENS where large steps are dense, and for a draft; a 4-bit-only file
+    keeps ~16-bit inputs (their cost was measured per kind); asked for, Q8_0 wins; without int4 weights or the
+    native kernel it is refused."""
+    from llmserve.kernels import load_cpu_kernels, native_quantized_kernels
+    from llmserve.quantization.weight_only import Q8_MAX_TOKENS, QUANTIZED_MAX_TOKENS
+
+    native = load_cpu_kernels() and native_quantized_kernels()
+    mix = _plan(_formats("Q4_K", down="Q6_K"))
+    assert mix.activation_parts == (1 if native else 2)
+    assert mix.small_step_max_tokens == (Q8_MAX_TOKENS if native else QUANTIZED_MAX_TOKENS["int4+int8"])
+    four_bit = _plan(_formats("Q4_1"), int8_activations=False)
+    assert (four_bit.activation_parts, four_bit.small_step_max_tokens) == (2, QUANTIZED_MAX_TOKENS["int4"])
+    assert "as Q8_0" not in four_bit.describe()
+    if native:
+        assert "Q8_0" in mix.describe() and "K-quant mix" in mix.reasons["small steps"]
+        assert "SmolLM2" in four_bit.reasons["small steps"]
+        asked = _plan(_formats("Q4_1"), int8_activations=False, q8_activations=True)
+        assert (asked.activation_parts, asked.small_step_max_tokens) == (1, Q8_MAX_TOKENS)
+        assert "as asked" in asked.reasons["small steps"]
+        assert _plan(_formats("Q4_1"), draft=True).activation_parts == 1
+    assert _plan(_formats("Q4_K", down="Q6_K"), quantization="int4+int8").activation_parts == 2
+    assert _plan(_formats("Q4_K", down="Q6_K"), q8_activations=False).activation_parts == 2
+    with pytest.raises(ValueError, match="q8_activations"):
+        _plan(_formats("Q4_1"), quantization="none", q8_activations=True)
+    with pytest.raises(ValueError, match="q8_activations"):
+        _plan(_formats("Q4_1"), quantization="int8", q8_activations=True)

@@ -72,17 +72,19 @@ def test_steps_larger_than_the_int4_kernel_takes_run_layer_by_layer():
     assert alone[0].outputs[0].token_ids == outs[-1].outputs[0].token_ids
 
 
-@pytest.mark.parametrize("method", ["int4", "int4+int8"])
-def test_qwen_fused_decode_equals_the_layer_by_layer_native_ops(method):
+@pytest.mark.parametrize(("method", "q8"), [("int4", False), ("int4+int8", False), ("int4+int8", True)])
+def test_qwen_fused_decode_equals_the_layer_by_layer_native_ops(method, q8):
     """Qwen2's q/k/v biases, and int8 linears beside int4 ones (int4+int8 on Qwen2.5-Coder-0.5B's Q4_K_M file:
-    int4 on its Q4_K tensors, int8 on the Q5_0/Q6_K/Q8_0 ones), inside the one call: the same bits."""
+    int4 on its Q4_K tensors, int8 on the Q5_0/Q6_K/Q8_0 ones), the int4 ones on Q8_0 inputs or ~16-bit ones,
+    inside the one call: the same bits."""
     if installed_path(PARTED_MODELS[QWEN]) is None:
         pytest.skip(f"{QWEN} is not assembled here (`llmserve download {QWEN}`; setup does it)")
-    llm = LLM(QWEN, dtype="bfloat16", quantization=method, int8_activations=False, kv_cache_memory_gb=0.25,
-              max_model_len=1024, max_num_seqs=8)
+    llm = LLM(QWEN, dtype="bfloat16", quantization=method, int8_activations=False, q8_activations=q8,
+              kv_cache_memory_gb=0.25, max_model_len=1024, max_num_seqs=8)
     runner = llm.engine.runner
     linears = [m for m in runner.model.layers.modules() if isinstance(m, WeightOnlyLinear)]
     assert {m.method for m in linears} == set(method.split("+"))
+    assert {m.activation_parts for m in linears if m.method == "int4"} == {1 if q8 else 2}
     assert runner.fused_stack is not None and runner.plan.fused_decode_max_tokens == (16 if method == "int4" else 8)
     processor = llm.engine.processor
     prompts = [processor.encode(p) for p in ("def is_prime(n):", "The three laws of thermodynamics are",
@@ -106,10 +108,10 @@ def test_the_stack_refuses_mismatched_layers():
     linears = weights * 4
     with pytest.raises(RuntimeError, match="one of each tensor per layer"):
         torch.classes.llmserve.DecodeStack(weights, weights, linears, linears, [], [cache], [cache],
-                                           9, 1536, 1e-5, 0.125)
+                                           9, 1536, 1e-5, 0.125, 2)
     with pytest.raises(RuntimeError, match="one of each tensor per layer"):  # four linears a layer
         torch.classes.llmserve.DecodeStack(weights, weights, weights, weights, weights, [cache], [cache],
-                                           9, 1536, 1e-5, 0.125)
+                                           9, 1536, 1e-5, 0.125, 2)
     with pytest.raises(RuntimeError, match="caches must be"):
         torch.classes.llmserve.DecodeStack(weights, weights, linears, linears, weights, [cache],
-                                           [torch.zeros(4, 3, 16)], 9, 1536, 1e-5, 0.125)
+                                           [torch.zeros(4, 3, 16)], 9, 1536, 1e-5, 0.125, 2)

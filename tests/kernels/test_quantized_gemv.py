@@ -17,11 +17,14 @@ def kernels():
     assert load_cpu_kernels(), "the native kernels must build here (setup builds them)"
 
 
-def _int4_case(out_features, in_features, seed=0):
+def _int4_case(out_features, in_features, seed=0, mins_only=False):
+    """(packed weight, dense weight); `mins_only`: the dense weight's minimums' part alone, [out, in] float64."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (out_features, in_features), generator=gen)
     scales = (torch.rand(out_features, in_features // 32, generator=gen) * 0.01).half().float()
     mins = (-torch.rand(out_features, in_features // 32, generator=gen) * 0.05).half().float()
+    if mins_only:
+        return mins.double().repeat_interleave(32, dim=1)
     dense = (q.float().view(out_features, -1, 32) * scales[..., None] + mins[..., None]).view(out_features, in_features)
     return pack_int4(q, scales, mins), dense
 
@@ -45,6 +48,15 @@ TOKENS = [1, 2, 3, 5, 8, 9, 17]
 SHAPES = [(960, 576), (576, 1536), (32, 64)]
 
 
+def _as_q8_0(x: torch.Tensor) -> torch.Tensor:
+    """x as llama.cpp's Q8_0 holds it: per group of 32, round(x / step) * step with step = max|x| / 127, rounded in
+    float32 as the kernel rounds it (x times the float32 inverse of the step)."""
+    groups = x.float().view(x.shape[0], -1, 32)
+    step = groups.abs().amax(dim=-1, keepdim=True) / 127
+    step = torch.where(step > 0, step, torch.ones_like(step))
+    return (torch.round(groups * (1 / step)).double() * step.double()).view(x.shape)
+
+
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -59,6 +71,36 @@ def test_int4_product_equals_the_dequantized_weight(tokens, shape, dtype):
     assert (out.double() - expected).abs().max() < tol
     portable = torch.ops.llmserve.int4_gemv_portable(x, packed, shape[0])
     _assert_same_up_to_summation_order(out, portable)
+
+
+# 33: past Q8_MAX_TOKENS' 32; (2048, 1536): several 256 KiB tiles of row blocks per thread, passed over once per
+# 8 tokens (Qwen2.5-Coder-1.5B's q/k/v)
+@pytest.mark.parametrize("tokens", [*TOKENS, 32, 33])
+@pytest.mark.parametrize("shape", [*SHAPES, (2048, 1536)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_product_of_q8_inputs_is_exact_on_their_levels(tokens, shape, dtype):
+    """One activation part: x's Q8_0 levels times q * scale, plus x itself times the minimums (the kernel sums each
+    group's inputs exactly for that term), up to float32 sums."""
+    packed, dense = _int4_case(*shape)
+    mins = _int4_case(*shape, mins_only=True)
+    x = torch.randn(tokens, shape[1]).to(dtype)
+    out = torch.ops.llmserve.int4_gemv(x, packed, shape[0], 1)
+    assert out.dtype == dtype and out.shape == (tokens, shape[0])
+    expected = _as_q8_0(x) @ (dense.double() - mins).T + x.double() @ mins.T
+    tol = 2e-6 * expected.abs().max() if dtype == torch.float32 else 8e-3 * expected.abs().max()
+    assert (out.double() - expected).abs().max() < tol
+    # and not the ~16-bit product: the levels are what it computes with
+    assert (out.double() - x.double() @ dense.double().T).abs().max() > 10 * tol or dtype == torch.bfloat16
+    portable = torch.ops.llmserve.int4_gemv_portable(x, packed, shape[0], 1)
+    _assert_same_up_to_summation_order(out, portable)
+    alone = torch.ops.llmserve.int4_gemv(x[-1:], packed, shape[0], 1)
+    assert torch.equal(out[-1:], alone), "a token's result must not depend on the others in its step"
+
+
+def test_activation_parts_are_one_or_two():
+    packed, _ = _int4_case(64, 64)
+    with pytest.raises(RuntimeError, match="activation_parts"):
+        torch.ops.llmserve.int4_gemv(torch.randn(1, 64), packed, 64, 3)
 
 
 @pytest.mark.parametrize("tokens", TOKENS)
@@ -82,8 +124,9 @@ def test_int4_sums_hold_at_the_extremes(sign):
     q = torch.full((32, 64), 15)
     scales, mins = torch.full((32, 2), 0.01).half().float(), torch.zeros(32, 2)
     x = torch.full((2, 64), sign * 3.0)
-    out = torch.ops.llmserve.int4_gemv(x, pack_int4(q, scales, mins), 32)
-    torch.testing.assert_close(out, torch.full((2, 32), sign * 3.0 * 15 * float(scales[0, 0]) * 64))
+    for parts in (1, 2):
+        out = torch.ops.llmserve.int4_gemv(x, pack_int4(q, scales, mins), 32, parts)
+        torch.testing.assert_close(out, torch.full((2, 32), sign * 3.0 * 15 * float(scales[0, 0]) * 64))
 
 
 def test_non_contiguous_activations_are_read_as_their_values():

@@ -8,11 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from llmserve import LLM
+from llmserve import LLM, SamplingParams
 from llmserve.config import ModelConfig
-from llmserve.evaluate.reference import quantized_reference, reference_greedy
+from llmserve.evaluate.reference import q8_input_reference, quantized_reference, reference_greedy
 from llmserve.kernels import native_quantized_kernels
-from llmserve.quantization.weight_only import QUANTIZED_MAX_TOKENS, WeightOnlyLinear
+from llmserve.loader import load_checkpoint
+from llmserve.quantization.weight_only import Q8_MAX_TOKENS, QUANTIZED_MAX_TOKENS, WeightOnlyLinear
 from tests.greedy import assert_greedy_equals
 
 
@@ -90,6 +91,50 @@ def test_int4_engine_matches_transformers_on_the_quantized_weights(hf_model, pro
     assert (llm.engine.runner.fused_stack is not None) == native_quantized_kernels()
     # prompts prefill through the dequantized weights; 8 decodes a step, or one, through the int4 kernel
     assert_greedy_equals(llm, prompt_token_ids, expected, single=5)
+
+
+def _greedy_with_logits(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy decoding as `reference_greedy` does it, with each step's logits."""
+    tokens, logits = [], []
+    with torch.inference_mode():
+        out = model(torch.tensor([prompt_ids]), use_cache=True)
+        for _ in range(max_new_tokens):
+            logits.append(out.logits[0, -1].float())
+            tokens.append(int(logits[-1].argmax()))
+            out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens, logits
+
+
+@pytest.mark.skipif(not native_quantized_kernels(), reason="Q8_0 inputs are the native int4 kernel's")
+def test_q8_inputs_engine_matches_transformers_on_their_levels(hf_model, prompt_token_ids):
+    """q8_activations: decodes through the int4 kernel on their inputs' Q8_0 levels, prompts (longer than
+    Q8_MAX_TOKENS, in one step) through the dequantized weights, batched and alone. Against transformers computing
+    each int4 projection the same way: Q8_0 levels turn last-bit differences of float32 sums done in another order
+    (the native RMSNorm and attention, a prompt's GEMM in a batch of another size) into whole-level ones (a level
+    is ~0.8 % of its group's largest input), so the tokens must agree up to a step where the engine's token was
+    within 2 % of the reference's best logit (measured: the earliest such step came at the 7th token, 1.8 %)."""
+    prompts = [ids for ids in prompt_token_ids if len(ids) > Q8_MAX_TOKENS]
+    # the file's own grid (Q4_1): the kernel multiplies the Q8_0 levels by q * scale and the exact inputs by the
+    # minimums, so the reference splits each weight as the file does
+    ref = q8_input_reference(hf_model, "int4", load_checkpoint(None).int4_grids)
+    references = [_greedy_with_logits(ref, ids, 32) for ids in prompts]
+    llm = LLM(dtype="float32", quantization="int4", q8_activations=True, kv_cache_memory_gb=0.25,
+              max_model_len=2048, long_prefill_token_threshold=512, max_num_batched_tokens=4096)
+    assert llm.engine.plan.activation_parts == 1 and llm.engine.runner.fused_stack is not None
+    int4 = [m for m in llm.engine.runner.model.layers.modules() if isinstance(m, WeightOnlyLinear)]
+    assert int4 and all(m.activation_parts == 1 and m.max_quantized_tokens == Q8_MAX_TOKENS for m in int4)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    batched = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    alone = [llm.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids for ids in prompts]
+    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
+    agreed = 0
+    for got, (want, logits) in zip([*batched, *alone], [*references, *references], strict=True):
+        diverged = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), len(want))
+        agreed += diverged
+        if diverged < len(want):
+            step = logits[diverged]
+            assert step.max() - step[got[diverged]] < 0.02 * step.max().abs(), (diverged, got[diverged], want[diverged])
+    assert agreed >= len(prompts) * 32  # most tokens agree outright (of 2 x 32 a prompt)
 
 
 def test_int8_engine_matches_transformers_on_the_quantized_weights(hf_model, prompt_token_ids):
