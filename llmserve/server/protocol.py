@@ -9,11 +9,23 @@ the rules live in one place; here only types and OpenAI's own limits (temperatur
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat
 
 # --- requests ---------------------------------------------------------------------------------
+
+
+def _json_integer(value: Any) -> Any:
+    """JSON's integer: never a boolean or a string, which pydantic's lax int would take (`"n": true` as 1)."""
+    if isinstance(value, bool | str):
+        raise ValueError("must be an integer")
+    return value
+
+
+# A request's numbers as JSON types them: a boolean or a string is refused (400), not read as 1 or 0.
+Integer = Annotated[int, BeforeValidator(_json_integer)]
+Number = StrictFloat  # an integer or a float
 
 
 class StreamOptions(BaseModel):
@@ -56,29 +68,29 @@ class _SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None  # None: the first served model name
-    max_tokens: int | None = None
-    temperature: float = Field(default=1.0, ge=0, le=2)  # OpenAI's range
-    top_p: float = Field(default=1.0, le=1)
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
+    max_tokens: Integer | None = None
+    temperature: Number = Field(default=1.0, ge=0, le=2)  # OpenAI's range
+    top_p: Number = Field(default=1.0, le=1)
+    top_k: Integer = -1
+    min_p: Number = 0.0
+    seed: Integer | None = None
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=128)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    n: Integer = Field(default=1, ge=1, le=128)
+    presence_penalty: Number = 0.0
+    frequency_penalty: Number = 0.0
+    repetition_penalty: Number = 1.0
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: Integer = 0
+    stop_token_ids: list[Integer] | None = None
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     user: str | None = None
     cache_salt: str | None = None  # as vLLM: requests with different salts never share prefix-cache blocks
     # Accepted so that clients sending their neutral values work; anything else is refused (400)
     # rather than silently ignored, since the answer would not be what the client asked for.
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Number] | None = None
     # Structured outputs: OpenAI's response_format, or vLLM's extra parameters (its current spelling,
     # structured_outputs, and the older guided_* names); at most one of them per request.
     response_format: ResponseFormat | None = None
@@ -157,9 +169,9 @@ class NamedToolChoice(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
+    max_completion_tokens: Integer | None = None  # OpenAI's newer name for max_tokens; wins when both are set
     logprobs: StrictBool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: Integer | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: StrictBool = True
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
@@ -189,12 +201,12 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16  # the legacy API's default (OpenAI and vLLM)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt: str | list[str] | list[Integer] | list[list[Integer]]
+    max_tokens: Integer | None = 16  # the legacy API's default (OpenAI and vLLM)
+    logprobs: Integer | None = Field(default=None, ge=0, le=20)
     echo: StrictBool = False
     suffix: str | None = None  # not supported; accepted only when absent
-    best_of: int | None = None  # supported only when equal to n
+    best_of: Integer | None = None  # supported only when equal to n
 
     def unsupported(self) -> tuple[str, str] | None:
         if (refused := super().unsupported()) is not None:

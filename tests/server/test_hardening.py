@@ -142,6 +142,20 @@ def test_4_a_number_is_not_a_boolean(hardened: ServerProcess, field: str, value:
     assert_error(post(hardened, path, body), 400, param=field)
 
 
+@pytest.mark.parametrize(("field", "value"), [("frequency_penalty", b"true"), ("temperature", b'"0.5"'),
+                                               ("max_tokens", b"true"), ("n", b'"1"'), ("stop_token_ids", b"[false]")])
+def test_4_a_boolean_or_a_string_is_not_a_number(hardened: ServerProcess, field: str, value: bytes) -> None:
+    """The schema says number or integer; pydantic's lax mode would read true as 1 and "1" as 1 (found by
+    fuzzing: `"frequency_penalty": true` answered 200). Integers stay numbers (`"temperature": 0`)."""
+    body = b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":1,"' + field.encode() + b'":' + value + b"}"
+    if field == "max_tokens":
+        body = b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":true}'
+    assert_error(post(hardened, "/v1/chat/completions", body), 400, param=field)
+    whole = post(hardened, "/v1/chat/completions",
+                 b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":1,"temperature":0,"top_p":1}')
+    assert whole.status_code == 200, whole.text
+
+
 @pytest.mark.parametrize("prompt", [b"[-83882856282, 537]", b"[537, 99999999]", b"[[537], []]"])
 def test_4_echoed_token_ids_outside_the_vocabulary_are_a_400(hardened: ServerProcess, prompt: bytes) -> None:
     """Echo decodes the prompt before the engine admits it: an id past any integer type was a 500 (fuzzer)."""
