@@ -54,6 +54,8 @@ def test_a_dead_rank_makes_the_server_unhealthy_and_exit_non_zero(tiny, tmp_path
     log = two.log_path.read_text()
     assert code == 1, log
     assert "tensor-parallel rank died" in log and exited_after < 30
-    assert statuses and statuses[-1] == 503  # (the first probe may come before the kill lands)
+    # healthy until the death is noticed, then 503 until the exit, never healthy again; the server may exit before
+    # a probe sees the 503 (seen once in CI: [200] alone), which the exit code and the log above then stand for
+    assert statuses and statuses == sorted(statuses) and set(statuses) <= {200, 503}, statuses
     time.sleep(1)
     assert not [p for p in psutil.process_iter(["cmdline"]) if tiny in " ".join(p.info["cmdline"] or [])]
