@@ -126,12 +126,17 @@ class _Q8InputProjection(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.reshape(-1, x.shape[-1]).shape[0] > self.limit:
             return self.dense(x)
-        groups = x.float().reshape(*x.shape[:-1], -1, 32)
-        step = groups.abs().amax(dim=-1, keepdim=True) / 127
-        step = torch.where(step > 0, step, torch.ones_like(step))
-        levels = (torch.round(groups * (1 / step)) * step).reshape(x.shape)
-        y = torch.nn.functional.linear(levels, self.scaled) + torch.nn.functional.linear(x.float(), self.mins)
+        y = torch.nn.functional.linear(q8_0_levels(x), self.scaled) + torch.nn.functional.linear(x.float(), self.mins)
         return (y if self.dense.bias is None else y + self.dense.bias).to(x.dtype)
+
+
+def q8_0_levels(x: torch.Tensor) -> torch.Tensor:
+    """x (float32) at its Q8_0 levels, rounded as llmserve's int4 kernel rounds them: per group of 32,
+    round(x * (1 / step)) * step with step = max|x| / 127, all in float32."""
+    groups = x.float().reshape(*x.shape[:-1], -1, 32)
+    step = groups.abs().amax(dim=-1, keepdim=True) / 127
+    step = torch.where(step > 0, step, torch.ones_like(step))
+    return (torch.round(groups * (1 / step)) * step).reshape(x.shape)
 
 
 def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llmserve.evaluate.reference import q8_0_levels
 from llmserve.host import cpu_flags
 from llmserve.kernels import load_cpu_kernels, native_quantized_kernels
 from llmserve.kernels.quantized_gemv import pack_int4, pack_int8
@@ -48,15 +49,6 @@ TOKENS = [1, 2, 3, 5, 8, 9, 17]
 SHAPES = [(960, 576), (576, 1536), (32, 64)]
 
 
-def _as_q8_0(x: torch.Tensor) -> torch.Tensor:
-    """x as llama.cpp's Q8_0 holds it: per group of 32, round(x / step) * step with step = max|x| / 127, rounded in
-    float32 as the kernel rounds it (x times the float32 inverse of the step)."""
-    groups = x.float().view(x.shape[0], -1, 32)
-    step = groups.abs().amax(dim=-1, keepdim=True) / 127
-    step = torch.where(step > 0, step, torch.ones_like(step))
-    return (torch.round(groups * (1 / step)).double() * step.double()).view(x.shape)
-
-
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -86,7 +78,7 @@ def test_int4_product_of_q8_inputs_is_exact_on_their_levels(tokens, shape, dtype
     x = torch.randn(tokens, shape[1]).to(dtype)
     out = torch.ops.llmserve.int4_gemv(x, packed, shape[0], 1)
     assert out.dtype == dtype and out.shape == (tokens, shape[0])
-    expected = _as_q8_0(x) @ (dense.double() - mins).T + x.double() @ mins.T
+    expected = q8_0_levels(x).double() @ (dense.double() - mins).T + x.double() @ mins.T
     tol = 2e-6 * expected.abs().max() if dtype == torch.float32 else 8e-3 * expected.abs().max()
     assert (out.double() - expected).abs().max() < tol
     # and not the ~16-bit product: the levels are what it computes with

@@ -142,14 +142,12 @@ def test_4_a_number_is_not_a_boolean(hardened: ServerProcess, field: str, value:
     assert_error(post(hardened, path, body), 400, param=field)
 
 
-@pytest.mark.parametrize(("field", "value"), [("frequency_penalty", b"true"), ("temperature", b'"0.5"'),
-                                               ("max_tokens", b"true"), ("n", b'"1"'), ("stop_token_ids", b"[false]")])
-def test_4_a_boolean_or_a_string_is_not_a_number(hardened: ServerProcess, field: str, value: bytes) -> None:
+@pytest.mark.parametrize(("field", "value"), [("frequency_penalty", True), ("temperature", "0.5"),
+                                               ("max_tokens", True), ("n", "1"), ("stop_token_ids", [False])])
+def test_4_a_boolean_or_a_string_is_not_a_number(hardened: ServerProcess, field: str, value: object) -> None:
     """The schema says number or integer; pydantic's lax mode would read true as 1 and "1" as 1 (found by
     fuzzing: `"frequency_penalty": true` answered 200). Integers stay numbers (`"temperature": 0`)."""
-    body = b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":1,"' + field.encode() + b'":' + value + b"}"
-    if field == "max_tokens":
-        body = b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":true}'
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, field: value}).encode()
     assert_error(post(hardened, "/v1/chat/completions", body), 400, param=field)
     whole = post(hardened, "/v1/chat/completions",
                  b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":1,"temperature":0,"top_p":1}')
