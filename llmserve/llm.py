@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -32,6 +33,8 @@ class LLM:
         self.engine_config = engine_config(model=model, **options)
         self.engine = LLMEngine(self.engine_config)
         self._ids = itertools.count()
+        self._loader = threading.current_thread()
+        self._warned_thread = False
 
     def shutdown(self) -> None:
         """Stop the worker processes of a tensor-parallel engine now (they stop at exit anyway)."""
@@ -87,6 +90,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, children: list[list[str]], use_tqdm: bool) -> list[RequestOutput]:
+        self._check_thread()
         final: dict[str, RequestOutput] = {}
         total = sum(len(c) for c in children)
         with tqdm(total=total, desc="Generating", unit="req", disable=not use_tqdm) as bar:
@@ -107,6 +111,18 @@ class LLM:
                 outputs.append(completion)
             results.append(replace(first, outputs=outputs))
         return results
+
+    def _check_thread(self) -> None:
+        """Say once if this thread steps while the thread that loaded the model lives on. Each thread that runs
+        PyTorch's parallel ops keeps its own OpenMP pool, and with two pools' threads on the cores libgomp's
+        workers stop spinning between ops and sleep: a 1.5B decode step ran 25-30 % slower so
+        (benchmarks/README.md, session 34). The server has one thread load and step (AsyncLLM)."""
+        if self._warned_thread or threading.current_thread() is self._loader or not self._loader.is_alive():
+            return
+        self._warned_thread = True
+        logger.warning("LLM: generating in thread %r, but the model was loaded in thread %r, which is still "
+                       "running: with a PyTorch (OpenMP) thread pool in each, steps run up to ~30 %% slower; "
+                       "load and generate in one thread", threading.current_thread().name, self._loader.name)
 
 
 def _as_prompt_list(prompts) -> list[PromptType]:
