@@ -88,6 +88,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # the output must match a JSON schema, regex, choice or grammar (constrained decoding)
     structured_outputs: StructuredOutputsParams | None = None
+    # token id -> a number added to its logit before anything else picks (OpenAI's logit_bias: -100 bans a token,
+    # +100 all but forces it); reported logprobs stay the model's own
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,6 +99,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
+        self.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         self._validate()
 
     def for_choice(self, index: int) -> SamplingParams:
@@ -138,6 +142,11 @@ class SamplingParams:
             raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative token ids")
+        for token, bias in (self.logit_bias or {}).items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias must map token ids (>= 0) to biases, got the key {token!r}")
+            if not (isinstance(bias, int | float) and math.isfinite(bias) and -100 <= bias <= 100):
+                raise ValueError(f"logit_bias must map token ids to numbers in [-100, 100], got {bias!r} for {token}")
 
     @property
     def greedy(self) -> bool:

@@ -87,4 +87,6 @@ class InputProcessor:
         vocab = self.vocab_size
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab})")
+        if any(t >= vocab for t in params.logit_bias or ()):
+            raise ValueError(f"logit_bias must map token ids in [0, {vocab}) to biases")
         return self.output_budget(len(token_ids), params.max_tokens)

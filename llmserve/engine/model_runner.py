@@ -287,6 +287,12 @@ class ModelRunner:
             if len(row.state.token_ids) + len(row.proposed_before) - row.state.num_prompt_tokens
             < row.state.params.min_tokens
         ]
+        biased = [(i, token, value) for i, p in enumerate(params) for token, value in (p.logit_bias or {}).items()]
+        bias = None
+        if biased:
+            rows, tokens, values = zip(*biased, strict=True)
+            bias = (torch.tensor(rows, device=dev), torch.tensor(tokens, device=dev),
+                    torch.tensor(values, dtype=torch.float32, device=dev))
         return SamplingMetadata(
             temperature=temperature,
             all_greedy=all_greedy,
@@ -301,6 +307,7 @@ class ModelRunner:
             repetition_penalty=repetition,
             banned=banned,
             num_logprobs=[p.logprobs for p in params],
+            bias=bias,
         )
 
 

@@ -31,6 +31,8 @@ class SamplingMetadata:
     num_logprobs: list[int | None]  # per row: top-k logprobs wanted, None = none
     # constrained rows and their allowed tokens: ([n] row indices, [n, ceil(V / 32)] int32 bitmasks)
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+    # logit_bias: ([m] rows, [m] token ids, [m] float32 values), added to the logits before anything else
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -56,10 +58,13 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata, native_argmax: bool = F
 
 
 def apply_constraints(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor | None:
-    """Ban what may not be sampled yet and apply the penalties, in place; returns the raw distribution's
-    logprobs first (None when no row wants logprobs)."""
+    """Add the logit biases, ban what may not be sampled yet and apply the penalties, in place; returns the raw
+    distribution's logprobs first (None when no row wants logprobs)."""
     want_logprobs = any(k is not None for k in meta.num_logprobs)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    if meta.bias is not None:
+        rows, ids, values = meta.bias
+        logits.index_put_((rows, ids), values, accumulate=True)
     for row, ids in meta.banned:
         logits[row, ids] = float("-inf")
     if meta.allowed is not None:

@@ -88,9 +88,7 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: StrictBool = True
     user: str | None = None
     cache_salt: str | None = None  # as vLLM: requests with different salts never share prefix-cache blocks
-    # Accepted so that clients sending their neutral values work; anything else is refused (400)
-    # rather than silently ignored, since the answer would not be what the client asked for.
-    logit_bias: dict[str, Number] | None = None
+    logit_bias: dict[str, Number] | None = None  # OpenAI's: token ids (as text) -> bias in [-100, 100]
     # Structured outputs: OpenAI's response_format, or vLLM's extra parameters (its current spelling,
     # structured_outputs, and the older guided_* names); at most one of them per request.
     response_format: ResponseFormat | None = None
@@ -107,8 +105,6 @@ class _SamplingRequest(BaseModel):
     def unsupported(self) -> tuple[str, str] | None:
         """(parameter, why) for the first parameter asking for what this server cannot give: refused with a 400
         rather than ignored, since the answer would not be what the client asked for."""
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
         return None
 
 

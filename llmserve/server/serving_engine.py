@@ -124,7 +124,7 @@ class OpenAIServing:
                 stop_token_ids=request.stop_token_ids or [], ignore_eos=request.ignore_eos, logprobs=logprobs,
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 skip_special_tokens=request.skip_special_tokens, prompt_logprobs=prompt_logprobs,
-                structured_outputs=structured_outputs,
+                structured_outputs=structured_outputs, logit_bias=_token_bias(request.logit_bias),
             )
         except ValueError as e:
             raise bad_value(e) from None
@@ -141,6 +141,16 @@ class OpenAIServing:
 
     def streams(self, request_id: str, choices: list[Choice]) -> ChoiceStreams:
         return ChoiceStreams(self.llm, self.metrics, request_id, choices)
+
+
+def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias keys are token ids written as JSON object keys (text): back to ints."""
+    if not bias:
+        return None
+    bad = next((key for key in bias if not key.isascii() or not key.isdigit()), None)
+    if bad is not None:
+        raise ValueError(f"logit_bias must map token ids (integers, as text) to biases, got the key {bad!r}")
+    return {int(key): value for key, value in bias.items()}
 
 
 def _constraints(request: _SamplingRequest) -> list[tuple[str, StructuredOutputsParams]]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
 from llmserve.layers.sampler import SamplingMetadata, sample
@@ -67,3 +70,20 @@ def test_banned_tokens_are_never_sampled_and_logprobs_are_raw():
     assert tok.rank == 2  # rank in the raw distribution, where token 0 is still the best
     assert [t for t, _ in tok.top] == [0, 1]
     assert abs(tok.logprob - float(torch.log(torch.tensor(0.3)))) < 1e-5
+
+
+def test_logit_bias_moves_its_rows_tokens_before_bans_and_leaves_reported_logprobs_alone():
+    logits = LOGITS.repeat(3, 1)
+    bias = (torch.tensor([0, 1, 1]), torch.tensor([3, 3, 0]), torch.tensor([10.0, 2.0, -100.0]))
+    # row 0: token 3 lifted far past the rest; row 1: token 0 sunk and token 3 up by 2 (0.05 e^2 = 0.37 > 0.3);
+    # row 2 untouched
+    greedy = sample(logits.clone(), _meta(3, temperature=torch.zeros(3), all_greedy=True, bias=bias,
+                                          num_logprobs=[0, None, 0]))
+    assert [t.token_id for t in greedy] == [3, 3, 0]
+    assert greedy[0].logprob == pytest.approx(math.log(0.05), abs=1e-5)  # the model's own, not the biased one
+    banned = sample(logits.clone(), _meta(3, temperature=torch.zeros(3), all_greedy=True, bias=bias,
+                                          banned=[(0, [3])]))
+    assert banned[0].token_id == 0  # a ban outranks a bias
+    drawn = {t.token_id for t in sample(LOGITS.repeat(400, 1), _meta(400, bias=(
+        torch.arange(400), torch.zeros(400, dtype=torch.long), torch.full((400,), -100.0))))}
+    assert drawn == {1, 2, 3}  # -100 takes a token out of sampling

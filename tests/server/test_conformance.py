@@ -23,7 +23,7 @@ CHAT_PARAMETERS = [
     ({"frequency_penalty": 0.5}, None),
     ({"presence_penalty": -0.5}, None),
     ({"logit_bias": {}}, None),
-    ({"logit_bias": {"15": 5}}, "logit_bias"),
+    ({"logit_bias": {"15": 5}}, None),
     ({"logprobs": True, "top_logprobs": 3}, None),
     ({"max_completion_tokens": 3}, None),
     ({"max_tokens": 3}, None),

@@ -73,6 +73,22 @@ def test_completion_stream_joins_to_the_non_stream_text(client: openai.OpenAI) -
     assert by_ids.usage.prompt_tokens == 3 and by_ids.usage.completion_tokens >= 1
 
 
+def test_logit_bias_bans_or_forces_a_token_streamed_as_not(client: openai.OpenAI, llm_fp32) -> None:
+    prompt = "The history of the printing press"
+    plain = client.completions.create(model=MODEL, prompt=prompt, logprobs=0, **GREEDY)
+    first = plain.choices[0].logprobs.tokens[0]
+    [token_id] = llm_fp32.get_tokenizer().encode(first)  # the same tokenizer as the server's model
+    banned = client.completions.create(model=MODEL, prompt=prompt, logprobs=0, logit_bias={str(token_id): -100},
+                                       **GREEDY)
+    assert first not in banned.choices[0].logprobs.tokens
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, logit_bias={str(token_id): -100},
+                                            stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == banned.choices[0].text
+    forced = client.completions.create(model=MODEL, prompt=prompt, logprobs=0, logit_bias={str(token_id): 100},
+                                       **GREEDY)
+    assert forced.choices[0].logprobs.tokens == [first] * 24
+
+
 def test_n_choices_and_usage(client: openai.OpenAI) -> None:
     out = client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2, seed=7, temperature=1.0,
                                          max_tokens=8)
@@ -201,6 +217,9 @@ def test_disconnected_non_stream_request_is_aborted(server: ServerProcess) -> No
         ({"prompt": "word " * 2100}, 400, "prompt", "2048"),
         ({"prompt": "Hi", "max_tokens": 5000}, 400, "max_tokens", "2048"),
         ({"messages": [], "max_tokens": 4}, 400, "messages", "messages"),
+        ({"prompt": "Hi", "logit_bias": {"the": 5}}, 400, "logit_bias", "'the'"),
+        ({"prompt": "Hi", "logit_bias": {"49152": 5}}, 400, "logit_bias", "49152"),
+        ({"prompt": "Hi", "logit_bias": {"15": 150}}, 400, "logit_bias", "[-100, 100]"),
     ],
 )
 def test_bad_requests_get_an_envelope_and_change_nothing(server: ServerProcess, body, status, param, needle) -> None:

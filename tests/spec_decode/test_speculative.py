@@ -102,6 +102,17 @@ def test_penalties_logprobs_and_min_tokens_see_the_proposals_before_them(llm_spe
             assert all(abs(p_entry[t].logprob - s_entry[t].logprob) < 1e-3 for t in p_entry)
 
 
+def test_logit_bias_applies_to_every_verified_position(llm_spec: LLM, llm_fp32: LLM, prompt_token_ids):
+    base = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    unbiased = _tokens(llm_fp32.generate(prompt_token_ids[4:7], base, use_tqdm=False))
+    bias = {unbiased[0][0]: -100.0, unbiased[0][3]: 3.0, unbiased[1][10]: -5.0}
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logit_bias=bias)
+    before = llm_spec.engine.stats().spec_decode.num_accepted_tokens
+    plain, spec = (_tokens(llm.generate(prompt_token_ids[4:7], params, use_tqdm=False)) for llm in (llm_fp32, llm_spec))
+    assert llm_spec.engine.stats().spec_decode.num_accepted_tokens > before  # proposals were verified under the bias
+    assert spec == plain and plain != unbiased
+
+
 def test_seeded_sampling_with_speculation_repeats_itself(llm_spec: LLM, prompt_token_ids):
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, seed=11, ignore_eos=True)
     first = _tokens(llm_spec.generate(prompt_token_ids[5:8], params, use_tqdm=False))
