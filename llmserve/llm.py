@@ -115,13 +115,13 @@ class LLM:
     def _check_thread(self) -> None:
         """Say once if this thread steps while the thread that loaded the model lives on. Each thread that runs
         PyTorch's parallel ops keeps its own OpenMP pool, and with two pools' threads on the cores libgomp's
-        workers stop spinning between ops and sleep: a 1.5B decode step ran 25-30 % slower so
+        workers stop spinning between ops and sleep: a 1.5B decode step ran 15-40 % slower so
         (benchmarks/README.md, session 34). The server has one thread load and step (AsyncLLM)."""
         if self._warned_thread or threading.current_thread() is self._loader or not self._loader.is_alive():
             return
         self._warned_thread = True
         logger.warning("LLM: generating in thread %r, but the model was loaded in thread %r, which is still "
-                       "running: with a PyTorch (OpenMP) thread pool in each, steps run up to ~30 %% slower; "
+                       "running: with a PyTorch (OpenMP) thread pool in each, steps run 15-40 %% slower; "
                        "load and generate in one thread", threading.current_thread().name, self._loader.name)
 
 
