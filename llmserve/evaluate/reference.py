@@ -139,13 +139,18 @@ def q8_0_levels(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(groups * (1 / step)) * step).reshape(x.shape)
 
 
-def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy decoding with transformers' KV cache and no logits processors (EOS is not special)."""
+def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int,
+                     logit_bias: dict[int, float] | None = None) -> list[int]:
+    """Greedy decoding with transformers' KV cache and no logits processors (EOS is not special); `logit_bias` is
+    added to every step's logits, as OpenAI's is."""
     out_ids: list[int] = []
     with torch.inference_mode():
         out = model(torch.tensor([prompt_ids]), use_cache=True)
         for _ in range(max_new_tokens):
-            token = int(out.logits[0, -1].argmax())
+            logits = out.logits[0, -1].clone()
+            if logit_bias:
+                logits[list(logit_bias)] += torch.tensor(list(logit_bias.values()), dtype=logits.dtype)
+            token = int(logits.argmax())
             out_ids.append(token)
             out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
     return out_ids

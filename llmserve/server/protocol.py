@@ -182,8 +182,6 @@ class ChatCompletionRequest(_SamplingRequest):
     web_search_options: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if (refused := super().unsupported()) is not None:
-            return refused
         if self.modalities is not None and self.modalities != ["text"]:
             return "modalities", "modalities: only ['text'] is supported"
         if self.audio is not None:
@@ -205,8 +203,6 @@ class CompletionRequest(_SamplingRequest):
     best_of: Integer | None = None  # supported only when equal to n
 
     def unsupported(self) -> tuple[str, str] | None:
-        if (refused := super().unsupported()) is not None:
-            return refused
         if self.suffix:
             return "suffix", "suffix is not supported"
         if self.best_of is not None and self.best_of != self.n:

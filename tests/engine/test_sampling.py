@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from llmserve import LLM, SamplingParams
+from llmserve.evaluate.reference import reference_greedy
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(llm_fp32: LLM, prompt_token_ids):
@@ -195,20 +195,6 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused(llm_fp32: LLM, prompt
     assert not llm_fp32.engine.has_unfinished_requests()
 
 
-def _biased_reference_greedy(model, prompt_ids: list[int], bias: dict[int, float], max_new_tokens: int) -> list[int]:
-    """transformers' greedy decoding with the biases added to every step's logits (OpenAI's logit_bias)."""
-    tokens, values = torch.tensor(list(bias)), torch.tensor(list(bias.values()))
-    out_ids: list[int] = []
-    with torch.inference_mode():
-        out = model(torch.tensor([prompt_ids]), use_cache=True)
-        for _ in range(max_new_tokens):
-            logits = out.logits[0, -1].clone()
-            logits[tokens] += values
-            out_ids.append(int(logits.argmax()))
-            out = model(torch.tensor([[out_ids[-1]]]), past_key_values=out.past_key_values, use_cache=True)
-    return out_ids
-
-
 def test_logit_bias_greedy_equals_transformers_with_the_same_bias_batched(llm_fp32: LLM, hf_model, hf_reference,
                                                                           prompt_token_ids):
     """Each request its own biases, all in one batch beside an unbiased one: the first token the model would pick
@@ -220,7 +206,7 @@ def test_logit_bias_greedy_equals_transformers_with_the_same_bias_batched(llm_fp
     outs = llm_fp32.generate([prompt_token_ids[i] for i in picks] + [prompt_token_ids[2]], [*params, plain],
                              use_tqdm=False)
     for out, i, bias in zip(outs[:-1], picks, biases, strict=True):
-        expected = _biased_reference_greedy(hf_model, prompt_token_ids[i], bias, 16)
+        expected = reference_greedy(hf_model, prompt_token_ids[i], 16, logit_bias=bias)
         assert out.outputs[0].token_ids == expected
         assert expected[0] != hf_reference[i][0]
     assert outs[-1].outputs[0].token_ids == hf_reference[2][:16]  # its neighbour's biases are not its own
