@@ -10,6 +10,11 @@ output head in int8), each layer its own weight as in the model, timed per token
 them, as a real step's other work does). The streamed figure is what a server's step pays.
 `--parts 2,1`: instead, the native int4 products alone with their inputs split into each number of int8 parts
 (2: ~16 bits; 1: Q8_0), alternated per token count.
+`--int8-layers`: instead, the int8 layers a K-quant mix gives a model (Qwen2.5-Coder-1.5B's Q4_K_M: 14 q/k/v with
+a Q6_K v, 14 Q6_K ffn_down), each on the native int8 kernel and on the dense bfloat16 product it takes past
+`QUANTIZED_MAX_TOKENS["int8"]` (oneDNN-packed, as the engine's), weights streamed, alternated: where the
+crossover lies (`--parts 1`, the default there, or 2: the int8 kernel's inputs).
+    .venv/bin/python benchmarks/quantized_gemv.py --shapes qwen2.5-coder-1.5b --int8-layers --tokens 1,8,16,32
 """
 
 from __future__ import annotations
@@ -52,11 +57,15 @@ def main() -> None:
     ap.add_argument("--shapes", choices=sorted(SHAPE_SETS), default="smollm2")
     ap.add_argument("--tokens", default="1,2,4,5,6,8", help="token counts (default: %(default)s)")
     ap.add_argument("--parts", help="compare the int4 kernel's activation parts instead, e.g. 2,1")
+    ap.add_argument("--int8-layers", action="store_true",
+                    help="the int8 layers of a K-quant mix: native int8 kernel against the dense product")
     args = ap.parse_args()
     num_layers, shapes, head = SHAPE_SETS[args.shapes]
     if not native_quantized_kernels():
         sys.exit("the native quantized kernels are not built vectorized on this machine (AVX-512 VNNI)")
     torch.manual_seed(0)
+    if args.int8_layers:
+        return int8_layers(num_layers, shapes, [int(t) for t in args.tokens.split(",")], int(args.parts or 1))
     if args.parts:
         return compare_parts(num_layers, shapes, [int(t) for t in args.tokens.split(",")],
                              [int(p) for p in args.parts.split(",")])
@@ -112,6 +121,39 @@ def compare_parts(num_layers: int, shapes: list[tuple[int, int]], token_counts: 
                 best[p] = min(best[p], timed(step, evict, repeats=3))
         print(f"| {tokens} | " + " | ".join(f"{best[p]:.1f}" for p in parts) +
               f" | {best[parts[0]] / best[parts[-1]]:.2f}x |", flush=True)
+
+
+def int8_layers(num_layers: int, shapes: list[tuple[int, int]], token_counts: list[int], parts: int) -> None:
+    """Half the layers' q/k/v and down projections in int8 (a Q4_K_M file's Q6_K share), native kernel against the
+    dense product of the same values, weights streamed, alternated 4 times: the best of each."""
+    from llmserve.layers.linear import dense_linear, prepack_weight
+
+    print("quantizing the int8 layers ...", flush=True)
+    qkv, _, _, down = shapes
+    layers = []
+    for _ in range(num_layers // 2):
+        for out_features, in_features in (qkv, down):
+            layer = WeightOnlyLinear(torch.randn(out_features, in_features, dtype=torch.bfloat16) * 0.02, "int8",
+                                     native_kernels=True, activation_parts=parts)
+            layer.packed = prepack_weight(layer.weight)
+            layers.append(layer)
+    nbytes = sum(m.qweight.numel() for m in layers)
+    evict = torch.ones(2**26)  # 256 MiB
+    print(f"{len(layers)} int8 layers, {nbytes / 1e6:.1f} MB, inputs in {parts} int8 part{'s' * (parts > 1)}")
+    print("| tokens | native int8 ms | dense bf16 ms | native GB/s | dense / native |")
+    print("|---:|---:|---:|---:|---:|")
+    for tokens in token_counts:
+        xs = {k: torch.randn(tokens, k, dtype=torch.bfloat16) for _, k in (qkv, down)}
+        best = {"native": float("inf"), "dense": float("inf")}
+        for _ in range(4):
+            for how in best:
+                def step(how=how, xs=xs) -> None:
+                    for layer in layers:
+                        x = xs[layer.qweight.numel() // layer.out_features]
+                        layer._small_step(layer, x) if how == "native" else dense_linear(layer, x)
+                best[how] = min(best[how], timed(step, evict, repeats=3))
+        print(f"| {tokens} | {best['native']:.1f} | {best['dense']:.1f} | {nbytes / best['native'] / 1e6:.1f} | "
+              f"{best['dense'] / best['native']:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ class BuildPlan:
     num_kv_blocks: int
     max_model_len: int
     head: str = "int8"  # a quantized model's output head: "int8" (it ranks every token), "int4" for a draft
-    activation_parts: int = 2  # the native int4 kernel's inputs: 2 int8 parts (~16 bits) or 1 (Q8_0)
+    activation_parts: int = 2  # the native int4 and int8 kernels' inputs: 2 int8 parts (~16 bits) or 1 (Q8_0)
     tensor_parallel_size: int = 1  # ranks the model is split over (distributed/)
     reasons: dict[str, str] = field(default_factory=dict, compare=False)  # why, per choice
 
@@ -70,7 +70,7 @@ class BuildPlan:
             ("dtype", str(self.dtype).removeprefix("torch.")),
             ("weights", self.weights + (f", output head {self.head}" if self.head != "int8" else "")),
             ("small steps", f"{self.small_step_kernels} kernels, <= {self.small_step_max_tokens} tokens"
-             + (", int4 inputs as Q8_0" if self.activation_parts == 1 else "") if self.small_step_max_tokens else "-"),
+             + (", inputs as Q8_0" if self.activation_parts == 1 else "") if self.small_step_max_tokens else "-"),
             ("large steps", f"int8 x int8 ({self.int8_products})" if self.int8_activations else "dense products"),
             ("attention", self.attention),
             ("elementwise", self.elementwise),
@@ -145,7 +145,7 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
         small_max = QUANTIZED_MAX_TOKENS[weights]
         if mc.q8_activations and small != "native":
             raise ValueError("q8_activations need llmserve's native int4 kernel (AVX-512 VNNI or AVX2)")
-        if weights == "int4+int8":
+        if weights == "int4+int8":  # with ~16-bit inputs (Q8_0's below)
             reasons["small steps"] = f"int8 layers up to {QUANTIZED_MAX_TOKENS['int8']} tokens"
         if mc.int8_activations is None:  # auto: where the file itself is 4-bit and int8 products are fast here
             # not for int4+int8: on Qwen2.5-Coder-1.5B (Q4_K_M) they cost +1.8 % perplexity (1.6x faster batch
@@ -173,8 +173,8 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
             why = ("as asked" if mc.q8_activations else "auto: a draft's weights only propose" if mc.draft else
                    f"auto: a K-quant mix, {_Q8_MEASURED}")
             reasons["small steps"] = "; ".join(filter(None, [
-                why, reasons.get("small steps"),
-                f"int4 layers up to {small_max} tokens, their inputs as Q8_0: half the integer work"]))
+                why, f"{'int4 and int8' if weights == 'int4+int8' else 'int4'} layers up to {small_max} tokens, "
+                "their inputs as Q8_0: half the integer work"]))
         elif mc.q8_activations is None and small == "native" and weights == "int4":
             reasons["small steps"] = f"auto: ~16-bit int4 inputs for a 4-bit file, {_Q8_MEASURED}"
         if int8_activations:
@@ -200,10 +200,11 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
     elif mc.compile:
         compile_mode = "graph" if attention == "native" else "layers"
     # q/k/v biases (Qwen2) and int8 linears (a K-quant mix's) run inside the one call too; int8 layers take
-    # steps of at most 8 tokens on their kernel, so a call with any does too
+    # steps of at most 8 tokens on their kernel with ~16-bit inputs (Q8_0 inputs: as many as int4's), so a call
+    # with any does too
     fused = (tp == 1 and weights != "as loaded" and small == "native" and elementwise == "native"
              and attention == "native" and all(int4_packs(*shape) for shape in _linear_shapes(model)))
-    fused_max = small_max if weights == "int4" else min(small_max, QUANTIZED_MAX_TOKENS["int8"])
+    fused_max = small_max if weights == "int4" or parts == 1 else min(small_max, QUANTIZED_MAX_TOKENS["int8"])
     if fused:
         reasons["decode steps"] = "native quantized products, attention and elementwise ops: one call for all layers"
 
@@ -244,7 +245,7 @@ def _check_tensor_parallel(config: EngineConfig, model: LlamaConfig, weights: st
 # text, every token through the kernel (benchmarks/README.md, issue 20, session 33): a tenth of a percent or less
 # on the Qwen2.5-Coder Q4_K_M files, but +1.45 % on SmolLM2's Q4_1, whose q/k/v and gate/up inputs carry a few
 # channels far larger than the rest (a group of 32 that holds one rounds its other 31 coarsely).
-_Q8_MEASURED = "Q8_0 inputs cost Qwen2.5-Coder-1.5B's Q4_K_M +0.03 % perplexity, SmolLM2's Q4_1 +1.45 %"
+_Q8_MEASURED = "Q8_0 inputs cost Qwen2.5-Coder-1.5B's Q4_K_M +0.13 % perplexity, SmolLM2's Q4_1 +1.45 %"
 
 # GGML types stored on a 4-bit grid that int4 takes over (groups of 32, fp16 scale and minimum: Q4_1's
 # grid holds Q4_0 and Q4_1 exactly, and Q4_K up to the fp16 rounding of its scales and minimums): the

@@ -91,10 +91,11 @@ class _ServedInt8Projection(torch.nn.Module):
 
 def q8_input_reference(model, method: str, grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
                        max_tokens: int | None = None):
-    """`quantized_reference`, each int4 projection computed as llmserve's int4 kernel does under `q8_activations`
-    in calls of at most `max_tokens` rows (default: Q8_MAX_TOKENS): the inputs at their Q8_0 levels (per group of
-    32: round(x / step) * step, step = max|x| / 127, float32 as the kernel rounds them) times q * scale, plus the
-    inputs as they are times the group minimums. Larger calls multiply the dense weight."""
+    """`quantized_reference`, each projection computed as llmserve's int4 and int8 kernels do under
+    `q8_activations` in calls of at most `max_tokens` rows (default: Q8_MAX_TOKENS): the inputs at their Q8_0 levels
+    (per group of 32: round(x / step) * step, step = max|x| / 127, float32 as the kernel rounds them) times q * scale
+    (int4: plus the inputs as they are times the group minimums). Larger calls multiply the dense weight. The output
+    head always takes the Q8_0 levels: llmserve computes it on the sampled rows alone, never more than a batch."""
     from torch import nn
 
     from llmserve.quantization.weight_only import Q8_MAX_TOKENS, layer_method_of
@@ -105,28 +106,35 @@ def q8_input_reference(model, method: str, grids: dict[str, tuple[torch.Tensor, 
     for name, module in list(ref.model.layers.named_modules(prefix="model.layers")):
         for child_name, child in list(module.named_children()):
             grid = grids.get(f"{name}.{child_name}.weight")
-            if isinstance(child, nn.Linear) and layer_method_of(method, grid) == "int4":
-                setattr(module, child_name, _Q8InputProjection(child, grid, limit))
+            if isinstance(child, nn.Linear):
+                setattr(module, child_name, _Q8InputProjection(child, layer_method_of(method, grid), grid, limit))
+    ref.lm_head = _Q8InputProjection(ref.lm_head, "int8", None, None)
     return ref
 
 
 class _Q8InputProjection(torch.nn.Module):
-    """One int4 projection on Q8_0 inputs (see `q8_input_reference`), at or below `limit` rows."""
+    """One int4 or int8 projection on Q8_0 inputs (see `q8_input_reference`), at or below `limit` rows (None: any)."""
 
-    def __init__(self, dense: torch.nn.Linear, grid, limit: int) -> None:
+    def __init__(self, dense: torch.nn.Linear, method: str, grid, limit: int | None) -> None:
         from llmserve.quantization.weight_only import _quantize_int4
 
         super().__init__()
-        q, scale, lo, _ = _quantize_int4(dense.weight.detach().float(), grid)
-        out_features, in_features = q.shape
-        self.scaled = (q.float().view(out_features, -1, 32) * scale[..., None]).view(out_features, in_features)
-        self.mins = lo.repeat_interleave(32, dim=1)
+        weight = dense.weight.detach().float()
+        if method == "int4":
+            q, scale, lo, _ = _quantize_int4(weight, grid)
+            out_features, in_features = q.shape
+            self.scaled = (q.float().view(out_features, -1, 32) * scale[..., None]).view(out_features, in_features)
+            self.mins = lo.repeat_interleave(32, dim=1)
+        else:  # the reference's weight already holds the int8 values, q * scale
+            self.scaled, self.mins = weight, None
         self.dense, self.limit = dense, limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.reshape(-1, x.shape[-1]).shape[0] > self.limit:
+        if self.limit is not None and x.reshape(-1, x.shape[-1]).shape[0] > self.limit:
             return self.dense(x)
-        y = torch.nn.functional.linear(q8_0_levels(x), self.scaled) + torch.nn.functional.linear(x.float(), self.mins)
+        y = torch.nn.functional.linear(q8_0_levels(x), self.scaled)
+        if self.mins is not None:
+            y = y + torch.nn.functional.linear(x.float(), self.mins)
         return (y if self.dense.bias is None else y + self.dense.bias).to(x.dtype)
 
 

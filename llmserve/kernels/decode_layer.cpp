@@ -47,7 +47,7 @@ struct LayerOps {
   Op<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double)> add_rms_norm{
       "llmserve::add_rms_norm"};
   Op<Tensor(const Tensor&, const Tensor&, int64_t, int64_t)> int4_gemv{"llmserve::int4_gemv"};
-  Op<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t)> int8_gemv{"llmserve::int8_gemv"};
+  Op<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t)> int8_gemv{"llmserve::int8_gemv"};
   Op<Tensor(const Tensor&, const Tensor&, const Tensor&)> rotary{"llmserve::rotary"};
   Op<void(const Tensor&, const Tensor&, Tensor&, Tensor&, const Tensor&)> write_kv{"llmserve::write_kv"};
   Op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double)> attention{
@@ -60,14 +60,14 @@ const LayerOps& layer_ops() {
   return ops;
 }
 
-// A linear's small-step weights: packed by `pack_int4` (no scales; its activations split into
-// `activation_parts` int8 parts), or by `pack_int8` with its row scales.
+// A linear's small-step weights: packed by `pack_int4` (no scales) or by `pack_int8` with its row scales; its
+// activations split into `activation_parts` int8 parts.
 struct Linear {
   at::Tensor packed, scales;  // scales undefined: int4
   int64_t activation_parts;
 
   at::Tensor operator()(const LayerOps& ops, const at::Tensor& x, int64_t out_features) const {
-    return scales.defined() ? ops.int8_gemv.call(x, packed, scales, out_features)
+    return scales.defined() ? ops.int8_gemv.call(x, packed, scales, out_features, activation_parts)
                             : ops.int4_gemv.call(x, packed, out_features, activation_parts);
   }
 };
@@ -107,22 +107,22 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
 }
 
 // The decoder layers, built once from the model's tensors (shared, not copied) and its KV caches, so a
-// step is one call with the step's own tensors only. `linears` and `linear_scales` hold four per layer (q/k/v,
-// o, gate/up, down; an empty scales tensor for an int4 linear), `qkv_biases` one (empty: none);
-// `activation_parts`: the int4 linears' (`int4_gemv`'s argument).
+// step is one call with the step's own tensors only. `linears`, `linear_scales` and `activation_parts` hold
+// four per layer (q/k/v, o, gate/up, down; an empty scales tensor for an int4 linear; the products' argument),
+// `qkv_biases` one (empty: none).
 class DecodeStack : public torch::CustomClassHolder {
  public:
   DecodeStack(std::vector<at::Tensor> input_norms, std::vector<at::Tensor> post_norms, std::vector<at::Tensor> linears,
               std::vector<at::Tensor> linear_scales, std::vector<at::Tensor> qkv_biases,
               std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, int64_t num_heads,
-              int64_t intermediate_size, double eps, double scale, int64_t activation_parts)
+              int64_t intermediate_size, double eps, double scale, std::vector<int64_t> activation_parts)
       : num_heads_(num_heads), intermediate_size_(intermediate_size), eps_(eps), scale_(scale) {
     const size_t n = input_norms.size();
     TORCH_CHECK(post_norms.size() == n && linears.size() == 4 * n && linear_scales.size() == 4 * n &&
-                    qkv_biases.size() == n && k_caches.size() == n && v_caches.size() == n,
+                    activation_parts.size() == 4 * n && qkv_biases.size() == n && k_caches.size() == n && v_caches.size() == n,
                 "DecodeStack: one of each tensor per layer (four linears)");
     auto linear = [&](size_t i) {
-      return Linear{linears[i], linear_scales[i].numel() ? linear_scales[i] : at::Tensor(), activation_parts};
+      return Linear{linears[i], linear_scales[i].numel() ? linear_scales[i] : at::Tensor(), activation_parts[i]};
     };
     for (size_t i = 0; i < n; ++i) {
       TORCH_CHECK(k_caches[i].dim() == 4 && k_caches[i].sizes() == v_caches[i].sizes(),
@@ -156,6 +156,6 @@ TORCH_LIBRARY_FRAGMENT(llmserve, m) {
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                       std::vector<at::Tensor>, int64_t, int64_t, double, double, int64_t>())
+                       std::vector<at::Tensor>, int64_t, int64_t, double, double, std::vector<int64_t>>())
       .def("run", &DecodeStack::run);
 }

@@ -23,8 +23,12 @@
 // step = max|x| / 127 over the group) and float32 sums. Or one part, x ~ step * hi: llama.cpp's Q8_0
 // activations (|error| <= step / 2), half the integer work, which bounds a step of 8 or more tokens (the
 // build plan chooses per model: what Q8_0 costs depends on it). The minimums' term takes x's exact sums.
-// int8 layout, per row block: for each input, the 16 rows' int8 weights; the row scales are applied at
-// the end. Weights widen to float32 and multiply with `vfmadd`: float32 math throughout.
+// int8 layout, per row block and group of 32 inputs: 8 vectors of 64 bytes, the 16 rows' weights + 128 for 4
+// inputs each (see the int8 section); the activations split as int4's, the row scales applied at the end.
+// Until session 35 the int8 loop widened each weight to float32 for a `vfmadd` with x in float32: ~28 GB/s a
+// core with the weights in L2 at 1 token (memory-bound all the same, streamed), 13 at 8 tokens, where `vpdpbusd`
+// on Q8_0 inputs now runs 1.34x faster streamed (Zen 5; a K-quant mix's Q6_K tensors run on it: 470 MB of the
+// Qwen2.5-Coder-1.5B's 1.13 GB step, benchmarks/README.md, session 35).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -55,12 +59,11 @@ constexpr int64_t kMaxTokens = 8;    // activation rows per pass over the weight
 // token spill out of the 32 vector registers past 5 tokens. Qwen2.5-Coder-1.5B's int4 products (28 layers),
 // weights streamed, on a Zen 5 host, alternated in one session: 8 tokens 42-44 ms -> 29-31 (1 token 18-19).
 constexpr int kMergeChainsFrom = 5;
-constexpr int64_t kPrefetchBytes = 4096;  // how far ahead of the loop the weight stream is prefetched
-// The int4 loop prefetches farther, into L2 rather than L1: an L1 prefetch holds one of the core's few
-// line-fill buffers until its line arrives, which capped how many misses each core kept in flight.
-// SmolLM2's 120 int4 products at 1 token, weights streamed, on a host whose 1 GiB sum read 25.9 GB/s:
+// How far ahead of the loops the weight stream is prefetched, into L2 rather than L1: an L1 prefetch holds one
+// of the core's few line-fill buffers until its line arrives, which capped how many misses each core kept in
+// flight. SmolLM2's 120 int4 products at 1 token, weights streamed, on a host whose 1 GiB sum read 25.9 GB/s:
 // 4.17 ms (T0, 4 KiB ahead) -> 3.57 ms (T2, 8 KiB ahead), 15.9 -> 18.6 GB/s (T1 the same within noise).
-constexpr int64_t kInt4PrefetchBytes = 8192;
+constexpr int64_t kPrefetchBytes = 8192;
 
 // A step of more than kMaxTokens tokens passes over each tile of row blocks once per kMaxTokens tokens; a tile
 // this size stays in L2 between passes, so the weights stream from memory once, not once a pass.
@@ -107,19 +110,23 @@ void check_activations(const at::Tensor& x, const char* op) {
               ": x must be float32 or bfloat16");
 }
 
-// ---- int4 -------------------------------------------------------------------------------------------
+// ---- activations, split into int8 parts (both products) ----------------------------------------------
 
-// One pass's tokens, as the int4 loop reads them: per token and group, int8 parts hi and lo with
-// x ~ step * (hi + lo / 254) (or hi alone, x ~ step * hi), and the exact sum of x (the minimums' term).
-struct Int4Tokens {
+// One pass's tokens, as the integer loops read them: per token and group of 32 inputs, int8 parts hi and lo
+// with x ~ step * (hi + lo / 254) (or hi alone, x ~ step * hi), the exact sum of x (int4's minimums' term)
+// and the sums of the parts themselves (int8's: its weights are stored as w + 128, see below).
+struct SplitTokens {
   const int8_t* hi;  // [tokens, k]
   const int8_t* lo;  // nullptr: one part
   const float* step;  // [tokens, k / 32]
   const float* sum;
+  const int32_t* hi_sum;  // [tokens, k / 32]; nullptr unless asked for
+  const int32_t* lo_sum;
 
-  Int4Tokens from(int64_t token, int64_t k) const {
+  SplitTokens from(int64_t token, int64_t k) const {
     const int64_t groups = k / kGroup;
-    return {hi + token * k, lo ? lo + token * k : nullptr, step + token * groups, sum + token * groups};
+    return {hi + token * k, lo ? lo + token * k : nullptr, step + token * groups, sum + token * groups,
+            hi_sum ? hi_sum + token * groups : nullptr, lo_sum ? lo_sum + token * groups : nullptr};
   }
 };
 
@@ -133,14 +140,17 @@ inline __m512 load16(const at::BFloat16* x) {  // bf16 is the top half of a floa
 
 // Splits the activations; its buffers are reused across calls (one per thread that calls).
 template <typename T>
-Int4Tokens split_activations(const T* x, int64_t m, int64_t k, bool two_parts) {
+SplitTokens split_activations(const T* x, int64_t m, int64_t k, bool two_parts, bool part_sums = false) {
   thread_local std::vector<int8_t> hi, lo;
   thread_local std::vector<float> step, sum;
+  thread_local std::vector<int32_t> hi_sum, lo_sum;
   const int64_t groups = k / kGroup;
   hi.resize(m * k);
   lo.resize(two_parts ? m * k : 0);
   step.resize(m * groups);
   sum.resize(m * groups);
+  hi_sum.resize(part_sums ? m * groups : 0);
+  lo_sum.resize(part_sums && two_parts ? m * groups : 0);
   for (int64_t tg = 0; tg < m * groups; ++tg) {
 #if LLMSERVE_GEMV_AVX512
     const __m512 v[2] = {load16(x + tg * kGroup), load16(x + tg * kGroup + 16)};
@@ -148,6 +158,7 @@ Int4Tokens split_activations(const T* x, int64_t m, int64_t k, bool two_parts) {
     sum[tg] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
     step[tg] = absmax > 0.f ? absmax / 127.f : 1.f;
     const __m512 inv = _mm512_set1_ps(1.f / step[tg]);
+    float part_total[2] = {0.f, 0.f};  // integers, exact in float32
     for (int half = 0; half < 2; ++half) {
       const __m512 scaled = _mm512_mul_ps(v[half], inv);
       const __m512 h = _mm512_roundscale_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -158,6 +169,14 @@ Int4Tokens split_activations(const T* x, int64_t m, int64_t k, bool two_parts) {
       if (two_parts)
         _mm_storeu_si128(reinterpret_cast<__m128i*>(lo.data() + tg * kGroup + 16 * half),
                          _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(l)));
+      if (part_sums) {
+        part_total[0] += _mm512_reduce_add_ps(h);
+        part_total[1] += _mm512_reduce_add_ps(l);
+      }
+    }
+    if (part_sums) {
+      hi_sum[tg] = static_cast<int32_t>(part_total[0]);
+      if (two_parts) lo_sum[tg] = static_cast<int32_t>(part_total[1]);
     }
 #else
     const T* v = x + tg * kGroup;
@@ -168,21 +187,33 @@ Int4Tokens split_activations(const T* x, int64_t m, int64_t k, bool two_parts) {
     }
     const float s = absmax > 0.f ? absmax / 127.f : 1.f;
     const float inv = 1.f / s;
+    int32_t part_total[2] = {0, 0};
     for (int i = 0; i < kGroup; ++i) {
       const float scaled = as_float(v[i]) * inv;
       const float h = std::nearbyint(scaled);
       hi[tg * kGroup + i] = static_cast<int8_t>(h);
-      if (two_parts) lo[tg * kGroup + i] = static_cast<int8_t>(std::nearbyint((scaled - h) * 254.f));
+      part_total[0] += hi[tg * kGroup + i];
+      if (two_parts) {
+        lo[tg * kGroup + i] = static_cast<int8_t>(std::nearbyint((scaled - h) * 254.f));
+        part_total[1] += lo[tg * kGroup + i];
+      }
     }
     step[tg] = s;
     sum[tg] = total;
+    if (part_sums) {
+      hi_sum[tg] = part_total[0];
+      if (two_parts) lo_sum[tg] = part_total[1];
+    }
 #endif
   }
-  return {hi.data(), two_parts ? lo.data() : nullptr, step.data(), sum.data()};
+  return {hi.data(), two_parts ? lo.data() : nullptr, step.data(), sum.data(),
+          part_sums ? hi_sum.data() : nullptr, part_sums && two_parts ? lo_sum.data() : nullptr};
 }
 
+// ---- int4 -------------------------------------------------------------------------------------------
+
 template <typename T>
-void int4_rows_portable(const uint8_t* w, Int4Tokens a, T* out, int64_t m, int64_t k, int64_t n, int64_t block_begin,
+void int4_rows_portable(const uint8_t* w, SplitTokens a, T* out, int64_t m, int64_t k, int64_t n, int64_t block_begin,
                         int64_t block_end) {
   const int64_t groups = k / kGroup;
   for (int64_t b = block_begin; b < block_end; ++b) {
@@ -220,7 +251,7 @@ void int4_rows_portable(const uint8_t* w, Int4Tokens a, T* out, int64_t m, int64
 // inputs 8c..8c+3, high nibbles times 8c+4..8c+7, for each token's hi and lo part: four `vpdpbusd`
 // (two with one part).
 template <int M, int Parts, typename T>
-void int4_rows_avx512(const uint8_t* w, Int4Tokens a, T* out, int64_t k, int64_t n, int64_t block_begin,
+void int4_rows_avx512(const uint8_t* w, SplitTokens a, T* out, int64_t k, int64_t n, int64_t block_begin,
                       int64_t block_end) {
   const int64_t groups = k / kGroup;
   const __m512i nibble = _mm512_set1_epi8(15);
@@ -231,7 +262,7 @@ void int4_rows_avx512(const uint8_t* w, Int4Tokens a, T* out, int64_t k, int64_t
     for (int t = 0; t < M; ++t) total[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g, p += kInt4GroupBytes) {
       for (int line = 0; line < kInt4GroupBytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(p) + kInt4PrefetchBytes + line, _MM_HINT_T2);
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes + line, _MM_HINT_T2);
       // [low nibbles, high nibbles]: independent dependency chains (one for both past kMergeChainsFrom tokens
       // of two parts; one part keeps two chains a token, as many accumulators as two parts' merged chains)
       constexpr int S = Parts == 2 && M >= kMergeChainsFrom ? 1 : 2;
@@ -285,7 +316,7 @@ void int4_rows_avx512(const uint8_t* w, Int4Tokens a, T* out, int64_t k, int64_t
 // loop's, exactly, and so is the float32 arithmetic after them. A 256-bit vector holds 8 rows: each row
 // block is two halves, bytes 0-31 (rows 0-7) and 32-63 (rows 8-15) of every 64-byte vector.
 template <int M, int Parts, typename T>
-void int4_rows_avx2(const uint8_t* w, Int4Tokens a, T* out, int64_t k, int64_t n, int64_t block_begin,
+void int4_rows_avx2(const uint8_t* w, SplitTokens a, T* out, int64_t k, int64_t n, int64_t block_begin,
                     int64_t block_end) {
   const int64_t groups = k / kGroup;
   const __m256i nibble = _mm256_set1_epi8(15);
@@ -297,7 +328,7 @@ void int4_rows_avx2(const uint8_t* w, Int4Tokens a, T* out, int64_t k, int64_t n
     for (int t = 0; t < M; ++t) total[t][0] = total[t][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g, p += kInt4GroupBytes) {
       for (int line = 0; line < kInt4GroupBytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(p) + kInt4PrefetchBytes + line, _MM_HINT_T2);
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes + line, _MM_HINT_T2);
       for (int half = 0; half < 2; ++half) {
         const uint8_t* bytes = p + 32 * half;
         const __m256 scales = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 256 + 16 * half)));
@@ -345,7 +376,7 @@ void int4_rows_avx2(const uint8_t* w, Int4Tokens a, T* out, int64_t k, int64_t n
 template <int Parts, typename T>
 void int4_product(const at::Tensor& x, const uint8_t* w, at::Tensor& out, bool portable) {
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1), num_blocks = n / kRows;
-  const Int4Tokens a = split_activations(x.data_ptr<T>(), m, k, Parts == 2);
+  const SplitTokens a = split_activations(x.data_ptr<T>(), m, k, Parts == 2);
   T* o = out.data_ptr<T>();
   if (portable) return int4_rows_portable(w, a, o, m, k, n, 0, num_blocks);
   for_token_passes(num_blocks, m, k / kGroup * kInt4GroupBytes, [&](int64_t t0, int64_t mt, int64_t begin, int64_t end) {
@@ -398,48 +429,99 @@ at::Tensor int4_gemv_portable(const at::Tensor& x, const at::Tensor& packed, int
 
 // ---- int8 -------------------------------------------------------------------------------------------
 
+// The int8 weight, per row block, per group of 32 inputs: 8 vectors of 64 bytes, vector c's bytes 4r..4r+3
+// holding inputs 4c..4c+3 of row r as u = w + 128: `vpdpbusd` multiplies unsigned bytes by signed ones, so
+// the weights take the unsigned side and the activations' parts (as int4's) the signed one, and the 128
+// comes back out per token and group in integers, sum(u x) - 128 sum(x): each group's dot product is exact.
+// The row scales are applied once, at the end.
+constexpr int64_t kInt8GroupBytes = kGroup * kRows;
+
 template <typename T>
-void int8_rows_portable(const int8_t* w, const T* x, const float* scales, T* out, int64_t m, int64_t k, int64_t n,
-                        int64_t block_begin, int64_t block_end) {
+void int8_rows_portable(const uint8_t* w, SplitTokens a, const float* scales, T* out, int64_t m, int64_t k,
+                        int64_t n, int64_t block_begin, int64_t block_end) {
+  const int64_t groups = k / kGroup;
   for (int64_t b = block_begin; b < block_end; ++b) {
     for (int64_t t = 0; t < m; ++t) {
-      float acc[kRows] = {};
-      const int8_t* p = w + b * k * kRows;
-      for (int64_t i = 0; i < k; ++i)
-        for (int r = 0; r < kRows; ++r) acc[r] += static_cast<float>(p[i * kRows + r]) * as_float(x[t * k + i]);
-      for (int r = 0; r < kRows; ++r) acc[r] *= scales[b * kRows + r];
-      store_rows(out + t * n + b * kRows, acc);
+      float total[kRows] = {};
+      const uint8_t* p = w + b * groups * kInt8GroupBytes;
+      for (int64_t g = 0; g < groups; ++g, p += kInt8GroupBytes) {
+        const int8_t* hi = a.hi + t * k + g * kGroup;
+        const int8_t* lo = a.lo ? a.lo + t * k + g * kGroup : nullptr;
+        int32_t dot_hi[kRows] = {}, dot_lo[kRows] = {};
+        for (int c = 0; c < 8; ++c) {
+          for (int r = 0; r < kRows; ++r) {
+            for (int s = 0; s < 4; ++s) {
+              const int32_t u = p[c * 64 + 4 * r + s];
+              dot_hi[r] += u * hi[4 * c + s];
+              if (lo) dot_lo[r] += u * lo[4 * c + s];
+            }
+          }
+        }
+        const int64_t tg = t * groups + g;
+        const int32_t hi_offset = 128 * a.hi_sum[tg], lo_offset = lo ? 128 * a.lo_sum[tg] : 0;
+        for (int r = 0; r < kRows; ++r) {
+          const float dot = static_cast<float>(dot_hi[r] - hi_offset) +
+                            static_cast<float>(dot_lo[r] - lo_offset) * (1.f / 254.f);
+          total[r] += dot * a.step[tg];
+        }
+      }
+      for (int r = 0; r < kRows; ++r) total[r] *= scales[b * kRows + r];
+      store_rows(out + t * n + b * kRows, total);
     }
   }
 }
 
 #if LLMSERVE_GEMV_AVX512
-// x: the tokens' activations in float32 (broadcast straight from memory into each multiply-add).
-template <int M, typename T>
-void int8_rows_avx512(const int8_t* w, const float* x, const float* scales, T* out, int64_t k, int64_t n,
+// Per 64 weight bytes (16 rows x 4 inputs): one `vpdpbusd` per token and part, spread over at least eight
+// dependency chains (a token and part's own vectors alternate between 8 / (tokens x parts) of them).
+template <int M, int Parts, typename T>
+void int8_rows_avx512(const uint8_t* w, SplitTokens a, const float* scales, T* out, int64_t k, int64_t n,
                       int64_t block_begin, int64_t block_end) {
-  const int8_t* p = w + block_begin * k * kRows;
+  const int64_t groups = k / kGroup;
+  constexpr int S = M * Parts >= 8 ? 1 : 8 / (M * Parts);
+  const __m512 lo_weight = _mm512_set1_ps(1.f / 254.f);
+  const uint8_t* p = w + block_begin * groups * kInt8GroupBytes;
   for (int64_t b = block_begin; b < block_end; ++b) {
-    __m512 acc[M][2];  // two dependency chains per token
-    for (int t = 0; t < M; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 4 <= k; i += 4, p += 4 * kRows) {
-      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) {
-        const __m512 wv = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j * kRows))));
-        for (int t = 0; t < M; ++t) acc[t][j & 1] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[t * k + i + j]), acc[t][j & 1]);
+    __m512 total[M];
+    for (int t = 0; t < M; ++t) total[t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g, p += kInt8GroupBytes) {
+      for (int line = 0; line < kInt8GroupBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes + line, _MM_HINT_T2);
+      __m512i dot_hi[M][S], dot_lo[M][S];
+      for (int t = 0; t < M; ++t) {
+        for (int s = 0; s < S; ++s) dot_hi[t][s] = dot_lo[t][s] = _mm512_setzero_si512();
       }
-    }
-    for (; i < k; ++i, p += kRows) {
-      const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-      for (int t = 0; t < M; ++t) acc[t][0] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[t * k + i]), acc[t][0]);
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) {
+        const __m512i u = _mm512_loadu_si512(p + c * 64);
+        for (int t = 0; t < M; ++t) {
+          const int32_t* hi = reinterpret_cast<const int32_t*>(a.hi + t * k + g * kGroup);
+          dot_hi[t][c % S] = _mm512_dpbusd_epi32(dot_hi[t][c % S], u, _mm512_set1_epi32(hi[c]));
+          if constexpr (Parts == 2) {
+            const int32_t* lo = reinterpret_cast<const int32_t*>(a.lo + t * k + g * kGroup);
+            dot_lo[t][c % S] = _mm512_dpbusd_epi32(dot_lo[t][c % S], u, _mm512_set1_epi32(lo[c]));
+          }
+        }
+      }
+      for (int t = 0; t < M; ++t) {
+        const int64_t tg = t * groups + g;
+        __m512i h = dot_hi[t][0], l = dot_lo[t][0];
+        for (int c = 1; c < S; ++c) {
+          h = _mm512_add_epi32(h, dot_hi[t][c]);
+          if constexpr (Parts == 2) l = _mm512_add_epi32(l, dot_lo[t][c]);
+        }
+        __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(h, _mm512_set1_epi32(128 * a.hi_sum[tg])));
+        if constexpr (Parts == 2) {
+          dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(l, _mm512_set1_epi32(128 * a.lo_sum[tg]))),
+                                lo_weight, dot);
+        }
+        total[t] = _mm512_fmadd_ps(dot, _mm512_set1_ps(a.step[tg]), total[t]);
+      }
     }
     const __m512 s = _mm512_loadu_ps(scales + b * kRows);
     alignas(64) float rows[kRows];
     for (int t = 0; t < M; ++t) {
-      _mm512_store_ps(rows, _mm512_mul_ps(_mm512_add_ps(acc[t][0], acc[t][1]), s));
+      _mm512_store_ps(rows, _mm512_mul_ps(total[t], s));
       store_rows(out + t * n + b * kRows, rows);
     }
   }
@@ -447,112 +529,112 @@ void int8_rows_avx512(const int8_t* w, const float* x, const float* scales, T* o
 #endif
 
 #if LLMSERVE_GEMV_AVX2
-// The same float32 math in 8 lanes: each input's 16 row weights are two halves of 8. One or two tokens
-// keep two dependency chains per half (alternate inputs), so the multiply-adds' latency does not bound the
-// stream; more tokens have chains enough of their own.
-template <int M, typename T>
-void int8_rows_avx2(const int8_t* w, const float* x, const float* scales, T* out, int64_t k, int64_t n,
+// No `vpdpbusd`, and `vpmaddubsw`'s int16 pair sums would overflow on bytes up to 255: the weights widen to
+// int16 and `vpmaddwd` multiplies them by the token's inputs as int16, hi (one part) or 254 hi + lo (two
+// parts; at most 32385 in size, exact), summing pairs into int32. A 128-bit load is 4 rows x 4 inputs, so
+// each row gets two int32 lanes; one `vphaddd` a group adds them, leaving the rows in the order
+// 0 1 4 5 2 3 6 7 (`kHaddOrder`), put back once per row block. Integer sums exact, as the AVX-512 loop's.
+template <int M, int Parts, typename T>
+void int8_rows_avx2(const uint8_t* w, SplitTokens a, const float* scales, T* out, int64_t k, int64_t n,
                     int64_t block_begin, int64_t block_end) {
-  constexpr int kChains = M <= 2 ? 2 : 1;
-  const int8_t* p = w + block_begin * k * kRows;
+  const int64_t groups = k / kGroup;
+  const __m256i hadd_order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+  const uint8_t* p = w + block_begin * groups * kInt8GroupBytes;
   for (int64_t b = block_begin; b < block_end; ++b) {
-    __m256 acc[M][kChains][2];
-    for (int t = 0; t < M; ++t)
-      for (int j = 0; j < kChains; ++j) acc[t][j][0] = acc[t][j][1] = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 4 <= k; i += 4, p += 4 * kRows) {
-      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0);
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) {
-        const int8_t* row = p + j * kRows;
-        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row))));
-        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8))));
-        for (int t = 0; t < M; ++t) {
-          const __m256 xv = _mm256_set1_ps(x[t * k + i + j]);
-          acc[t][j % kChains][0] = _mm256_fmadd_ps(w0, xv, acc[t][j % kChains][0]);
-          acc[t][j % kChains][1] = _mm256_fmadd_ps(w1, xv, acc[t][j % kChains][1]);
-        }
-      }
-    }
-    for (; i < k; ++i, p += kRows) {
-      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
+    __m256 total[M][2];
+    for (int t = 0; t < M; ++t) total[t][0] = total[t][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g, p += kInt8GroupBytes) {
+      for (int line = 0; line < kInt8GroupBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes + line, _MM_HINT_T2);
       for (int t = 0; t < M; ++t) {
-        const __m256 xv = _mm256_set1_ps(x[t * k + i]);
-        acc[t][0][0] = _mm256_fmadd_ps(w0, xv, acc[t][0][0]);
-        acc[t][0][1] = _mm256_fmadd_ps(w1, xv, acc[t][0][1]);
+        const int64_t tg = t * groups + g;
+        alignas(32) int16_t x[kGroup];
+        for (int i = 0; i < kGroup; ++i)
+          x[i] = static_cast<int16_t>(Parts == 2 ? 254 * a.hi[t * k + g * kGroup + i] + a.lo[t * k + g * kGroup + i]
+                                                 : a.hi[t * k + g * kGroup + i]);
+        const int32_t offset = 128 * (Parts == 2 ? 254 * a.hi_sum[tg] + a.lo_sum[tg] : a.hi_sum[tg]);
+        const __m256 step = _mm256_set1_ps(Parts == 2 ? a.step[tg] * (1.f / 254.f) : a.step[tg]);
+        for (int half = 0; half < 2; ++half) {
+          __m256i dot[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // rows 0-3, 4-7 of the half
+#pragma GCC unroll 8
+          for (int c = 0; c < 8; ++c) {
+            const __m128i* bytes = reinterpret_cast<const __m128i*>(p + c * 64 + 32 * half);
+            const __m256i xv = _mm256_set1_epi64x(*reinterpret_cast<const int64_t*>(x + 4 * c));
+            dot[0] = _mm256_add_epi32(dot[0], _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(bytes)), xv));
+            dot[1] = _mm256_add_epi32(dot[1], _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(bytes + 1)), xv));
+          }
+          const __m256i rows = _mm256_sub_epi32(_mm256_hadd_epi32(dot[0], dot[1]), _mm256_set1_epi32(offset));
+          total[t][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rows), step, total[t][half]);
+        }
       }
     }
     const __m256 s0 = _mm256_loadu_ps(scales + b * kRows), s1 = _mm256_loadu_ps(scales + b * kRows + 8);
     alignas(32) float rows[kRows];
     for (int t = 0; t < M; ++t) {
-      __m256 r0 = acc[t][0][0], r1 = acc[t][0][1];
-      if constexpr (kChains == 2) {
-        r0 = _mm256_add_ps(r0, acc[t][1][0]);
-        r1 = _mm256_add_ps(r1, acc[t][1][1]);
-      }
-      _mm256_store_ps(rows, _mm256_mul_ps(r0, s0));
-      _mm256_store_ps(rows + 8, _mm256_mul_ps(r1, s1));
+      _mm256_store_ps(rows, _mm256_mul_ps(_mm256_permutevar8x32_ps(total[t][0], hadd_order), s0));
+      _mm256_store_ps(rows + 8, _mm256_mul_ps(_mm256_permutevar8x32_ps(total[t][1], hadd_order), s1));
       store_rows(out + t * n + b * kRows, rows);
     }
   }
 }
 #endif
 
-template <typename T>
-void int8_product(const at::Tensor& x, const int8_t* w, const float* scales, at::Tensor& out, bool portable) {
+template <int Parts, typename T>
+void int8_product(const at::Tensor& x, const uint8_t* w, const float* scales, at::Tensor& out, bool portable) {
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1), num_blocks = n / kRows;
-  const T* xs = x.data_ptr<T>();
+  const SplitTokens a = split_activations(x.data_ptr<T>(), m, k, Parts == 2, /*part_sums=*/true);
   T* o = out.data_ptr<T>();
-  if (portable) return int8_rows_portable(w, xs, scales, o, m, k, n, 0, num_blocks);
-#if LLMSERVE_GEMV_AVX512 || LLMSERVE_GEMV_AVX2
-  thread_local std::vector<float> xf;  // float32 once, not per multiply-add (this thread's buffer:
-  xf.resize(m * k);                     // the workers below read it through a plain pointer)
-  for (int64_t i = 0; i < m * k; ++i) xf[i] = as_float(xs[i]);
-  const float* x32 = xf.data();
-#endif
-  for_token_passes(num_blocks, m, k * kRows, [&](int64_t t0, int64_t mt, int64_t begin, int64_t end) {
+  if (portable) return int8_rows_portable(w, a, scales, o, m, k, n, 0, num_blocks);
+  for_token_passes(num_blocks, m, k / kGroup * kInt8GroupBytes, [&](int64_t t0, int64_t mt, int64_t begin,
+                                                                     int64_t end) {
 #if LLMSERVE_GEMV_AVX512
     with_token_count<kMaxTokens>(mt, [&](auto tokens) {
-      int8_rows_avx512<decltype(tokens)::value>(w, x32 + t0 * k, scales, o + t0 * n, k, n, begin, end);
+      int8_rows_avx512<decltype(tokens)::value, Parts>(w, a.from(t0, k), scales, o + t0 * n, k, n, begin, end);
     });
 #elif LLMSERVE_GEMV_AVX2
     with_token_count<kMaxTokens>(mt, [&](auto tokens) {
-      int8_rows_avx2<decltype(tokens)::value>(w, x32 + t0 * k, scales, o + t0 * n, k, n, begin, end);
+      int8_rows_avx2<decltype(tokens)::value, Parts>(w, a.from(t0, k), scales, o + t0 * n, k, n, begin, end);
     });
 #else
-    int8_rows_portable(w, xs + t0 * k, scales, o + t0 * n, mt, k, n, begin, end);
+    int8_rows_portable(w, a.from(t0, k), scales, o + t0 * n, mt, k, n, begin, end);
 #endif
   });
 }
 
 at::Tensor int8_gemv_impl(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales, int64_t n,
-                          bool portable) {
+                          int64_t activation_parts, bool portable) {
   check_activations(x_in, "int8_gemv");
+  TORCH_CHECK(activation_parts == 1 || activation_parts == 2, "int8_gemv: activation_parts must be 1 or 2");
   const at::Tensor x = x_in.contiguous();
   const int64_t k = x.size(1);
-  TORCH_CHECK(n % kRows == 0, "int8_gemv: out_features must be a multiple of 16");
-  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.is_contiguous() && packed.numel() == n * k,
+  TORCH_CHECK(k % kGroup == 0 && n % kRows == 0, "int8_gemv: in_features must be a multiple of 32 and "
+              "out_features of 16");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == n * k,
               "int8_gemv: packed weight does not match [", n, ", ", k, "]");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == n,
               "int8_gemv: scales must be [", n, "] float32");
   at::Tensor out = at::empty({x.size(0), n}, x.options());
-  if (x.scalar_type() == at::kBFloat16) {
-    int8_product<at::BFloat16>(x, packed.data_ptr<int8_t>(), scales.data_ptr<float>(), out, portable);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const float* s = scales.data_ptr<float>();
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  if (activation_parts == 2) {
+    bf16 ? int8_product<2, at::BFloat16>(x, w, s, out, portable) : int8_product<2, float>(x, w, s, out, portable);
   } else {
-    int8_product<float>(x, packed.data_ptr<int8_t>(), scales.data_ptr<float>(), out, portable);
+    bf16 ? int8_product<1, at::BFloat16>(x, w, s, out, portable) : int8_product<1, float>(x, w, s, out, portable);
   }
   return out;
 }
 
 // x [tokens, k] times the int8 weight packed by `pack_int8` (kernels/quantized_gemv.py), row scales
-// applied: [tokens, n].
-at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t n) {
-  return int8_gemv_impl(x, packed, scales, n, false);
+// applied: [tokens, n]. `activation_parts`: x split as for int4_gemv (2: ~16 bits; 1: Q8_0).
+at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t n,
+                     int64_t activation_parts) {
+  return int8_gemv_impl(x, packed, scales, n, activation_parts, false);
 }
 
-at::Tensor int8_gemv_portable(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t n) {
-  return int8_gemv_impl(x, packed, scales, n, true);
+at::Tensor int8_gemv_portable(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t n,
+                              int64_t activation_parts) {
+  return int8_gemv_impl(x, packed, scales, n, activation_parts, true);
 }
 
 // Whether this build has vector loops (AVX-512 with VNNI, or AVX2 with FMA and F16C); the portable ones
@@ -571,8 +653,8 @@ TORCH_LIBRARY_FRAGMENT(llmserve, m) {
   m.def("quantized_gemv_vectorized() -> bool");
   m.def("int4_gemv(Tensor x, Tensor packed, int n, int activation_parts=2) -> Tensor");
   m.def("int4_gemv_portable(Tensor x, Tensor packed, int n, int activation_parts=2) -> Tensor");
-  m.def("int8_gemv(Tensor x, Tensor packed, Tensor scales, int n) -> Tensor");
-  m.def("int8_gemv_portable(Tensor x, Tensor packed, Tensor scales, int n) -> Tensor");
+  m.def("int8_gemv(Tensor x, Tensor packed, Tensor scales, int n, int activation_parts=2) -> Tensor");
+  m.def("int8_gemv_portable(Tensor x, Tensor packed, Tensor scales, int n, int activation_parts=2) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llmserve, CompositeExplicitAutograd, m) {

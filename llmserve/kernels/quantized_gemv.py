@@ -19,7 +19,7 @@ def int4_packs(out_features: int, in_features: int) -> bool:
 
 
 def int8_packs(out_features: int, in_features: int) -> bool:
-    return out_features % ROWS == 0
+    return out_features % ROWS == 0 and in_features % INT4_GROUP == 0
 
 
 def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
@@ -41,12 +41,16 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torc
 
 
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
-    """q [out, in] int8. Returns the flat int8 layout `llmserve::int8_gemv` reads: per block of 16 rows,
-    per input, the 16 rows' weights."""
+    """q [out, in] int8. Returns the flat uint8 layout `llmserve::int8_gemv` reads: per block of 16 rows and
+    group of 32 inputs, 8 vectors of 64 bytes, vector c holding inputs 4c..4c+3 of each row in turn, as
+    q + 128 (the kernel multiplies unsigned weight bytes by signed activation bytes)."""
     out_features, in_features = q.shape
     if not int8_packs(out_features, in_features):
-        raise ValueError(f"int8 packing needs out_features % {ROWS} == 0")
-    return q.view(out_features // ROWS, ROWS, in_features).transpose(1, 2).contiguous().view(-1)
+        raise ValueError(f"int8 packing needs out_features % {ROWS} == 0 and in_features % {INT4_GROUP} == 0")
+    unsigned = (q.to(torch.int16) + 128).to(torch.uint8)
+    # [block, row, group, c, s] -> [block, group, c, row, s]
+    blocks = unsigned.view(out_features // ROWS, ROWS, in_features // INT4_GROUP, 8, 4)
+    return blocks.permute(0, 2, 3, 1, 4).contiguous().view(-1)
 
 
 def register_fakes() -> None:
@@ -57,5 +61,5 @@ def register_fakes() -> None:
         return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake("llmserve::int8_gemv")
-    def _(x, packed, scales, n):
+    def _(x, packed, scales, n, activation_parts=2):
         return x.new_empty(x.shape[0], n)

@@ -145,9 +145,6 @@ def fused_decode_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, tor
     if any(lin.bias is not None for layer in layers for lin in (layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                                                                  layer.mlp.down_proj)):
         raise ValueError("the fused decode stack takes a bias on q/k/v only")
-    parts = {lin.activation_parts for lin in linears if lin.method == "int4"}
-    if len(parts) > 1:
-        raise ValueError("the fused decode stack takes one activation_parts for all int4 linears")
     none = torch.empty(0)
     cfg = model.config
     return torch.classes.llmserve.DecodeStack(
@@ -157,7 +154,8 @@ def fused_decode_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, tor
         [lin.scales if lin.method == "int8" else none for lin in linears],
         [none if layer.self_attn.qkv_proj.bias is None else layer.self_attn.qkv_proj.bias for layer in layers],
         [k for k, _ in kv_caches], [v for _, v in kv_caches],
-        cfg.num_heads, cfg.intermediate_size, cfg.rms_norm_eps, layers[0].self_attn.scale, min(parts, default=2),
+        cfg.num_heads, cfg.intermediate_size, cfg.rms_norm_eps, layers[0].self_attn.scale,
+        [lin.activation_parts for lin in linears],
     )
 
 

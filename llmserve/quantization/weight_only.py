@@ -34,7 +34,9 @@ INT4_GROUP_SIZE = 32
 QUANTIZED_MAX_TOKENS = {"int8": 8, "int4": 16, "int4+int8": 16}
 # ... and with Q8_0 inputs (one activation part), whose int4 products of 32 tokens cost what 16 did with two:
 # Qwen2.5-Coder-1.5B's, weights streamed, Zen 5: 16 tokens 64 -> 37 ms, 32 tokens 129 -> 71 ms, against ~165 ms
-# for its whole step of 32 tokens on the dense bf16 weights (benchmarks/README.md, issue 20, session 33).
+# for its whole step of 32 tokens on the dense bf16 weights (benchmarks/README.md, issue 20, session 33). Its
+# int8 layers too (session 35: 15.4 ms at 32 tokens against 23.2 dense, `benchmarks/quantized_gemv.py
+# --int8-layers`).
 Q8_MAX_TOKENS = 32
 # With the AMX int8 x int8 product, steps from this many tokens take it: all 120 of SmolLM2's products with
 # weights streamed, int4 kernel 4.0 ms at 4 tokens and 7.0 ms at 8; AMX 5.8 ms at 9 and at 16 tokens (any
@@ -57,7 +59,8 @@ class WeightOnlyLinear(nn.Module):
         keep a weight copy of their own layout instead of PyTorch's. `grid`: int4's (scale, min) per group,
         the file's own (see the module docstring); int8 has no use for it. `activation_parts`: how the native
         int4 kernel takes a small step's inputs, 2 int8 parts (~16 bits) or 1 (Q8_0: an int8 per input, a
-        scale per 32, half the integer work; the build plan chooses, see `Q8_MAX_TOKENS`)."""
+        scale per 32, half the integer work; the build plan chooses, see `Q8_MAX_TOKENS`). The native int8
+        kernel takes its inputs the same way."""
         super().__init__()
         if method not in ("int8", "int4"):
             raise ValueError(f"a layer's quantization is 'int8' or 'int4', got {method!r}")
@@ -139,7 +142,7 @@ def _native_int4(layer: WeightOnlyLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _native_int8(layer: WeightOnlyLinear, x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.llmserve.int8_gemv(x, layer.qweight, layer.scales, layer.out_features)
+    return torch.ops.llmserve.int8_gemv(x, layer.qweight, layer.scales, layer.out_features, layer.activation_parts)
 
 
 def _torch_int4(layer: WeightOnlyLinear, x: torch.Tensor) -> torch.Tensor:
@@ -218,10 +221,18 @@ def quantize_model(model: nn.Module, method: str, native_kernels: bool = False,
                 grid = None if None in sources else (torch.cat([g[0] for g in sources]),
                                                      torch.cat([g[1] for g in sources]))
                 layer_method = layer_method_of(method, grid)
-                ceiling = Q8_MAX_TOKENS if layer_method == "int4" and activation_parts == 1 else \
-                    QUANTIZED_MAX_TOKENS[layer_method]
-                cap = min(max_quantized_tokens or ceiling, ceiling)
-                setattr(module, child_name, WeightOnlyLinear(child.weight, layer_method, native_kernels, cap,
-                                                             child.bias, grid, activation_parts))
-    model.lm_head = WeightOnlyLinear(model.lm_head.weight, head, native_kernels)
+                setattr(module, child_name, WeightOnlyLinear(
+                    child.weight, layer_method, native_kernels, _small_step_cap(layer_method, max_quantized_tokens,
+                                                                                activation_parts),
+                    child.bias, grid, activation_parts))
+    model.lm_head = WeightOnlyLinear(model.lm_head.weight, head, native_kernels,
+                                     _small_step_cap(head, max_quantized_tokens, activation_parts),
+                                     activation_parts=activation_parts)
     return model
+
+
+def _small_step_cap(method: str, asked: int | None, activation_parts: int) -> int:
+    """The largest step a layer's small-step kernel takes: `asked`, at most its method's crossover (Q8_0 inputs'
+    for either native kernel, whose integer work they halve)."""
+    ceiling = Q8_MAX_TOKENS if activation_parts == 1 else QUANTIZED_MAX_TOKENS[method]
+    return min(asked or ceiling, ceiling)

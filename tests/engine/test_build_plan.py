@@ -44,8 +44,14 @@ def test_a_mostly_4_bit_k_quant_mix_runs_int4_and_int8():
     plan = _plan(_formats("Q4_K", down="Q6_K"))
     assert plan.weights == "int4+int8" and "Q6_K" in plan.reasons["weights"]
     assert not plan.int8_activations  # they would cost quality here
-    # decode steps as one native call, as far as the int8 layers' kernel takes a step
-    assert plan.fused_decode_max_tokens == (8 if plan.elementwise == "native" else 0)
+    # decode steps as one native call, as far as the int8 layers' kernel takes a step: with Q8_0 inputs (the
+    # default there) as far as int4's, with ~16-bit ones 8 tokens
+    sixteen_bit = _plan(_formats("Q4_K", down="Q6_K"), q8_activations=False)
+    if plan.elementwise == "native":
+        assert (plan.fused_decode_max_tokens, sixteen_bit.fused_decode_max_tokens) == (32, 8)
+        assert "int4 and int8 layers up to 32 tokens" in plan.reasons["small steps"]
+    else:
+        assert plan.fused_decode_max_tokens == sixteen_bit.fused_decode_max_tokens == 0
     assert _plan(_formats("Q5_0", down="Q4_K")).weights == "as loaded"
     assert _plan(_formats("Q4_K", down="BF16")).weights == "as loaded"
 

@@ -75,8 +75,8 @@ def test_steps_larger_than_the_int4_kernel_takes_run_layer_by_layer():
 @pytest.mark.parametrize(("method", "q8"), [("int4", False), ("int4+int8", False), ("int4+int8", True)])
 def test_qwen_fused_decode_equals_the_layer_by_layer_native_ops(method, q8):
     """Qwen2's q/k/v biases, and int8 linears beside int4 ones (int4+int8 on Qwen2.5-Coder-0.5B's Q4_K_M file:
-    int4 on its Q4_K tensors, int8 on the Q5_0/Q6_K/Q8_0 ones), the int4 ones on Q8_0 inputs or ~16-bit ones,
-    inside the one call: the same bits."""
+    int4 on its Q4_K tensors, int8 on the Q5_0/Q6_K/Q8_0 ones), all on Q8_0 inputs or ~16-bit ones, inside the
+    one call: the same bits."""
     if installed_path(PARTED_MODELS[QWEN]) is None:
         pytest.skip(f"{QWEN} is not assembled here (`llmserve download {QWEN}`; setup does it)")
     llm = LLM(QWEN, dtype="bfloat16", quantization=method, int8_activations=False, q8_activations=q8,
@@ -84,11 +84,17 @@ def test_qwen_fused_decode_equals_the_layer_by_layer_native_ops(method, q8):
     runner = llm.engine.runner
     linears = [m for m in runner.model.layers.modules() if isinstance(m, WeightOnlyLinear)]
     assert {m.method for m in linears} == set(method.split("+"))
-    assert {m.activation_parts for m in linears if m.method == "int4"} == {1 if q8 else 2}
-    assert runner.fused_stack is not None and runner.plan.fused_decode_max_tokens == (16 if method == "int4" else 8)
+    assert {m.activation_parts for m in linears} == {1 if q8 else 2}  # int8 linears' inputs too
+    # int8 linears take steps of up to 8 tokens with ~16-bit inputs, as many as int4's (32) with Q8_0 ones
+    assert runner.fused_stack is not None
+    assert runner.plan.fused_decode_max_tokens == (16 if method == "int4" else 32 if q8 else 8)
     processor = llm.engine.processor
-    prompts = [processor.encode(p) for p in ("def is_prime(n):", "The three laws of thermodynamics are",
-                                             "# Sort a list of tuples by their second item\n")]
+    prompts = [processor.encode(p) for p in (
+        "def is_prime(n):\n    \"\"\"Return whether n is a prime number.\"\"\"", "The three laws of thermodynamics are",
+        "# Sort a list of tuples by their second item, then by their first\n")]
+    # the prompts' step is larger than the one call takes, so both runs compute it layer by layer (a smaller
+    # one would run as decodes in the call, and its attention sums in another order than a prefill's)
+    assert sum(map(len, prompts)) > runner.plan.fused_decode_max_tokens
     _assert_fused_equals_layer_by_layer(llm, prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
                                                                       logprobs=3))
 
@@ -108,10 +114,13 @@ def test_the_stack_refuses_mismatched_layers():
     linears = weights * 4
     with pytest.raises(RuntimeError, match="one of each tensor per layer"):
         torch.classes.llmserve.DecodeStack(weights, weights, linears, linears, [], [cache], [cache],
-                                           9, 1536, 1e-5, 0.125, 2)
+                                           9, 1536, 1e-5, 0.125, [2] * 4)
     with pytest.raises(RuntimeError, match="one of each tensor per layer"):  # four linears a layer
         torch.classes.llmserve.DecodeStack(weights, weights, weights, weights, weights, [cache], [cache],
-                                           9, 1536, 1e-5, 0.125, 2)
+                                           9, 1536, 1e-5, 0.125, [2] * 4)
+    with pytest.raises(RuntimeError, match="one of each tensor per layer"):  # activation parts per linear
+        torch.classes.llmserve.DecodeStack(weights, weights, linears, linears, weights, [cache], [cache],
+                                           9, 1536, 1e-5, 0.125, [2])
     with pytest.raises(RuntimeError, match="caches must be"):
         torch.classes.llmserve.DecodeStack(weights, weights, linears, linears, weights, [cache],
-                                           [torch.zeros(4, 3, 16)], 9, 1536, 1e-5, 0.125, 2)
+                                           [torch.zeros(4, 3, 16)], 9, 1536, 1e-5, 0.125, [2] * 4)

@@ -75,7 +75,7 @@ def test_int4_product_of_q8_inputs_is_exact_on_their_levels(tokens, shape, dtype
     group's inputs exactly for that term), up to float32 sums."""
     packed, dense = _int4_case(*shape)
     mins = _int4_case(*shape, mins_only=True)
-    x = torch.randn(tokens, shape[1]).to(dtype)
+    x = torch.randn(tokens, shape[1], generator=torch.Generator().manual_seed(tokens)).to(dtype)  # see int8's
     out = torch.ops.llmserve.int4_gemv(x, packed, shape[0], 1)
     assert out.dtype == dtype and out.shape == (tokens, shape[0])
     expected = q8_0_levels(x).double() @ (dense.double() - mins).T + x.double() @ mins.T
@@ -93,6 +93,9 @@ def test_activation_parts_are_one_or_two():
     packed, _ = _int4_case(64, 64)
     with pytest.raises(RuntimeError, match="activation_parts"):
         torch.ops.llmserve.int4_gemv(torch.randn(1, 64), packed, 64, 3)
+    packed8, scales, _ = _int8_case(32, 64)
+    with pytest.raises(RuntimeError, match="activation_parts"):
+        torch.ops.llmserve.int8_gemv(torch.randn(1, 64), packed8, scales, 32, 0)
 
 
 @pytest.mark.parametrize("tokens", TOKENS)
@@ -104,10 +107,46 @@ def test_int8_product_equals_the_dequantized_weight(tokens, shape, dtype):
     out = torch.ops.llmserve.int8_gemv(x, packed, scales, shape[0])
     assert out.dtype == dtype and out.shape == (tokens, shape[0])
     expected = x.double() @ dense.double().T
-    tol = 1e-5 * expected.abs().max() if dtype == torch.float32 else 8e-3 * expected.abs().max()
+    # float32: only the ~16-bit activation split rounds (as int4's); bfloat16: the output's own rounding
+    tol = 1e-4 * expected.abs().max() if dtype == torch.float32 else 8e-3 * expected.abs().max()
     assert (out.double() - expected).abs().max() < tol
     portable = torch.ops.llmserve.int8_gemv_portable(x, packed, scales, shape[0])
     _assert_same_up_to_summation_order(out, portable)
+
+
+@pytest.mark.parametrize("tokens", [*TOKENS, 33])
+@pytest.mark.parametrize("shape", [*SHAPES, (2048, 1536)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_product_of_q8_inputs_is_exact_on_their_levels(tokens, shape, dtype):
+    """One activation part: x's Q8_0 levels times the int8 weight, up to float32 sums. The weights are stored as
+    q + 128 and the 128 taken back out per group in integers: an error there would show as a whole offset."""
+    packed, scales, dense = _int8_case(*shape)
+    # seeded: the kernel's step (max|x| / 127 under -ffast-math) can differ from float32 division in its last
+    # bit, and an input within that of a rounding boundary moves a whole level (one input in ~60 such x)
+    x = torch.randn(tokens, shape[1], generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    out = torch.ops.llmserve.int8_gemv(x, packed, scales, shape[0], 1)
+    expected = q8_0_levels(x).double() @ dense.double().T
+    tol = 2e-6 * expected.abs().max() if dtype == torch.float32 else 8e-3 * expected.abs().max()
+    assert (out.double() - expected).abs().max() < tol
+    assert (out.double() - x.double() @ dense.double().T).abs().max() > 10 * tol or dtype == torch.bfloat16
+    for parts in (1, 2):
+        _assert_same_up_to_summation_order(torch.ops.llmserve.int8_gemv(x, packed, scales, shape[0], parts),
+                                           torch.ops.llmserve.int8_gemv_portable(x, packed, scales, shape[0], parts))
+    alone = torch.ops.llmserve.int8_gemv(x[-1:], packed, scales, shape[0], 1)
+    assert torch.equal(out[-1:], alone), "a token's result must not depend on the others in its step"
+
+
+@pytest.mark.parametrize("weight", [127, -127])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_int8_sums_hold_at_the_extremes(weight, sign):
+    # every weight at +-127 (stored as 255 or 1) and every activation part at +-127: the AVX2 loop's int16
+    # products (254 hi + lo) and int32 pair sums reach their bounds
+    q = torch.full((32, 256), weight, dtype=torch.int8)
+    scales = torch.full((32,), 0.01)
+    x = torch.full((2, 256), sign * 3.0)
+    for parts in (1, 2):
+        out = torch.ops.llmserve.int8_gemv(x, pack_int8(q), scales, 32, parts)
+        torch.testing.assert_close(out, torch.full((2, 32), sign * 3.0 * weight * 0.01 * 256))
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
@@ -148,6 +187,8 @@ def test_packing_refuses_shapes_the_kernels_do_not_take():
         pack_int4(torch.zeros(32, 48, dtype=torch.int32), torch.ones(32, 1), torch.zeros(32, 1))
     with pytest.raises(ValueError, match="out_features"):
         pack_int8(torch.zeros(24, 64, dtype=torch.int8))
+    with pytest.raises(ValueError, match="in_features"):
+        pack_int8(torch.zeros(32, 48, dtype=torch.int8))
 
 
 def test_this_machine_runs_the_vector_loops():

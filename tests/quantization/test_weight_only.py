@@ -124,6 +124,8 @@ def test_q8_inputs_engine_matches_transformers_on_their_levels(hf_model, prompt_
     assert llm.engine.plan.activation_parts == 1 and llm.engine.runner.fused_stack is not None
     int4 = [m for m in llm.engine.runner.model.layers.modules() if isinstance(m, WeightOnlyLinear)]
     assert int4 and all(m.activation_parts == 1 and m.max_quantized_tokens == Q8_MAX_TOKENS for m in int4)
+    head = llm.engine.runner.model.lm_head  # int8, its inputs as Q8_0 too (the reference's head takes their levels)
+    assert (head.method, head.activation_parts, head.max_quantized_tokens) == ("int8", 1, Q8_MAX_TOKENS)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     batched = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
     alone = [llm.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids for ids in prompts]
