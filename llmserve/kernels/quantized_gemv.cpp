@@ -559,7 +559,7 @@ void int8_rows_avx2(const uint8_t* w, SplitTokens a, const float* scales, T* out
 #pragma GCC unroll 8
           for (int c = 0; c < 8; ++c) {
             const __m128i* bytes = reinterpret_cast<const __m128i*>(p + c * 64 + 32 * half);
-            const __m256i xv = _mm256_set1_epi64x(*reinterpret_cast<const int64_t*>(x + 4 * c));
+            const __m256i xv = _mm256_broadcastq_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(x + 4 * c)));
             dot[0] = _mm256_add_epi32(dot[0], _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(bytes)), xv));
             dot[1] = _mm256_add_epi32(dot[1], _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(bytes + 1)), xv));
           }
