@@ -28,7 +28,7 @@ from llmserve.loader.awq_format import AWQ_FORMAT
 from llmserve.loader.gguf import INT4_GRID_FORMATS
 from llmserve.loader.int8_format import INT8_FORMAT
 from llmserve.models.llama import LlamaConfig
-from llmserve.quantization.weight_only import AMX_MIN_TOKENS, Q8_MAX_TOKENS, QUANTIZED_MAX_TOKENS
+from llmserve.quantization.weight_only import AMX_MIN_TOKENS, Q8_MAX_TOKENS, QUANTIZED_MAX_TOKENS, small_step_cap
 
 logger = logging.getLogger(__name__)
 
@@ -199,12 +199,11 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
         reasons["decode steps"] = "tensor parallel: eager (compiled graphs would hold the collectives)"
     elif mc.compile:
         compile_mode = "graph" if attention == "native" else "layers"
-    # q/k/v biases (Qwen2) and int8 linears (a K-quant mix's) run inside the one call too; int8 layers take
-    # steps of at most 8 tokens on their kernel with ~16-bit inputs (Q8_0 inputs: as many as int4's), so a call
-    # with any does too
+    # q/k/v biases (Qwen2) and int8 linears (a K-quant mix's) run inside the one call too, which takes steps as
+    # large as every method's small-step kernel does (int8's: 8 tokens with ~16-bit inputs, int4's with Q8_0 ones)
     fused = (tp == 1 and weights != "as loaded" and small == "native" and elementwise == "native"
              and attention == "native" and all(int4_packs(*shape) for shape in _linear_shapes(model)))
-    fused_max = small_max if weights == "int4" or parts == 1 else min(small_max, QUANTIZED_MAX_TOKENS["int8"])
+    fused_max = min(small_step_cap(m, small_max, parts) for m in weights.split("+")) if fused else 0
     if fused:
         reasons["decode steps"] = "native quantized products, attention and elementwise ops: one call for all layers"
 
@@ -222,7 +221,7 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
         device=mc.device, dtype=dtype, weights=weights, small_step_kernels=small, small_step_max_tokens=small_max,
         int8_activations=int8_activations, int8_products=products, attention=attention,
         elementwise=elementwise, argmax=argmax, compile=compile_mode,
-        fused_decode_max_tokens=fused_max if fused else 0, kv_cache=spec, num_kv_blocks=num_blocks,
+        fused_decode_max_tokens=fused_max, kv_cache=spec, num_kv_blocks=num_blocks,
         max_model_len=max_model_len, head=head, tensor_parallel_size=tp, activation_parts=parts, reasons=reasons,
     )
 

@@ -222,17 +222,18 @@ def quantize_model(model: nn.Module, method: str, native_kernels: bool = False,
                                                      torch.cat([g[1] for g in sources]))
                 layer_method = layer_method_of(method, grid)
                 setattr(module, child_name, WeightOnlyLinear(
-                    child.weight, layer_method, native_kernels, _small_step_cap(layer_method, max_quantized_tokens,
+                    child.weight, layer_method, native_kernels, small_step_cap(layer_method, max_quantized_tokens,
                                                                                 activation_parts),
                     child.bias, grid, activation_parts))
     model.lm_head = WeightOnlyLinear(model.lm_head.weight, head, native_kernels,
-                                     _small_step_cap(head, max_quantized_tokens, activation_parts),
+                                     small_step_cap(head, max_quantized_tokens, activation_parts),
                                      activation_parts=activation_parts)
     return model
 
 
-def _small_step_cap(method: str, asked: int | None, activation_parts: int) -> int:
+def small_step_cap(method: str, asked: int | None, activation_parts: int) -> int:
     """The largest step a layer's small-step kernel takes: `asked`, at most its method's crossover (Q8_0 inputs'
-    for either native kernel, whose integer work they halve)."""
+    for either native kernel, whose integer work they halve). The build plan bounds the one-call decode stack by
+    it too."""
     ceiling = Q8_MAX_TOKENS if activation_parts == 1 else QUANTIZED_MAX_TOKENS[method]
     return min(asked or ceiling, ceiling)
