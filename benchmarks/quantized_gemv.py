@@ -15,6 +15,9 @@ a Q6_K v, 14 Q6_K ffn_down), each on the native int8 kernel and on the dense bfl
 `QUANTIZED_MAX_TOKENS["int8"]` (oneDNN-packed, as the engine's), weights streamed, alternated: where the
 crossover lies (`--parts 1`, the default there, or 2: the int8 kernel's inputs).
     .venv/bin/python benchmarks/quantized_gemv.py --shapes qwen2.5-coder-1.5b --int8-layers --tokens 1,8,16,32
+`--layouts`: instead, the int4 products on a Q4_K grid (d * sc, -dmin * m per 256 inputs, 6-bit sc and m) in both
+of the kernel's layouts, fp16 scales (5 bits a weight) and super-blocks (4.625), weights streamed, alternated.
+    .venv/bin/python benchmarks/quantized_gemv.py --shapes qwen2.5-coder-1.5b --layouts --tokens 1,8,32 --parts 1
 """
 
 from __future__ import annotations
@@ -59,11 +62,15 @@ def main() -> None:
     ap.add_argument("--parts", help="compare the int4 kernel's activation parts instead, e.g. 2,1")
     ap.add_argument("--int8-layers", action="store_true",
                     help="the int8 layers of a K-quant mix: native int8 kernel against the dense product")
+    ap.add_argument("--layouts", action="store_true",
+                    help="int4 on a Q4_K grid: fp16-scale layout against the super-block layout")
     args = ap.parse_args()
     num_layers, shapes, head = SHAPE_SETS[args.shapes]
     if not native_quantized_kernels():
         sys.exit("the native quantized kernels are not built vectorized on this machine (AVX-512 VNNI)")
     torch.manual_seed(0)
+    if args.layouts:
+        return compare_layouts(num_layers, shapes, [int(t) for t in args.tokens.split(",")], int(args.parts or 1))
     if args.int8_layers:
         return int8_layers(num_layers, shapes, [int(t) for t in args.tokens.split(",")], int(args.parts or 1))
     if args.parts:
@@ -121,6 +128,45 @@ def compare_parts(num_layers: int, shapes: list[tuple[int, int]], token_counts: 
                 best[p] = min(best[p], timed(step, evict, repeats=3))
         print(f"| {tokens} | " + " | ".join(f"{best[p]:.1f}" for p in parts) +
               f" | {best[parts[0]] / best[parts[-1]]:.2f}x |", flush=True)
+
+
+def compare_layouts(num_layers: int, shapes: list[tuple[int, int]], token_counts: list[int], parts: int) -> None:
+    """Every linear of the step in int4 on a Q4_K grid, packed in each layout (the same values but the fp16
+    rounding of the scales), weights streamed, alternated 4 times: the best of each."""
+    from llmserve.kernels.quantized_gemv import pack_int4
+
+    def q4_k_grid(out_features: int, in_features: int, size: float) -> torch.Tensor:
+        d = (torch.rand(out_features, in_features // 256, 1) * size / 63).half().float()
+        sc = torch.randint(0, 64, (out_features, in_features // 256, 8))
+        sc[..., 0] = 63
+        return (d * sc).view(out_features, -1)
+
+    print("packing one step's int4 weights in both layouts ...", flush=True)
+    packs: dict[str, list[tuple[torch.Tensor, int, int]]] = {"fp16 scales": [], "super-blocks": []}
+    for _ in range(num_layers):
+        for out_features, in_features in shapes:
+            q = torch.randint(0, 16, (out_features, in_features), dtype=torch.int32)
+            scales, mins = q4_k_grid(out_features, in_features, 0.01), -q4_k_grid(out_features, in_features, 0.05)
+            packs["super-blocks"].append((pack_int4(q, scales, mins), out_features, in_features))
+            packs["fp16 scales"].append((pack_int4(q, scales.half().float(), mins.half().float()), out_features,
+                                         in_features))
+    nbytes = {name: sum(p.numel() for p, _, _ in layers) for name, layers in packs.items()}
+    print(", ".join(f"{name}: {b / 1e6:.1f} MB" for name, b in nbytes.items()) + f"; inputs in {parts} part(s)")
+    evict = torch.ones(2**26)  # 256 MiB
+    names = list(packs)
+    print("| tokens | " + " | ".join(f"{n} ms | {n} GB/s" for n in names) + " | speed-up |")
+    print("|---:|" + "---:|" * (2 * len(names) + 1))
+    for tokens in token_counts:
+        xs = {k: torch.randn(tokens, k, dtype=torch.bfloat16) for _, k in shapes}
+        best = {n: float("inf") for n in names}
+        for _ in range(4):
+            for name in names:
+                def step(name=name, xs=xs) -> None:
+                    for packed, out_features, in_features in packs[name]:
+                        torch.ops.llmserve.int4_gemv(xs[in_features], packed, out_features, parts)
+                best[name] = min(best[name], timed(step, evict, repeats=3))
+        print(f"| {tokens} | " + " | ".join(f"{best[n]:.1f} | {nbytes[n] / best[n] / 1e6:.1f}" for n in names)
+              + f" | {best[names[0]] / best[names[1]]:.2f}x |", flush=True)
 
 
 def int8_layers(num_layers: int, shapes: list[tuple[int, int]], token_counts: list[int], parts: int) -> None:

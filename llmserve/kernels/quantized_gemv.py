@@ -22,9 +22,46 @@ def int8_packs(out_features: int, in_features: int) -> bool:
     return out_features % ROWS == 0 and in_features % INT4_GROUP == 0
 
 
+SUPER_GROUPS = 8  # groups of 32 per super-block (256 inputs, Q4_K's block)
+
+
+def super_block_factors(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """values [out, in / 32] (an int4 layer's scales or minimums) as factor [out, in / 256] (fp16 values) times
+    u [out, in / 32] (integers in [0, 255]), exactly in float32, or None where some super-block of 8 groups has
+    no such factors. Q4_K's are d * sc and -dmin * m with 6-bit sc and m, the largest of each block 63 in the
+    files llama.cpp writes: tried first, then any other multiple up to 255 of where a few blocks need it."""
+    out_features, groups = values.shape
+    if groups % SUPER_GROUPS:
+        return None
+    v = values.float().reshape(-1, SUPER_GROUPS)
+    largest = v.gather(1, v.abs().argmax(dim=1, keepdim=True))  # the signed value of largest size
+
+    def fit(ref: torch.Tensor, blocks: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per block (and candidate multiple k of the factor in `ref`): the factor, the integers, whether exact."""
+        factor = (ref / k).half().float()
+        u = torch.where(factor != 0, blocks / torch.where(factor != 0, factor, 1), 0).round()
+        exact = ((u * factor == blocks) & (u >= 0) & (u <= 255)).all(dim=-1)
+        return factor, u, exact
+
+    factor, u, exact = fit(largest, v, torch.tensor(63.0))
+    misses = (~exact).nonzero().squeeze(1)
+    if len(misses) > max(64, len(v) // 16):  # not a K-quant grid: a full search would cost 255 tries a block
+        return None
+    if len(misses):
+        k = torch.arange(1, 256, dtype=torch.float32)
+        f, q, ok = fit(largest[misses, None], v[misses, None], k[:, None])  # [misses, 255, 1 / 8 / -]
+        if not ok.any(dim=1).all():
+            return None
+        first = ok.float().argmax(dim=1)  # the largest factor that fits
+        factor[misses] = f[torch.arange(len(misses)), first]
+        u[misses] = q[torch.arange(len(misses)), first]
+    return factor.view(out_features, groups // SUPER_GROUPS).half(), u.view(out_features, groups).to(torch.uint8)
+
+
 def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
-    """q [out, in] integers in [0, 15]; scales, mins [out, in / 32] (w = q * scale + min, as fp16).
-    Returns the flat uint8 layout `llmserve::int4_gemv` reads."""
+    """q [out, in] integers in [0, 15]; scales, mins [out, in / 32] (w = q * scale + min).
+    Returns the flat uint8 layout `llmserve::int4_gemv` reads: the super-block one where both scales and minimums
+    factor per 256 inputs (`super_block_factors`: Q4_K grids, exactly), else the one with fp16 scales and minimums."""
     out_features, in_features = q.shape
     if not int4_packs(out_features, in_features):
         raise ValueError(f"int4 packing needs out_features % {ROWS} == 0 and in_features % {INT4_GROUP} == 0")
@@ -33,11 +70,18 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torc
     q = q.to(torch.uint8).view(blocks, ROWS, groups, 4, 2, 4)  # [block, row, group, c, nibble, s]
     nibbles = (q[:, :, :, :, 0] | (q[:, :, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(blocks, groups, 256)
 
-    def per_block(values: torch.Tensor) -> torch.Tensor:  # [out, groups] -> [block, group, 16 rows] fp16 bytes
-        rows = values.to(torch.float16).view(blocks, ROWS, groups).transpose(1, 2).contiguous()
-        return rows.view(torch.uint8).view(blocks, groups, 2 * ROWS)
+    def per_block(values: torch.Tensor) -> torch.Tensor:  # [out, n] -> [block, n, 16 rows] as bytes
+        rows = values.view(blocks, ROWS, -1).transpose(1, 2).contiguous()
+        return rows.view(torch.uint8).view(blocks, rows.shape[1], -1)
 
-    return torch.cat([nibbles, per_block(scales), per_block(mins)], dim=2).contiguous().view(-1)
+    factored = [super_block_factors(scales), super_block_factors(mins)]
+    if None in factored:
+        return torch.cat([nibbles, per_block(scales.half()), per_block(mins.half())], dim=2).contiguous().view(-1)
+    (scale_factor, scale_u), (min_factor, min_u) = factored
+    supers = groups // SUPER_GROUPS
+    factors = torch.cat([per_block(scale_factor), per_block(min_factor)], dim=2)  # [block, super, 64]
+    u8 = torch.cat([per_block(scale_u), per_block(min_u)], dim=2).view(blocks, supers, -1)  # 8 groups x 32
+    return torch.cat([factors, u8, nibbles.view(blocks, supers, -1)], dim=2).contiguous().view(-1)
 
 
 def pack_int8(q: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,8 @@ Both paths compute with the same quantized values; they differ only in rounding 
 int4 follows GGUF's Q4_1 scheme (per group of 32 inputs: w = q * scale + min, q in [0, 15], scale and
 minimum fp16 values). A weight the file stored on a 4-bit grid (Q4_0, Q4_1, Q4_K: the loader's
 `int4_grids`) keeps that grid, so the int4 path computes with the values shipped (Q4_K's scales and
-minimums, products of an fp16 and a 6-bit integer, are rounded to fp16); any other weight gets a grid
+minimums, products of an fp16 and a 6-bit integer, exactly: the native kernel keeps them as such, in its
+super-block layout, 4.625 bits a weight; `pack_int4`); any other weight gets a grid
 fitted to it (scale = (max - min) / 15, min = the group's minimum). AWQ's groups (any multiple of 32
 inputs, w = (q - z) * s: an AWQ checkpoint's, or `--quantization awq`'s) arrive the same way, as
 `int4_grids` (quantization/int4_groups.py).
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from llmserve.kernels.int8_gemm import int8_gemm_packs, pack_int8_for_amx
-from llmserve.kernels.quantized_gemv import int4_packs, int8_packs, pack_int4, pack_int8
+from llmserve.kernels.quantized_gemv import int4_packs, int8_packs, pack_int4, pack_int8, super_block_factors
 from llmserve.layers.linear import dense_linear
 from llmserve.quantization.int8_activations import int8_linear, pack_int8_weight, quantize_rows, smoothing_scales
 
@@ -180,7 +181,10 @@ def _quantize_int4(w: torch.Tensor, grid: tuple[torch.Tensor, torch.Tensor] | No
         exact_scale, exact_lo = (g.float() for g in grid)
     step = torch.where(exact_scale > 0, exact_scale, torch.ones_like(exact_scale))
     q = torch.round((groups - exact_lo[..., None]) / step[..., None]).clamp(0, 15)
-    scale, lo = exact_scale.half().float(), exact_lo.half().float()
+    if super_block_factors(exact_scale) is None or super_block_factors(exact_lo) is None:
+        scale, lo = exact_scale.half().float(), exact_lo.half().float()
+    else:  # the kernel's super-block layout holds them exactly (Q4_K's)
+        scale, lo = exact_scale, exact_lo
     dequantized = (q * scale[..., None] + lo[..., None]).view(out_features, in_features)
     return q.to(torch.int32).view(out_features, in_features), scale, lo, dequantized
 

@@ -10,7 +10,7 @@ import torch
 from llmserve.evaluate.reference import q8_0_levels
 from llmserve.host import cpu_flags
 from llmserve.kernels import load_cpu_kernels, native_quantized_kernels
-from llmserve.kernels.quantized_gemv import pack_int4, pack_int8
+from llmserve.kernels.quantized_gemv import pack_int4, pack_int8, super_block_factors
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -18,16 +18,37 @@ def kernels():
     assert load_cpu_kernels(), "the native kernels must build here (setup builds them)"
 
 
-def _int4_case(out_features, in_features, seed=0, mins_only=False):
-    """(packed weight, dense weight); `mins_only`: the dense weight's minimums' part alone, [out, in] float64."""
+def _q4_k_grid(out_features, in_features, gen):
+    """Q4_K's (scale, min) per group of 32: d * sc and -dmin * m per 256 inputs, d and dmin fp16, sc and m 6-bit with
+    the largest 63 (as llama.cpp writes them), except in a few blocks (as an importance-weighted search may)."""
+    supers = in_features // 256
+
+    def factored(size):
+        d = (torch.rand(out_features, supers, 1, generator=gen) * size / 63).half().float()
+        u = torch.randint(0, 64, (out_features, supers, 8), generator=gen)
+        u[..., 0] = 63
+        u[::37, :, 0] = 40  # the largest 40 in some rows
+        return (d * u).view(out_features, -1)
+
+    return factored(0.01), -factored(0.05)
+
+
+def _int4_case(out_features, in_features, seed=0, mins_only=False, layout="fp16"):
+    """(packed weight, dense weight); `mins_only`: the dense weight's minimums' part alone, [out, in] float64.
+    `layout`: "fp16" (scales and minimums any fp16 values) or "super" (a Q4_K grid, in the super-block layout)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (out_features, in_features), generator=gen)
-    scales = (torch.rand(out_features, in_features // 32, generator=gen) * 0.01).half().float()
-    mins = (-torch.rand(out_features, in_features // 32, generator=gen) * 0.05).half().float()
+    if layout == "super":
+        scales, mins = _q4_k_grid(out_features, in_features, gen)
+    else:
+        scales = (torch.rand(out_features, in_features // 32, generator=gen) * 0.01).half().float()
+        mins = (-torch.rand(out_features, in_features // 32, generator=gen) * 0.05).half().float()
     if mins_only:
         return mins.double().repeat_interleave(32, dim=1)
     dense = (q.float().view(out_features, -1, 32) * scales[..., None] + mins[..., None]).view(out_features, in_features)
-    return pack_int4(q, scales, mins), dense
+    packed = pack_int4(q, scales, mins)
+    assert packed.numel() == out_features * in_features * (4.625 if layout == "super" else 5) / 8
+    return packed, dense
 
 
 def _int8_case(out_features, in_features, seed=0):
@@ -35,6 +56,17 @@ def _int8_case(out_features, in_features, seed=0):
     q = torch.randint(-127, 128, (out_features, in_features), generator=gen).to(torch.int8)
     scales = torch.rand(out_features, generator=gen) * 0.01
     return pack_int8(q), scales, q.float() * scales[:, None]
+
+
+def _off_q8_ties(x):
+    """x with every input that lies within 1e-3 of a step of a Q8_0 rounding tie moved to a quarter step past its
+    level: the kernel's step (max|x| / 127 under -ffast-math) can differ from float32 division in its last bit, and
+    an input that close to a tie then lands one level away from `q8_0_levels`' (seen once in ~60 random x)."""
+    groups = x.reshape(x.shape[0], -1, 32)
+    step = groups.abs().amax(dim=-1, keepdim=True) / 127
+    scaled = groups / step
+    tie = (scaled - scaled.floor() - 0.5).abs() < 1e-3
+    return torch.where(tie, (scaled.floor() + 0.25) * step, groups).reshape(x.shape)
 
 
 def _assert_same_up_to_summation_order(out, portable):
@@ -49,11 +81,16 @@ TOKENS = [1, 2, 3, 5, 8, 9, 17]
 SHAPES = [(960, 576), (576, 1536), (32, 64)]
 
 
+# the super-block layout takes inputs by 256: SmolLM2's down, a small shape, Qwen2.5-Coder-1.5B's down (35 blocks)
+SUPER_SHAPES = [(576, 1536), (32, 256), (64, 8960)]
+LAYOUT_SHAPES = [*[("fp16", shape) for shape in SHAPES], *[("super", shape) for shape in SUPER_SHAPES]]
+
+
 @pytest.mark.parametrize("tokens", TOKENS)
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(("layout", "shape"), LAYOUT_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_product_equals_the_dequantized_weight(tokens, shape, dtype):
-    packed, dense = _int4_case(*shape)
+def test_int4_product_equals_the_dequantized_weight(tokens, layout, shape, dtype):
+    packed, dense = _int4_case(*shape, layout=layout)
     x = torch.randn(tokens, shape[1]).to(dtype)
     out = torch.ops.llmserve.int4_gemv(x, packed, shape[0])
     assert out.dtype == dtype and out.shape == (tokens, shape[0])
@@ -68,14 +105,14 @@ def test_int4_product_equals_the_dequantized_weight(tokens, shape, dtype):
 # 33: past Q8_MAX_TOKENS' 32; (2048, 1536): several 256 KiB tiles of row blocks per thread, passed over once per
 # 8 tokens (Qwen2.5-Coder-1.5B's q/k/v)
 @pytest.mark.parametrize("tokens", [*TOKENS, 32, 33])
-@pytest.mark.parametrize("shape", [*SHAPES, (2048, 1536)])
+@pytest.mark.parametrize(("layout", "shape"), [*LAYOUT_SHAPES, ("fp16", (2048, 1536)), ("super", (2048, 1536))])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_product_of_q8_inputs_is_exact_on_their_levels(tokens, shape, dtype):
+def test_int4_product_of_q8_inputs_is_exact_on_their_levels(tokens, layout, shape, dtype):
     """One activation part: x's Q8_0 levels times q * scale, plus x itself times the minimums (the kernel sums each
     group's inputs exactly for that term), up to float32 sums."""
-    packed, dense = _int4_case(*shape)
-    mins = _int4_case(*shape, mins_only=True)
-    x = torch.randn(tokens, shape[1], generator=torch.Generator().manual_seed(tokens)).to(dtype)  # see int8's
+    packed, dense = _int4_case(*shape, layout=layout)
+    mins = _int4_case(*shape, mins_only=True, layout=layout)
+    x = _off_q8_ties(torch.randn(tokens, shape[1], generator=torch.Generator().manual_seed(tokens))).to(dtype)
     out = torch.ops.llmserve.int4_gemv(x, packed, shape[0], 1)
     assert out.dtype == dtype and out.shape == (tokens, shape[0])
     expected = q8_0_levels(x).double() @ (dense.double() - mins).T + x.double() @ mins.T
@@ -121,9 +158,7 @@ def test_int8_product_of_q8_inputs_is_exact_on_their_levels(tokens, shape, dtype
     """One activation part: x's Q8_0 levels times the int8 weight, up to float32 sums. The weights are stored as
     q + 128 and the 128 taken back out per group in integers: an error there would show as a whole offset."""
     packed, scales, dense = _int8_case(*shape)
-    # seeded: the kernel's step (max|x| / 127 under -ffast-math) can differ from float32 division in its last
-    # bit, and an input within that of a rounding boundary moves a whole level (one input in ~60 such x)
-    x = torch.randn(tokens, shape[1], generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    x = _off_q8_ties(torch.randn(tokens, shape[1], generator=torch.Generator().manual_seed(tokens))).to(dtype)
     out = torch.ops.llmserve.int8_gemv(x, packed, scales, shape[0], 1)
     expected = q8_0_levels(x).double() @ dense.double().T
     tol = 2e-6 * expected.abs().max() if dtype == torch.float32 else 8e-3 * expected.abs().max()
@@ -158,6 +193,27 @@ def test_int4_sums_hold_at_the_extremes(sign):
     for parts in (1, 2):
         out = torch.ops.llmserve.int4_gemv(x, pack_int4(q, scales, mins), 32, parts)
         torch.testing.assert_close(out, torch.full((2, 32), sign * 3.0 * 15 * float(scales[0, 0]) * 64))
+
+
+def test_super_block_factors_are_exact_or_none():
+    gen = torch.Generator().manual_seed(0)
+    scales, mins = _q4_k_grid(64, 512, gen)
+    for values in (scales, mins):
+        factor, u = super_block_factors(values)
+        assert factor.dtype == torch.float16 and factor.shape == (64, 2) and u.dtype == torch.uint8
+        assert torch.equal((factor.float().repeat_interleave(8, dim=1) * u.float()), values)
+    # Q4_K's own: d where the largest integer is 63; found by the search where it is less (row 0)
+    factor, u = super_block_factors(scales)
+    assert int(u[1].max()) == 63 and int(u[0, :8].max()) < 63
+    # a zero block, and values no 8-bit multiple of one fp16 factor gives
+    assert torch.equal(super_block_factors(torch.zeros(16, 8))[1], torch.zeros(16, 8, dtype=torch.uint8))
+    assert super_block_factors(torch.rand(64, 16, generator=gen).half().float()) is None
+    assert super_block_factors(torch.tensor([[1.0, -1.0, 0, 0, 0, 0, 0, 0]])) is None  # signs differ
+    assert super_block_factors(scales[:, :4]) is None  # not whole blocks of 256 inputs
+    # a grid that factors packs in the super-block layout, and with a layer's fp16 values the other one
+    q = torch.randint(0, 16, (64, 512), generator=gen)
+    assert pack_int4(q, scales, mins).numel() == 64 * 512 * 4.625 / 8
+    assert pack_int4(q, scales.half().float(), mins.half().float()).numel() == 64 * 512 * 5 / 8
 
 
 def test_non_contiguous_activations_are_read_as_their_values():
