@@ -132,7 +132,8 @@ def compare_parts(num_layers: int, shapes: list[tuple[int, int]], token_counts: 
 
 def compare_layouts(num_layers: int, shapes: list[tuple[int, int]], token_counts: list[int], parts: int) -> None:
     """Every linear of the step in int4 on a Q4_K grid, packed in each layout (the same values but the fp16
-    rounding of the scales), weights streamed, alternated 4 times: the best of each."""
+    rounding of the scales), weights streamed, alternated 12 times (which goes first alternating too): the median
+    of each, and the range of the per-round ratios."""
     from llmserve.kernels.quantized_gemv import pack_int4
 
     def q4_k_grid(out_features: int, in_features: int, size: float) -> torch.Tensor:
@@ -154,19 +155,21 @@ def compare_layouts(num_layers: int, shapes: list[tuple[int, int]], token_counts
     print(", ".join(f"{name}: {b / 1e6:.1f} MB" for name, b in nbytes.items()) + f"; inputs in {parts} part(s)")
     evict = torch.ones(2**26)  # 256 MiB
     names = list(packs)
-    print("| tokens | " + " | ".join(f"{n} ms | {n} GB/s" for n in names) + " | speed-up |")
-    print("|---:|" + "---:|" * (2 * len(names) + 1))
+    print("| tokens | " + " | ".join(f"{n} ms | {n} GB/s" for n in names) + " | speed-up, per round |")
+    print("|---:|" + "---:|" * (2 * len(names)) + "---|")
     for tokens in token_counts:
         xs = {k: torch.randn(tokens, k, dtype=torch.bfloat16) for _, k in shapes}
-        best = {n: float("inf") for n in names}
-        for _ in range(4):
-            for name in names:
+        ms: dict[str, list[float]] = {n: [] for n in names}
+        for round_ in range(12):
+            for name in names if round_ % 2 == 0 else names[::-1]:
                 def step(name=name, xs=xs) -> None:
                     for packed, out_features, in_features in packs[name]:
                         torch.ops.llmserve.int4_gemv(xs[in_features], packed, out_features, parts)
-                best[name] = min(best[name], timed(step, evict, repeats=3))
-        print(f"| {tokens} | " + " | ".join(f"{best[n]:.1f} | {nbytes[n] / best[n] / 1e6:.1f}" for n in names)
-              + f" | {best[names[0]] / best[names[1]]:.2f}x |", flush=True)
+                ms[name].append(timed(step, evict, repeats=3))
+        median = {n: statistics.median(ms[n]) for n in names}
+        ratios = [a / b for a, b in zip(ms[names[0]], ms[names[1]], strict=True)]
+        print(f"| {tokens} | " + " | ".join(f"{median[n]:.1f} | {nbytes[n] / median[n] / 1e6:.1f}" for n in names)
+              + f" | {min(ratios):.2f}-{max(ratios):.2f}x |", flush=True)
 
 
 def int8_layers(num_layers: int, shapes: list[tuple[int, int]], token_counts: list[int], parts: int) -> None:

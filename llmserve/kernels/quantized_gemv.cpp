@@ -26,9 +26,10 @@
 // 5: 7.5 % fewer bytes (Qwen2.5-Coder-1.5B's int4 products 670.9 -> 620.6 MB a step), and Q4_K's scales exactly
 // instead of rounded to fp16. The op tells the two apart by the packed weight's size. Measured against the fp16
 // layout on the same Q4_K values (every linear of that model's 28 layers, weights streamed, alternated 12 times,
-// Zen 5, Q8_0 inputs): 1 token 1.04-1.05x (819 -> 757 MB; 96 % of the rate the fp16 layout streams at), 8 tokens
-// 1.12-1.20x. A first version put each group's u8 bytes after its nibbles (half the vectors across two lines),
-// held the factors in registers (spilled at 8 tokens) and did not prefetch the headers: 0.95x and 0.90x.
+// Zen 5, Q8_0 inputs; two runs): 1 token 1.04-1.10x (819 -> 757 MB), 8 tokens 1.06-1.20x, 32 tokens 0.94-1.02x
+// (bound by arithmetic there). A first version put each group's u8 bytes after its nibbles (half the vectors
+// across two lines), held the factors in registers (spilled at 8 tokens) and did not prefetch the headers: 0.95x
+// at 1 token and 0.90x at 8.
 // The activations of each group become two int8 parts, x ~ step * (hi + lo / 254): `vpdpbusd` multiplies
 // the unsigned nibbles by them exactly, so the only rounding is that ~16-bit split (|error| <= step / 508,
 // step = max|x| / 127 over the group) and float32 sums. Or one part, x ~ step * hi: llama.cpp's Q8_0

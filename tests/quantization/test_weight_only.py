@@ -71,6 +71,29 @@ def test_q4_1_weights_requantize_to_their_shipped_values(llm_fp32: LLM):
     assert (layer.weight - weight).abs().max() < 1e-3 * scale.max()
 
 
+def test_a_q4_k_layer_computes_with_the_file_s_values():
+    """Qwen2.5-Coder-0.5B's Q4_K ffn_down: the int4 layer's weights are the file's values exactly (Q4_K's scales, an
+    fp16 times a 6-bit integer, are not rounded to fp16), packed at 4.625 bits a weight, and the kernel's product on
+    ~16-bit inputs is within that split's rounding of the file's (fp16 scales alone were ~6e-4 off)."""
+    from gguf import GGUFReader
+
+    from llmserve.loader.default_models import PARTED_MODELS, installed_path
+    from llmserve.loader.gguf import _dense, int4_grid
+
+    path = installed_path(PARTED_MODELS["qwen2.5-coder-0.5b"])
+    if path is None or not native_quantized_kernels():
+        pytest.skip("needs the Qwen2.5-Coder-0.5B file (make setup installs it) and the native kernels")
+    tensor = next(t for t in GGUFReader(path).tensors if t.tensor_type.name == "Q4_K")
+    weight = torch.from_numpy(_dense(tensor).copy())
+    grid = tuple(torch.from_numpy(g.copy()) for g in int4_grid(tensor))
+    layer = WeightOnlyLinear(weight, "int4", native_kernels=True, grid=grid)
+    assert torch.equal(layer.weight, weight)
+    assert layer.qweight.numel() == weight.numel() * 4.625 / 8
+    x = torch.randn(4, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    expected = x.double() @ weight.double().T
+    assert (layer(x).double() - expected).abs().max() < 1e-4 * expected.abs().max()
+
+
 def test_bad_quantization_is_refused():
     with pytest.raises(ValueError, match="quantization"):
         ModelConfig(quantization="int3")
