@@ -90,6 +90,17 @@ inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
   for (int64_t line = 0; line < bytes; line += 64)
     _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes + line, _MM_HINT_T2);
 }
+
+// Moves the int4 stream `p` to group g's nibbles, taking a super-block's header at its first group, and prefetches
+template <bool Super>
+inline void enter_group(const uint8_t*& p, int64_t g, const uint8_t*& header) {
+  if (Super && g % kSuperGroups == 0) {
+    header = p;
+    p += kSuperHeaderBytes;
+    prefetch_ahead(header, kSuperHeaderBytes);
+  }
+  prefetch_ahead(p, Super ? kSuperGroupBytes : kInt4GroupBytes);
+}
 #endif
 
 // A step of more than kMaxTokens tokens passes over each tile of row blocks once per kMaxTokens tokens; a tile
@@ -309,12 +320,7 @@ void int4_rows_avx512(const uint8_t* w, SplitTokens a, T* out, int64_t k, int64_
     for (int t = 0; t < M; ++t) total[t] = _mm512_setzero_ps();
     const uint8_t* header = nullptr;  // the super-block's (read from L1 per group: registers are few at 8 tokens)
     for (int64_t g = 0; g < groups; ++g, p += Super ? kSuperGroupBytes : kInt4GroupBytes) {
-      if (Super && g % kSuperGroups == 0) {
-        header = p;
-        p += kSuperHeaderBytes;
-        prefetch_ahead(header, kSuperHeaderBytes);
-      }
-      prefetch_ahead(p, Super ? kSuperGroupBytes : kInt4GroupBytes);
+      enter_group<Super>(p, g, header);
       // [low nibbles, high nibbles]: independent dependency chains (one for both past kMergeChainsFrom tokens
       // of two parts; one part keeps two chains a token, as many accumulators as two parts' merged chains)
       constexpr int S = Parts == 2 && M >= kMergeChainsFrom ? 1 : 2;
@@ -390,12 +396,7 @@ void int4_rows_avx2(const uint8_t* w, SplitTokens a, T* out, int64_t k, int64_t 
     for (int t = 0; t < M; ++t) total[t][0] = total[t][1] = _mm256_setzero_ps();
     const uint8_t* header = nullptr;  // the super-block's
     for (int64_t g = 0; g < groups; ++g, p += Super ? kSuperGroupBytes : kInt4GroupBytes) {
-      if (Super && g % kSuperGroups == 0) {
-        header = p;
-        p += kSuperHeaderBytes;
-        prefetch_ahead(header, kSuperHeaderBytes);
-      }
-      prefetch_ahead(p, Super ? kSuperGroupBytes : kInt4GroupBytes);
+      enter_group<Super>(p, g, header);
       for (int half = 0; half < 2; ++half) {
         const uint8_t* bytes = p + 32 * half;
         __m256 scales, mins;

@@ -29,14 +29,16 @@ def super_block_factors(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     """values [out, in / 32] (an int4 layer's scales or minimums) as factor [out, in / 256] (fp16 values) times
     u [out, in / 32] (integers in [0, 255]), exactly in float32, or None where some super-block of 8 groups has
     no such factors. Q4_K's are d * sc and -dmin * m with 6-bit sc and m, the largest of each block 63 in the
-    files llama.cpp writes: tried first, then any other multiple up to 255 of where a few blocks need it."""
+    files llama.cpp writes: that is tried first, then, where a few blocks need it, any other largest integer up to
+    255 (a search each layer's blocks do not all get: it stops at a grid that is not a K-quant one)."""
     out_features, groups = values.shape
     if groups % SUPER_GROUPS:
         return None
     v = values.float().reshape(-1, SUPER_GROUPS)
     largest = v.gather(1, v.abs().argmax(dim=1, keepdim=True))  # the signed value of largest size
 
-    def fit(ref: torch.Tensor, blocks: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def fit(ref: torch.Tensor, blocks: torch.Tensor, k: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per block (and candidate multiple k of the factor in `ref`): the factor, the integers, whether exact."""
         factor = (ref / k).half().float()
         u = torch.where(factor != 0, blocks / torch.where(factor != 0, factor, 1), 0).round()
