@@ -121,7 +121,7 @@ class _Q8InputProjection(torch.nn.Module):
         super().__init__()
         weight = dense.weight.detach().float()
         if method == "int4":
-            q, scale, lo, _ = _quantize_int4(weight, grid)
+            q, scale, lo = _quantize_int4(weight, grid)[:3]
             out_features, in_features = q.shape
             self.scaled = (q.float().view(out_features, -1, 32) * scale[..., None]).view(out_features, in_features)
             self.mins = lo.repeat_interleave(32, dim=1)

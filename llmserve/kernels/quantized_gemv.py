@@ -8,6 +8,8 @@ the packed weight holds exactly the quantized values it was given.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 ROWS = 16  # output rows per row block: out_features must be a multiple of it
@@ -60,10 +62,24 @@ def super_block_factors(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return factor.view(out_features, groups // SUPER_GROUPS).half(), u.view(out_features, groups).to(torch.uint8)
 
 
-def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+# (scale factor, scale u8, minimum factor, minimum u8): `super_block_factors` of an int4 layer's scales and minimums
+SuperBlocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def super_blocks(scales: torch.Tensor, mins: torch.Tensor) -> SuperBlocks | None:
+    """Both factorings, or None unless both exist (the minimums are not searched once the scales failed)."""
+    scale = super_block_factors(scales)
+    minimum = super_block_factors(mins) if scale is not None else None
+    return None if minimum is None else (*scale, *minimum)
+
+
+def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+              factored: SuperBlocks | None | Literal["find"] = "find") -> torch.Tensor:
     """q [out, in] integers in [0, 15]; scales, mins [out, in / 32] (w = q * scale + min).
     Returns the flat uint8 layout `llmserve::int4_gemv` reads: the super-block one where both scales and minimums
-    factor per 256 inputs (`super_block_factors`: Q4_K grids, exactly), else the one with fp16 scales and minimums."""
+    factor per 256 inputs (`super_blocks`: Q4_K grids, exactly), else the one with fp16 scales and minimums.
+    `factored`: `super_blocks(scales, mins)` where the caller has it already (None: the fp16 layout), else found
+    here."""
     out_features, in_features = q.shape
     if not int4_packs(out_features, in_features):
         raise ValueError(f"int4 packing needs out_features % {ROWS} == 0 and in_features % {INT4_GROUP} == 0")
@@ -76,10 +92,11 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torc
         rows = values.view(blocks, ROWS, -1).transpose(1, 2).contiguous()
         return rows.view(torch.uint8).view(blocks, rows.shape[1], -1)
 
-    factored = [super_block_factors(scales), super_block_factors(mins)]
-    if None in factored:
+    if factored == "find":
+        factored = super_blocks(scales, mins)
+    if factored is None:
         return torch.cat([nibbles, per_block(scales.half()), per_block(mins.half())], dim=2).contiguous().view(-1)
-    (scale_factor, scale_u), (min_factor, min_u) = factored
+    scale_factor, scale_u, min_factor, min_u = factored
     supers = groups // SUPER_GROUPS
     factors = torch.cat([per_block(scale_factor), per_block(min_factor)], dim=2)  # [block, super, 64]
     u8 = torch.cat([per_block(scale_u), per_block(min_u)], dim=2).view(blocks, supers, -1)  # 8 groups x 32

@@ -22,11 +22,13 @@ inputs, w = (q - z) * s: an AWQ checkpoint's, or `--quantization awq`'s) arrive 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
 from llmserve.kernels.int8_gemm import int8_gemm_packs, pack_int8_for_amx
-from llmserve.kernels.quantized_gemv import int4_packs, int8_packs, pack_int4, pack_int8, super_block_factors
+from llmserve.kernels.quantized_gemv import SuperBlocks, int4_packs, int8_packs, pack_int4, pack_int8, super_blocks
 from llmserve.layers.linear import dense_linear
 from llmserve.quantization.int8_activations import int8_linear, pack_int8_weight, quantize_rows, smoothing_scales
 
@@ -79,9 +81,10 @@ class WeightOnlyLinear(nn.Module):
                 q, scales, dequantized = _quantize_int8(weight.float())
                 kernel_weights = (pack_int8(q), scales.float()) if self.native else (q, scales.to(dtype))
             else:
-                q, scales, mins, dequantized = _quantize_int4(weight.float(), grid)
+                q, scales, mins, dequantized, blocks = _quantize_int4(weight.float(), grid)
                 kernel_weights = (
-                    (pack_int4(q, scales, mins), None) if self.native else _torch_int4_pack(q, scales, mins, dtype)
+                    (pack_int4(q, scales, mins, blocks), None) if self.native
+                    else _torch_int4_pack(q, scales, mins, dtype)
                 )
         # the small-step kernel's weight and scales: the native layout, or PyTorch's
         self.register_buffer("qweight", kernel_weights[0])
@@ -165,11 +168,18 @@ def _quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return q, scales.squeeze(1), q.float() * scales
 
 
-def _quantize_int4(w: torch.Tensor, grid: tuple[torch.Tensor, torch.Tensor] | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+class Int4Levels(NamedTuple):
+    q: torch.Tensor  # [out, in] int32 in [0, 15]
+    scale: torch.Tensor  # [out, in / 32] float32, as the kernel holds them
+    lo: torch.Tensor
+    dequantized: torch.Tensor  # [out, in]
+    blocks: SuperBlocks | None  # scale and lo as super-block factors (`super_blocks`), or None: fp16 values
+
+
+def _quantize_int4(w: torch.Tensor, grid: tuple[torch.Tensor, torch.Tensor] | None = None) -> Int4Levels:
     """Asymmetric per group of 32 inputs (Q4_1): w ~ q * scale + min, q in [0, 15], scale and min fp16
-    values; `grid` (scale, min) [out, in / 32] when the file has one, else fitted to each group.
-    Returns q [out, in] (int32), scales and mins [out, in / 32] (float32), the dequantized weight."""
+    values, or exact where they factor into super-blocks (Q4_K's); `grid` (scale, min) [out, in / 32] when the
+    file has one, else fitted to each group."""
     out_features, in_features = w.shape
     if in_features % INT4_GROUP_SIZE:
         raise ValueError(f"int4 needs input features divisible by {INT4_GROUP_SIZE}, got {in_features}")
@@ -181,12 +191,13 @@ def _quantize_int4(w: torch.Tensor, grid: tuple[torch.Tensor, torch.Tensor] | No
         exact_scale, exact_lo = (g.float() for g in grid)
     step = torch.where(exact_scale > 0, exact_scale, torch.ones_like(exact_scale))
     q = torch.round((groups - exact_lo[..., None]) / step[..., None]).clamp(0, 15)
-    if super_block_factors(exact_scale) is None or super_block_factors(exact_lo) is None:
+    blocks = super_blocks(exact_scale, exact_lo)
+    if blocks is None:
         scale, lo = exact_scale.half().float(), exact_lo.half().float()
     else:  # the kernel's super-block layout holds them exactly (Q4_K's)
         scale, lo = exact_scale, exact_lo
     dequantized = (q * scale[..., None] + lo[..., None]).view(out_features, in_features)
-    return q.to(torch.int32).view(out_features, in_features), scale, lo, dequantized
+    return Int4Levels(q.to(torch.int32).view(out_features, in_features), scale, lo, dequantized, blocks)
 
 
 def _torch_int4_pack(

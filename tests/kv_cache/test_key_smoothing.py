@@ -56,12 +56,12 @@ def test_the_int4_grid_moves_with_the_rows(smollm):
     name = name if name in grids else name.removeprefix("model.")
     attn = model.layers[3].self_attn
     k_rows = slice(attn.q_size, attn.q_size + attn.kv_size)
-    _, _, _, reference = _quantize_int4(model.layers[3].self_attn.qkv_proj.weight[k_rows], grids[name])
+    reference = _quantize_int4(model.layers[3].self_attn.qkv_proj.weight[k_rows], grids[name]).dequantized
     exponents = [torch.zeros(a.self_attn.num_kv_heads, a.self_attn.head_dim // 2, dtype=torch.int32)
                  for a in model.layers]
     exponents[3][0, :4] = torch.tensor([1, 2, 3, 6], dtype=torch.int32)
     fold_key_smoothing(model, KeySmoothing(exponents), grids)
-    _, _, _, scaled = _quantize_int4(attn.qkv_proj.weight[k_rows], grids[name])
+    scaled = _quantize_int4(attn.qkv_proj.weight[k_rows], grids[name]).dequantized
     factor = torch.ones(attn.kv_size)
     for pair, e in enumerate([1, 2, 3, 6]):
         factor[[pair, pair + attn.head_dim // 2]] = 2.0 ** -e
