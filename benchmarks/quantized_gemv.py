@@ -18,6 +18,10 @@ crossover lies (`--parts 1`, the default there, or 2: the int8 kernel's inputs).
 `--layouts`: instead, the int4 products on a Q4_K grid (d * sc, -dmin * m per 256 inputs, 6-bit sc and m) in both
 of the kernel's layouts, fp16 scales (5 bits a weight) and super-blocks (4.625), weights streamed, alternated.
     .venv/bin/python benchmarks/quantized_gemv.py --shapes qwen2.5-coder-1.5b --layouts --tokens 1,8,32 --parts 1
+`--six-bit`: instead, the weights a Q4_K_M file stores as Q6_K (the output head and half the ffn_down) on the int8
+kernel in both its layouts, re-quantized to int8 per row (8 bits a weight) and the file's 6-bit values (6.625),
+weights streamed, alternated.
+    .venv/bin/python benchmarks/quantized_gemv.py --shapes qwen2.5-coder-1.5b --six-bit --tokens 1,8,32
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ def main() -> None:
                     help="the int8 layers of a K-quant mix: native int8 kernel against the dense product")
     ap.add_argument("--layouts", action="store_true",
                     help="int4 on a Q4_K grid: fp16-scale layout against the super-block layout")
+    ap.add_argument("--six-bit", action="store_true",
+                    help="a Q4_K_M file's Q6_K layers (head, half the ffn_down): int8 per row against 6-bit")
     args = ap.parse_args()
     num_layers, shapes, head = SHAPE_SETS[args.shapes]
     if not native_quantized_kernels():
@@ -71,6 +77,8 @@ def main() -> None:
     torch.manual_seed(0)
     if args.layouts:
         return compare_layouts(num_layers, shapes, [int(t) for t in args.tokens.split(",")], int(args.parts or 1))
+    if args.six_bit:
+        return compare_six_bit(num_layers, shapes, head, [int(t) for t in args.tokens.split(",")], int(args.parts or 1))
     if args.int8_layers:
         return int8_layers(num_layers, shapes, [int(t) for t in args.tokens.split(",")], int(args.parts or 1))
     if args.parts:
@@ -151,20 +159,53 @@ def compare_layouts(num_layers: int, shapes: list[tuple[int, int]], token_counts
             packs["super-blocks"].append((pack_int4(q, scales, mins), out_features, in_features))
             packs["fp16 scales"].append((pack_int4(q, scales.half().float(), mins.half().float()), out_features,
                                          in_features))
-    nbytes = {name: sum(p.numel() for p, _, _ in layers) for name, layers in packs.items()}
+    alternated({name: [(packed, None, n, k) for packed, n, k in layers] for name, layers in packs.items()},
+               token_counts, parts)
+
+
+def compare_six_bit(num_layers: int, shapes: list[tuple[int, int]], head: tuple[int, int], token_counts: list[int],
+                    parts: int) -> None:
+    """The weights a Q4_K_M file stores as Q6_K (the output head, half the ffn_down) on the int8 op in both layouts:
+    re-quantized to int8 per row, and the file's 6-bit values (`pack_int6`), weights streamed, alternated 12 times."""
+    from llmserve.kernels.quantized_gemv import pack_int6, pack_int8
+    from llmserve.quantization.weight_only import _quantize_int8
+
+    print("packing the Q6_K layers in both layouts ...", flush=True)
+    packs: dict[str, list] = {"int8 per row": [], "6-bit": []}
+    for out_features, in_features in [head, *[shapes[3]] * (num_layers // 2)]:
+        q = torch.randint(0, 64, (out_features, in_features))
+        d = (torch.rand(out_features, in_features // 256) * 1e-3).half().float()
+        sc = torch.randint(-128, 128, (out_features, in_features // 16), dtype=torch.int8)
+        w = (d.repeat_interleave(16, dim=1) * sc.float()).repeat_interleave(16, dim=1) * (q - 32).float()
+        q8, scales, _ = _quantize_int8(w)
+        packs["int8 per row"].append((pack_int8(q8), scales.float(), out_features, in_features))
+        packs["6-bit"].append((pack_int6(q, d, sc), torch.ones(out_features), out_features, in_features))
+        del w, q8
+    alternated(packs, token_counts, parts)
+
+
+def alternated(packs: dict[str, list[tuple[torch.Tensor, torch.Tensor | None, int, int]]], token_counts: list[int],
+               parts: int) -> None:
+    """Two sets of packed weights ((packed, int8 row scales or None for int4, out, in) each), one step's products
+    on each, weights streamed, alternated 12 times (which goes first alternating too): the median of each, and the
+    range of the per-round ratios."""
+    nbytes = {name: sum(p.numel() for p, _, _, _ in layers) for name, layers in packs.items()}
     print(", ".join(f"{name}: {b / 1e6:.1f} MB" for name, b in nbytes.items()) + f"; inputs in {parts} part(s)")
     evict = torch.ones(2**26)  # 256 MiB
     names = list(packs)
     print("| tokens | " + " | ".join(f"{n} ms | {n} GB/s" for n in names) + " | speed-up, per round |")
     print("|---:|" + "---:|" * (2 * len(names)) + "---|")
     for tokens in token_counts:
-        xs = {k: torch.randn(tokens, k, dtype=torch.bfloat16) for _, k in shapes}
+        xs = {k: torch.randn(tokens, k, dtype=torch.bfloat16) for _, _, _, k in packs[names[0]]}
         ms: dict[str, list[float]] = {n: [] for n in names}
         for round_ in range(12):
             for name in names if round_ % 2 == 0 else names[::-1]:
                 def step(name=name, xs=xs) -> None:
-                    for packed, out_features, in_features in packs[name]:
-                        torch.ops.llmserve.int4_gemv(xs[in_features], packed, out_features, parts)
+                    for packed, scales, out_features, in_features in packs[name]:
+                        if scales is None:
+                            torch.ops.llmserve.int4_gemv(xs[in_features], packed, out_features, parts)
+                        else:
+                            torch.ops.llmserve.int8_gemv(xs[in_features], packed, scales, out_features, parts)
                 ms[name].append(timed(step, evict, repeats=3))
         median = {n: statistics.median(ms[n]) for n in names}
         ratios = [a / b for a, b in zip(ms[names[0]], ms[names[1]], strict=True)]

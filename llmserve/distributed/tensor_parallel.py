@@ -153,21 +153,27 @@ def shard_model(model: nn.Module, tp: TensorParallel) -> None:
 
 def shard_grids(grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None, cfg: LlamaConfig, tp: TensorParallel
                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
-    """A checkpoint's int4 grids (Hugging Face names -> (scale, min) per group of 32 inputs, [out, in / 32])
-    cut as `shard_model` cuts their weights: the rows of q/k/v and gate/up, the groups of o and down."""
+    """A checkpoint's grids (Hugging Face names -> two tensors [out, in / group], `int4_grids`' scale and minimum
+    per 32 inputs or `int6_grids`' d per 256 and sc per 16) cut as `shard_model` cuts their weights: the rows of
+    q/k/v and gate/up, the groups of o and down. A grid whose groups this rank's columns would split is left out
+    (that layer re-quantizes its slice)."""
     if not grids:
         return grids
     rows, columns = _part_slices(cfg, tp)
-    groups = {name: slice(c.start // INT4_GROUP, c.stop // INT4_GROUP) for name, c in columns.items()}
+    widths = {"o_proj": cfg.num_heads * cfg.head_dim, "down_proj": cfg.intermediate_size}
     sharded = {}
-    for name, (scale, minimum) in grids.items():
+    for name, grid in grids.items():
         part = name.split(".")[-2]
         if part in rows:
-            sharded[name] = (scale[rows[part]].clone(), minimum[rows[part]].clone())
-        elif part in groups:
-            sharded[name] = (scale[:, groups[part]].clone(), minimum[:, groups[part]].clone())
-        else:  # the output head and embedding are not on int4 grids here
-            sharded[name] = (scale, minimum)
+            sharded[name] = tuple(g[rows[part]].clone() for g in grid)
+        elif part in columns:
+            cut = columns[part]
+            units = [widths[part] // g.shape[1] for g in grid]  # inputs per group, each tensor's own
+            if all(cut.start % u == 0 and cut.stop % u == 0 for u in units):
+                sharded[name] = tuple(g[:, cut.start // u:cut.stop // u].clone()
+                                      for g, u in zip(grid, units, strict=True))
+        else:  # the output head and embedding keep the whole grid, which no longer fits their rows: unused
+            sharded[name] = grid
     return sharded
 
 

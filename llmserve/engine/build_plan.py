@@ -250,7 +250,8 @@ _Q8_MEASURED = "Q8_0 inputs cost Qwen2.5-Coder-1.5B's Q4_K_M +0.13 % perplexity,
 # grid holds Q4_0 and Q4_1 exactly, and Q4_K up to the fp16 rounding of its scales and minimums): the
 # loader's, which reads those grids
 _INT4_GRIDS = INT4_GRID_FORMATS | {AWQ_FORMAT}  # and an AWQ checkpoint's groups (loader/awq_format.py)
-# GGML types with more than 4 bits a weight, which int8 (per output channel) stands in for beside int4
+# GGML types with more than 4 bits a weight, which int8 (per output channel, Q6_K's own 6-bit values) stands in for
+# beside int4
 _WIDER = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"}
 _DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -259,9 +260,10 @@ def _weights(choice: str | None, formats: dict[str, str] | None, on_cpu: bool, r
     """"as loaded", "int8", "int4" or "int4+int8". auto: int4 where the file's decoder weights are 4-bit,
     on their own grid, so the int4 path computes with the values shipped (as llama.cpp does, activations
     quantized to 8 bits in the small steps). A K-quant mix (mostly 4-bit, some tensors in 5-8 bits, as
-    Q4_K_M files are) runs int4 on the 4-bit tensors and int8 per channel on the others ("int4+int8": the
-    only values it changes are those of the wider tensors, each by at most half an int8 step of its row;
-    `llmserve eval` measured +0.1 % perplexity, benchmarks/README.md). Any other file keeps its weights as
+    Q4_K_M files are) runs int4 on the 4-bit tensors and int8 on the others ("int4+int8"): Q6_K ones at the
+    file's own values (the int8 kernel's 6-bit layout, `Checkpoint.int6_grids`), the rest per channel, each
+    value changed by at most half an int8 step of its row (`llmserve eval` measured +0.1 % perplexity when Q6_K
+    was re-quantized too, benchmarks/README.md). Any other file keeps its weights as
     loaded (int4 would change them: measure its cost with `llmserve eval` first)."""
     if choice in ("int8", "int4", "int4+int8"):
         reasons["weights"] = "as asked"
@@ -284,7 +286,8 @@ def _weights(choice: str | None, formats: dict[str, str] | None, on_cpu: bool, r
     if on_cpu and stored and stored <= _INT4_GRIDS | _WIDER and 2 * four_bit >= len(linear):
         reasons["weights"] = (f"auto: {four_bit} of the file's {len(linear)} linear weights are 4-bit "
                               f"({'/'.join(sorted(stored & _INT4_GRIDS))}: int4 on their grid), the others "
-                              f"{'/'.join(sorted(stored - _INT4_GRIDS))} (int8 per channel)")
+                              f"{'/'.join(sorted(stored - _INT4_GRIDS))} (int8"
+                              f"{': Q6_K at its own 6 bits' if 'Q6_K' in stored else ' per channel'})")
         return "int4+int8"
     reasons["weights"] = ("auto: " + (f"the file's linear weights are {'/'.join(sorted(stored))}, which int4 would "
                           "change" if stored else "a dense file") if on_cpu else "auto: quantization is CPU-only")

@@ -88,16 +88,17 @@ class ModelRunner:
                               if plan.kv_cache.dtype == torch.int8 else None)
         if self.key_smoothing:
             logger.info(self.key_smoothing.describe())
-        grids = ckpt.int4_grids
+        grids, int6_grids = ckpt.int4_grids, ckpt.int6_grids
         kv_spec = plan.kv_cache
         if tp is not None:  # the dense model cut to this rank's heads, units and vocabulary rows, then quantized
             shard_model(model, tp)
             grids = shard_grids(grids, ckpt.config, tp)
+            int6_grids = shard_grids(int6_grids, ckpt.config, tp)
             self.config = shard_config(ckpt.config, tp.size)
             kv_spec = dataclasses.replace(kv_spec, num_kv_heads=self.config.num_kv_heads)
         if plan.weights != "as loaded":
             quantize_model(model, plan.weights, plan.small_step_kernels == "native", plan.small_step_max_tokens,
-                           grids, plan.head, plan.activation_parts)
+                           grids, plan.head, plan.activation_parts, int6_grids)
         if packed := prepack_linears(model):
             logger.info("%d linear weights prepacked for oneDNN", packed)
             if plan.compile == "off" and not plan.int8_activations:

@@ -36,7 +36,9 @@
 // activations (|error| <= step / 2), half the integer work, which bounds a step of 8 or more tokens (the
 // build plan chooses per model: what Q8_0 costs depends on it). The minimums' term takes x's exact sums.
 // int8 layout, per row block and group of 32 inputs: 8 vectors of 64 bytes, the 16 rows' weights + 128 for 4
-// inputs each (see the int8 section); the activations split as int4's, the row scales applied at the end.
+// inputs each (see the int8 section); the activations split as int4's, the row scales applied at the end. Or,
+// for a weight the file stored as Q6_K, the int8 op's 6-bit layout (its section): the file's values at 6.625 bits
+// a weight instead of re-quantized to 8 per row, the op again telling the two apart by the packed size.
 // Until session 35 the int8 loop widened each weight to float32 for a `vfmadd` with x in float32: ~28 GB/s a
 // core with the weights in L2 at 1 token (memory-bound all the same, streamed), 13 at 8 tokens, where `vpdpbusd`
 // on Q8_0 inputs now runs 1.34x faster streamed (Zen 5; a K-quant mix's Q6_K tensors run on it: 470 MB of the
@@ -91,15 +93,16 @@ inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
     _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes + line, _MM_HINT_T2);
 }
 
-// Moves the int4 stream `p` to group g's nibbles, taking a super-block's header at its first group, and prefetches
-template <bool Super>
-inline void enter_group(const uint8_t*& p, int64_t g, const uint8_t*& header) {
-  if (Super && g % kSuperGroups == 0) {
+// Moves a weight stream `p` to group g's own bytes, taking a super-block's header (`header_bytes`, 0: a layout
+// without) at its first group, and prefetches
+inline void enter_group(const uint8_t*& p, int64_t g, const uint8_t*& header, int64_t header_bytes,
+                        int64_t group_bytes) {
+  if (header_bytes && g % kSuperGroups == 0) {
     header = p;
-    p += kSuperHeaderBytes;
-    prefetch_ahead(header, kSuperHeaderBytes);
+    p += header_bytes;
+    prefetch_ahead(header, header_bytes);
   }
-  prefetch_ahead(p, Super ? kSuperGroupBytes : kInt4GroupBytes);
+  prefetch_ahead(p, group_bytes);
 }
 #endif
 
@@ -158,14 +161,17 @@ struct SplitTokens {
   const int8_t* lo;  // nullptr: one part
   const float* step;  // [tokens, k / 32]
   const float* sum;
-  const int32_t* hi_sum;  // [tokens, k / 32]; nullptr unless asked for
-  const int32_t* lo_sum;
+  const int32_t* hi_sum;  // [tokens, k / 16], per half group (the 6-bit layout's scales are per 16 inputs);
+  const int32_t* lo_sum;  // nullptr unless asked for
 
   SplitTokens from(int64_t token, int64_t k) const {
     const int64_t groups = k / kGroup;
     return {hi + token * k, lo ? lo + token * k : nullptr, step + token * groups, sum + token * groups,
-            hi_sum ? hi_sum + token * groups : nullptr, lo_sum ? lo_sum + token * groups : nullptr};
+            hi_sum ? hi_sum + token * 2 * groups : nullptr, lo_sum ? lo_sum + token * 2 * groups : nullptr};
   }
+  // the parts' sums over group tg (token * groups + g): both halves
+  int32_t hi_group_sum(int64_t tg) const { return hi_sum[2 * tg] + hi_sum[2 * tg + 1]; }
+  int32_t lo_group_sum(int64_t tg) const { return lo_sum[2 * tg] + lo_sum[2 * tg + 1]; }
 };
 
 #if LLMSERVE_GEMV_AVX512
@@ -187,8 +193,8 @@ SplitTokens split_activations(const T* x, int64_t m, int64_t k, bool two_parts, 
   lo.resize(two_parts ? m * k : 0);
   step.resize(m * groups);
   sum.resize(m * groups);
-  hi_sum.resize(part_sums ? m * groups : 0);
-  lo_sum.resize(part_sums && two_parts ? m * groups : 0);
+  hi_sum.resize(part_sums ? 2 * m * groups : 0);
+  lo_sum.resize(part_sums && two_parts ? 2 * m * groups : 0);
   for (int64_t tg = 0; tg < m * groups; ++tg) {
 #if LLMSERVE_GEMV_AVX512
     const __m512 v[2] = {load16(x + tg * kGroup), load16(x + tg * kGroup + 16)};
@@ -196,7 +202,6 @@ SplitTokens split_activations(const T* x, int64_t m, int64_t k, bool two_parts, 
     sum[tg] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
     step[tg] = absmax > 0.f ? absmax / 127.f : 1.f;
     const __m512 inv = _mm512_set1_ps(1.f / step[tg]);
-    float part_total[2] = {0.f, 0.f};  // integers, exact in float32
     for (int half = 0; half < 2; ++half) {
       const __m512 scaled = _mm512_mul_ps(v[half], inv);
       const __m512 h = _mm512_roundscale_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -207,14 +212,10 @@ SplitTokens split_activations(const T* x, int64_t m, int64_t k, bool two_parts, 
       if (two_parts)
         _mm_storeu_si128(reinterpret_cast<__m128i*>(lo.data() + tg * kGroup + 16 * half),
                          _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(l)));
-      if (part_sums) {
-        part_total[0] += _mm512_reduce_add_ps(h);
-        part_total[1] += _mm512_reduce_add_ps(l);
+      if (part_sums) {  // integers, exact in float32
+        hi_sum[2 * tg + half] = static_cast<int32_t>(_mm512_reduce_add_ps(h));
+        if (two_parts) lo_sum[2 * tg + half] = static_cast<int32_t>(_mm512_reduce_add_ps(l));
       }
-    }
-    if (part_sums) {
-      hi_sum[tg] = static_cast<int32_t>(part_total[0]);
-      if (two_parts) lo_sum[tg] = static_cast<int32_t>(part_total[1]);
     }
 #else
     const T* v = x + tg * kGroup;
@@ -225,22 +226,22 @@ SplitTokens split_activations(const T* x, int64_t m, int64_t k, bool two_parts, 
     }
     const float s = absmax > 0.f ? absmax / 127.f : 1.f;
     const float inv = 1.f / s;
-    int32_t part_total[2] = {0, 0};
+    int32_t part_total[2][2] = {};  // [half, part]
     for (int i = 0; i < kGroup; ++i) {
       const float scaled = as_float(v[i]) * inv;
       const float h = std::nearbyint(scaled);
       hi[tg * kGroup + i] = static_cast<int8_t>(h);
-      part_total[0] += hi[tg * kGroup + i];
+      part_total[i / 16][0] += hi[tg * kGroup + i];
       if (two_parts) {
         lo[tg * kGroup + i] = static_cast<int8_t>(std::nearbyint((scaled - h) * 254.f));
-        part_total[1] += lo[tg * kGroup + i];
+        part_total[i / 16][1] += lo[tg * kGroup + i];
       }
     }
     step[tg] = s;
     sum[tg] = total;
-    if (part_sums) {
-      hi_sum[tg] = part_total[0];
-      if (two_parts) lo_sum[tg] = part_total[1];
+    for (int half = 0; part_sums && half < 2; ++half) {
+      hi_sum[2 * tg + half] = part_total[half][0];
+      if (two_parts) lo_sum[2 * tg + half] = part_total[half][1];
     }
 #endif
   }
@@ -320,7 +321,7 @@ void int4_rows_avx512(const uint8_t* w, SplitTokens a, T* out, int64_t k, int64_
     for (int t = 0; t < M; ++t) total[t] = _mm512_setzero_ps();
     const uint8_t* header = nullptr;  // the super-block's (read from L1 per group: registers are few at 8 tokens)
     for (int64_t g = 0; g < groups; ++g, p += Super ? kSuperGroupBytes : kInt4GroupBytes) {
-      enter_group<Super>(p, g, header);
+      enter_group(p, g, header, Super ? kSuperHeaderBytes : 0, Super ? kSuperGroupBytes : kInt4GroupBytes);
       // [low nibbles, high nibbles]: independent dependency chains (one for both past kMergeChainsFrom tokens
       // of two parts; one part keeps two chains a token, as many accumulators as two parts' merged chains)
       constexpr int S = Parts == 2 && M >= kMergeChainsFrom ? 1 : 2;
@@ -396,7 +397,7 @@ void int4_rows_avx2(const uint8_t* w, SplitTokens a, T* out, int64_t k, int64_t 
     for (int t = 0; t < M; ++t) total[t][0] = total[t][1] = _mm256_setzero_ps();
     const uint8_t* header = nullptr;  // the super-block's
     for (int64_t g = 0; g < groups; ++g, p += Super ? kSuperGroupBytes : kInt4GroupBytes) {
-      enter_group<Super>(p, g, header);
+      enter_group(p, g, header, Super ? kSuperHeaderBytes : 0, Super ? kSuperGroupBytes : kInt4GroupBytes);
       for (int half = 0; half < 2; ++half) {
         const uint8_t* bytes = p + 32 * half;
         __m256 scales, mins;
@@ -549,7 +550,7 @@ void int8_rows_portable(const uint8_t* w, SplitTokens a, const float* scales, T*
           }
         }
         const int64_t tg = t * groups + g;
-        const int32_t hi_offset = 128 * a.hi_sum[tg], lo_offset = lo ? 128 * a.lo_sum[tg] : 0;
+        const int32_t hi_offset = 128 * a.hi_group_sum(tg), lo_offset = lo ? 128 * a.lo_group_sum(tg) : 0;
         for (int r = 0; r < kRows; ++r) {
           const float dot = static_cast<float>(dot_hi[r] - hi_offset) +
                             static_cast<float>(dot_lo[r] - lo_offset) * (1.f / 254.f);
@@ -600,9 +601,9 @@ void int8_rows_avx512(const uint8_t* w, SplitTokens a, const float* scales, T* o
           h = _mm512_add_epi32(h, dot_hi[t][c]);
           if constexpr (Parts == 2) l = _mm512_add_epi32(l, dot_lo[t][c]);
         }
-        __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(h, _mm512_set1_epi32(128 * a.hi_sum[tg])));
+        __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(h, _mm512_set1_epi32(128 * a.hi_group_sum(tg))));
         if constexpr (Parts == 2) {
-          dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(l, _mm512_set1_epi32(128 * a.lo_sum[tg]))),
+          dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(l, _mm512_set1_epi32(128 * a.lo_group_sum(tg)))),
                                 lo_weight, dot);
         }
         total[t] = _mm512_fmadd_ps(dot, _mm512_set1_ps(a.step[tg]), total[t]);
@@ -641,7 +642,7 @@ void int8_rows_avx2(const uint8_t* w, SplitTokens a, const float* scales, T* out
         for (int i = 0; i < kGroup; ++i)
           x[i] = static_cast<int16_t>(Parts == 2 ? 254 * a.hi[t * k + g * kGroup + i] + a.lo[t * k + g * kGroup + i]
                                                  : a.hi[t * k + g * kGroup + i]);
-        const int32_t offset = 128 * (Parts == 2 ? 254 * a.hi_sum[tg] + a.lo_sum[tg] : a.hi_sum[tg]);
+        const int32_t offset = 128 * (Parts == 2 ? 254 * a.hi_group_sum(tg) + a.lo_group_sum(tg) : a.hi_group_sum(tg));
         const __m256 step = _mm256_set1_ps(Parts == 2 ? a.step[tg] * (1.f / 254.f) : a.step[tg]);
         for (int half = 0; half < 2; ++half) {
           __m256i dot[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // rows 0-3, 4-7 of the half
@@ -668,26 +669,282 @@ void int8_rows_avx2(const uint8_t* w, SplitTokens a, const float* scales, T* out
 }
 #endif
 
-template <int Parts, typename T>
+// ---- the int8 op's 6-bit layout (GGUF Q6_K's values, exactly) ----------------------------------------
+
+// Where a weight is stored as Q6_K (w = d * sc * (q - 32): q in [0, 63] per input, an int8 sc per 16 inputs,
+// an fp16 d per 256; llama.cpp's Q4_K_M puts the output head and half the ffn_down there), the int8 op reads it
+// in 6.625 bits a weight instead of re-quantized to 8 (`pack_int6`), per row block and super-block of 256
+// inputs, 3392 bytes (53 cache lines):
+//     a header of 320 bytes: the 16 rows' d as float32, then per group of 32 inputs 16 int8 sc of its first
+//       16 inputs and 16 of its last 16 (the rows in turn)
+//     per group, 384 bytes: q's low 4 bits as 4 vectors of nibbles in the int4 layout's order (vector c,
+//       bytes 4r..4r+3: inputs 8c..8c+3 in the low nibbles, 8c+4..8c+7 in the high ones), then q's top 2
+//       bits as 2 vectors: the nibble vector c's low (h = 0) or high (h = 1) half has its 2 bits in vector
+//       c / 2, bits 2 (2 (c % 2) + h) and up, at the same byte
+// `vpdpbusd` multiplies q (unsigned, 6 bits) by the activations' int8 parts per half group of 16 inputs; the
+// 32 comes off as 32 times the parts' sums over those 16 (`split_activations`), and each half's sc multiplies
+// its sum, all in integers (at most 2 x 128 x 16 x 32 x 127 < 2^24 in size: exact as float32 too); then, as the
+// int4 loops do, d times the group's step. The row scales (ones for such a weight) are applied at the end as
+// int8's.
+constexpr int64_t kInt6HeaderBytes = kRows * 4 + kSuperGroups * 2 * kRows;  // float32 d, int8 sc
+constexpr int64_t kInt6GroupBytes = kGroup * kRows / 2 + kGroup * kRows / 4;  // nibbles, top bits
+constexpr int64_t kInt6BlockBytes = kInt6HeaderBytes + kSuperGroups * kInt6GroupBytes;
+constexpr int64_t kInt6SuperInputs = kSuperGroups * kGroup;
+
+template <typename T>
+void int6_rows_portable(const uint8_t* w, SplitTokens a, const float* scales, T* out, int64_t m, int64_t k,
+                        int64_t n, int64_t block_begin, int64_t block_end) {
+  const int64_t groups = k / kGroup;
+  for (int64_t b = block_begin; b < block_end; ++b) {
+    for (int64_t t = 0; t < m; ++t) {
+      float total[kRows] = {};
+      const uint8_t* p = w + b * (k / kInt6SuperInputs) * kInt6BlockBytes;
+      const uint8_t* header = nullptr;
+      for (int64_t g = 0; g < groups; ++g, p += kInt6GroupBytes) {
+        if (g % kSuperGroups == 0) {
+          header = p;
+          p += kInt6HeaderBytes;
+        }
+        const float* d = reinterpret_cast<const float*>(header);
+        const int8_t* sc = reinterpret_cast<const int8_t*>(header + kRows * 4 + 2 * kRows * (g % kSuperGroups));
+        const int8_t* hi = a.hi + t * k + g * kGroup;
+        const int8_t* lo = a.lo ? a.lo + t * k + g * kGroup : nullptr;
+        int32_t dot_hi[2][kRows] = {}, dot_lo[2][kRows] = {};  // [half group, row]
+        for (int c = 0; c < 4; ++c) {
+          for (int h = 0; h < 2; ++h) {
+            for (int r = 0; r < kRows; ++r) {
+              for (int s = 0; s < 4; ++s) {
+                const int input = 8 * c + 4 * h + s;
+                const int top = (p[256 + 64 * (c / 2) + 4 * r + s] >> (2 * (2 * (c % 2) + h))) & 3;
+                const int32_t q = ((p[c * 64 + 4 * r + s] >> (4 * h)) & 15) | (top << 4);
+                dot_hi[c / 2][r] += q * hi[input];
+                if (lo) dot_lo[c / 2][r] += q * lo[input];
+              }
+            }
+          }
+        }
+        const int64_t tg = t * groups + g;
+        for (int r = 0; r < kRows; ++r) {
+          int32_t sum_hi = 0, sum_lo = 0;  // sc times the half groups' sums of (q - 32) x, in integers
+          for (int half = 0; half < 2; ++half) {
+            sum_hi += sc[kRows * half + r] * (dot_hi[half][r] - 32 * a.hi_sum[2 * tg + half]);
+            if (lo) sum_lo += sc[kRows * half + r] * (dot_lo[half][r] - 32 * a.lo_sum[2 * tg + half]);
+          }
+          const float dot = static_cast<float>(sum_hi) + static_cast<float>(sum_lo) * (1.f / 254.f);
+          total[r] += dot * (d[r] * a.step[tg]);
+        }
+      }
+      for (int r = 0; r < kRows; ++r) total[r] *= scales[b * kRows + r];
+      store_rows(out + t * n + b * kRows, total);
+    }
+  }
+}
+
+#if LLMSERVE_GEMV_AVX512
+// q's top 2 bits for the nibble vector with `slot` = 2 (c % 2) + h, moved to bits 4-5 of each byte (16-bit
+// shifts: the mask drops what crosses from the neighbouring byte). `slot` is a constant once the loops unroll.
+inline __m512i top_bits512(__m512i v, int slot) {
+  const __m512i moved = slot == 0 ? _mm512_slli_epi16(v, 4) : slot == 1 ? _mm512_slli_epi16(v, 2)
+                        : slot == 2 ? v : _mm512_srli_epi16(v, 2);
+  return _mm512_and_si512(moved, _mm512_set1_epi8(0x30));
+}
+
+// Per half group (two nibble vectors and their top bits): per token and part one dependency chain, or two
+// (low and high nibbles) where tokens and parts are few, starting from -32 times the inputs' sum and multiplied
+// by the half's sc at its end; the group's two halves then go to float32 once, times d and the step.
+template <int M, int Parts, typename T>
+void int6_rows_avx512(const uint8_t* w, SplitTokens a, const float* scales, T* out, int64_t k, int64_t n,
+                      int64_t block_begin, int64_t block_end) {
+  const int64_t groups = k / kGroup;
+  constexpr int S = M * Parts >= 4 ? 1 : 2;
+  const __m512i nibble = _mm512_set1_epi8(15);
+  const __m512 lo_weight = _mm512_set1_ps(1.f / 254.f);
+  const uint8_t* p = w + block_begin * (k / kInt6SuperInputs) * kInt6BlockBytes;
+  for (int64_t b = block_begin; b < block_end; ++b) {
+    __m512 total[M];
+    for (int t = 0; t < M; ++t) total[t] = _mm512_setzero_ps();
+    const uint8_t* header = nullptr;
+    for (int64_t g = 0; g < groups; ++g, p += kInt6GroupBytes) {
+      enter_group(p, g, header, kInt6HeaderBytes, kInt6GroupBytes);
+      const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(header));
+      const int8_t* sc = reinterpret_cast<const int8_t*>(header + kRows * 4 + 2 * kRows * (g % kSuperGroups));
+      __m512i sum_hi[M], sum_lo[M];  // per token and part: sc times the half groups' sums of (q - 32) x
+#pragma GCC unroll 2
+      for (int half = 0; half < 2; ++half) {
+        __m512i dot_hi[M][S], dot_lo[M][S];  // starting from the -32 * sum(x) of q - 32
+        for (int t = 0; t < M; ++t) {
+          const int64_t th = 2 * (t * groups + g) + half;
+          for (int s = 0; s < S; ++s) dot_hi[t][s] = dot_lo[t][s] = _mm512_setzero_si512();
+          dot_hi[t][0] = _mm512_set1_epi32(-32 * a.hi_sum[th]);
+          if constexpr (Parts == 2) dot_lo[t][0] = _mm512_set1_epi32(-32 * a.lo_sum[th]);
+        }
+        const __m512i top = _mm512_loadu_si512(p + 256 + 64 * half);
+#pragma GCC unroll 2
+        for (int cc = 0; cc < 2; ++cc) {
+          const int c = 2 * half + cc;
+          const __m512i bytes = _mm512_loadu_si512(p + c * 64);
+          const __m512i low = _mm512_or_si512(_mm512_and_si512(bytes, nibble), top_bits512(top, 2 * cc));
+          const __m512i high = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble),
+                                               top_bits512(top, 2 * cc + 1));
+          for (int t = 0; t < M; ++t) {
+            const int32_t* hi = reinterpret_cast<const int32_t*>(a.hi + t * k + g * kGroup + 8 * c);
+            dot_hi[t][0] = _mm512_dpbusd_epi32(dot_hi[t][0], low, _mm512_set1_epi32(hi[0]));
+            dot_hi[t][S - 1] = _mm512_dpbusd_epi32(dot_hi[t][S - 1], high, _mm512_set1_epi32(hi[1]));
+            if constexpr (Parts == 2) {
+              const int32_t* lo = reinterpret_cast<const int32_t*>(a.lo + t * k + g * kGroup + 8 * c);
+              dot_lo[t][0] = _mm512_dpbusd_epi32(dot_lo[t][0], low, _mm512_set1_epi32(lo[0]));
+              dot_lo[t][S - 1] = _mm512_dpbusd_epi32(dot_lo[t][S - 1], high, _mm512_set1_epi32(lo[1]));
+            }
+          }
+        }
+        const __m512i scale = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + kRows * half)));
+        for (int t = 0; t < M; ++t) {
+          const __m512i h = S == 1 ? dot_hi[t][0] : _mm512_add_epi32(dot_hi[t][0], dot_hi[t][S - 1]);
+          const __m512i scaled_hi = _mm512_mullo_epi32(h, scale);
+          sum_hi[t] = half == 0 ? scaled_hi : _mm512_add_epi32(sum_hi[t], scaled_hi);
+          if constexpr (Parts == 2) {
+            const __m512i l = S == 1 ? dot_lo[t][0] : _mm512_add_epi32(dot_lo[t][0], dot_lo[t][S - 1]);
+            const __m512i scaled_lo = _mm512_mullo_epi32(l, scale);
+            sum_lo[t] = half == 0 ? scaled_lo : _mm512_add_epi32(sum_lo[t], scaled_lo);
+          }
+        }
+      }
+      for (int t = 0; t < M; ++t) {  // then as int4's: one rounding order whatever the token count
+        __m512 dot = _mm512_cvtepi32_ps(sum_hi[t]);
+        if constexpr (Parts == 2) dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum_lo[t]), lo_weight, dot);
+        total[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(a.step[t * groups + g])), total[t]);
+      }
+    }
+    const __m512 s = _mm512_loadu_ps(scales + b * kRows);
+    alignas(64) float rows[kRows];
+    for (int t = 0; t < M; ++t) {
+      _mm512_store_ps(rows, _mm512_mul_ps(total[t], s));
+      store_rows(out + t * n + b * kRows, rows);
+    }
+  }
+}
+#endif
+
+#if LLMSERVE_GEMV_AVX2
+inline __m256i top_bits256(__m256i v, int slot) {  // as top_bits512
+  const __m256i moved = slot == 0 ? _mm256_slli_epi16(v, 4) : slot == 1 ? _mm256_slli_epi16(v, 2)
+                        : slot == 2 ? v : _mm256_srli_epi16(v, 2);
+  return _mm256_and_si256(moved, _mm256_set1_epi8(0x30));
+}
+
+// `vpmaddubsw` pairs of 6-bit q and an int8 part are at most 2 * 63 * 127 = 16002 in size: two nibble vectors'
+// pairs add in int16 (32004), then `vpmaddwd` by ones widens them; per half group two such sums. 8 rows a
+// 256-bit vector, two halves a row block, as int4's AVX2 loop.
+template <int M, int Parts, typename T>
+void int6_rows_avx2(const uint8_t* w, SplitTokens a, const float* scales, T* out, int64_t k, int64_t n,
+                    int64_t block_begin, int64_t block_end) {
+  const int64_t groups = k / kGroup;
+  const __m256i nibble = _mm256_set1_epi8(15);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256 lo_weight = _mm256_set1_ps(1.f / 254.f);
+  const uint8_t* p = w + block_begin * (k / kInt6SuperInputs) * kInt6BlockBytes;
+  for (int64_t b = block_begin; b < block_end; ++b) {
+    __m256 total[M][2];
+    for (int t = 0; t < M; ++t) total[t][0] = total[t][1] = _mm256_setzero_ps();
+    const uint8_t* header = nullptr;
+    for (int64_t g = 0; g < groups; ++g, p += kInt6GroupBytes) {
+      enter_group(p, g, header, kInt6HeaderBytes, kInt6GroupBytes);
+      const int8_t* sc = reinterpret_cast<const int8_t*>(header + kRows * 4 + 2 * kRows * (g % kSuperGroups));
+      for (int eight = 0; eight < 2; ++eight) {  // rows 0-7, 8-15: bytes 0-31, 32-63 of each vector
+        const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(header) + 8 * eight);
+        __m256i sum_hi[M], sum_lo[M];  // as the AVX-512 loop's
+        for (int half = 0; half < 2; ++half) {
+          const __m256i scale = _mm256_cvtepi8_epi32(
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + kRows * half + 8 * eight)));
+          const __m256i top = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 256 + 64 * half + 32 * eight));
+          for (int t = 0; t < M; ++t) {
+            const int32_t* hi = reinterpret_cast<const int32_t*>(a.hi + t * k + g * kGroup);
+            const int32_t* lo = reinterpret_cast<const int32_t*>(Parts == 2 ? a.lo + t * k + g * kGroup : nullptr);
+            __m256i dot_hi = _mm256_setzero_si256(), dot_lo = _mm256_setzero_si256();
+#pragma GCC unroll 2
+            for (int cc = 0; cc < 2; ++cc) {
+              const int c = 2 * half + cc;
+              const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + c * 64 + 32 * eight));
+              const __m256i low = _mm256_or_si256(_mm256_and_si256(packed, nibble), top_bits256(top, 2 * cc));
+              const __m256i high = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble),
+                                                   top_bits256(top, 2 * cc + 1));
+              dot_hi = _mm256_add_epi32(dot_hi, _mm256_madd_epi16(_mm256_add_epi16(
+                  _mm256_maddubs_epi16(low, _mm256_set1_epi32(hi[2 * c])),
+                  _mm256_maddubs_epi16(high, _mm256_set1_epi32(hi[2 * c + 1]))), ones));
+              if constexpr (Parts == 2) {
+                dot_lo = _mm256_add_epi32(dot_lo, _mm256_madd_epi16(_mm256_add_epi16(
+                    _mm256_maddubs_epi16(low, _mm256_set1_epi32(lo[2 * c])),
+                    _mm256_maddubs_epi16(high, _mm256_set1_epi32(lo[2 * c + 1]))), ones));
+              }
+            }
+            const int64_t th = 2 * (t * groups + g) + half;
+            const __m256i scaled_hi = _mm256_mullo_epi32(_mm256_sub_epi32(dot_hi, _mm256_set1_epi32(32 * a.hi_sum[th])), scale);
+            sum_hi[t] = half == 0 ? scaled_hi : _mm256_add_epi32(sum_hi[t], scaled_hi);
+            if constexpr (Parts == 2) {
+              const __m256i scaled_lo = _mm256_mullo_epi32(_mm256_sub_epi32(dot_lo, _mm256_set1_epi32(32 * a.lo_sum[th])), scale);
+              sum_lo[t] = half == 0 ? scaled_lo : _mm256_add_epi32(sum_lo[t], scaled_lo);
+            }
+          }
+        }
+        for (int t = 0; t < M; ++t) {
+          __m256 dot = _mm256_cvtepi32_ps(sum_hi[t]);
+          if constexpr (Parts == 2) dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lo[t]), lo_weight, dot);
+          total[t][eight] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(a.step[t * groups + g])), total[t][eight]);
+        }
+      }
+    }
+    const __m256 s0 = _mm256_loadu_ps(scales + b * kRows), s1 = _mm256_loadu_ps(scales + b * kRows + 8);
+    alignas(32) float rows[kRows];
+    for (int t = 0; t < M; ++t) {
+      _mm256_store_ps(rows, _mm256_mul_ps(total[t][0], s0));
+      _mm256_store_ps(rows + 8, _mm256_mul_ps(total[t][1], s1));
+      store_rows(out + t * n + b * kRows, rows);
+    }
+  }
+}
+#endif
+
+// The int8 op's two layouts: bytes of a row block, and its loops
+template <bool Six>
+constexpr int64_t int8_block_bytes(int64_t k) {
+  return Six ? k / kInt6SuperInputs * kInt6BlockBytes : k / kGroup * kInt8GroupBytes;
+}
+
+template <int Parts, bool Six, typename T>
 void int8_product(const at::Tensor& x, const uint8_t* w, const float* scales, at::Tensor& out, bool portable) {
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1), num_blocks = n / kRows;
   const SplitTokens a = split_activations(x.data_ptr<T>(), m, k, Parts == 2, /*part_sums=*/true);
   T* o = out.data_ptr<T>();
-  if (portable) return int8_rows_portable(w, a, scales, o, m, k, n, 0, num_blocks);
-  for_token_passes(num_blocks, m, k / kGroup * kInt8GroupBytes, [&](int64_t t0, int64_t mt, int64_t begin,
-                                                                     int64_t end) {
+  const auto rows_portable = Six ? int6_rows_portable<T> : int8_rows_portable<T>;
+  if (portable) return rows_portable(w, a, scales, o, m, k, n, 0, num_blocks);
+  for_token_passes(num_blocks, m, int8_block_bytes<Six>(k), [&](int64_t t0, int64_t mt, int64_t begin, int64_t end) {
 #if LLMSERVE_GEMV_AVX512
     with_token_count<kMaxTokens>(mt, [&](auto tokens) {
-      int8_rows_avx512<decltype(tokens)::value, Parts>(w, a.from(t0, k), scales, o + t0 * n, k, n, begin, end);
+      constexpr int M = decltype(tokens)::value;
+      const auto rows = Six ? int6_rows_avx512<M, Parts, T> : int8_rows_avx512<M, Parts, T>;
+      rows(w, a.from(t0, k), scales, o + t0 * n, k, n, begin, end);
     });
 #elif LLMSERVE_GEMV_AVX2
     with_token_count<kMaxTokens>(mt, [&](auto tokens) {
-      int8_rows_avx2<decltype(tokens)::value, Parts>(w, a.from(t0, k), scales, o + t0 * n, k, n, begin, end);
+      constexpr int M = decltype(tokens)::value;
+      const auto rows = Six ? int6_rows_avx2<M, Parts, T> : int8_rows_avx2<M, Parts, T>;
+      rows(w, a.from(t0, k), scales, o + t0 * n, k, n, begin, end);
     });
 #else
-    int8_rows_portable(w, a.from(t0, k), scales, o + t0 * n, mt, k, n, begin, end);
+    rows_portable(w, a.from(t0, k), scales, o + t0 * n, mt, k, n, begin, end);
 #endif
   });
+}
+
+template <bool Six>
+void int8_dispatch(const at::Tensor& x, const uint8_t* w, const float* s, at::Tensor& out, int64_t activation_parts,
+                   bool portable) {
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  if (activation_parts == 2) {
+    bf16 ? int8_product<2, Six, at::BFloat16>(x, w, s, out, portable) : int8_product<2, Six, float>(x, w, s, out, portable);
+  } else {
+    bf16 ? int8_product<1, Six, at::BFloat16>(x, w, s, out, portable) : int8_product<1, Six, float>(x, w, s, out, portable);
+  }
 }
 
 at::Tensor int8_gemv_impl(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales, int64_t n,
@@ -698,19 +955,17 @@ at::Tensor int8_gemv_impl(const at::Tensor& x_in, const at::Tensor& packed, cons
   const int64_t k = x.size(1);
   TORCH_CHECK(k % kGroup == 0 && n % kRows == 0, "int8_gemv: in_features must be a multiple of 32 and "
               "out_features of 16");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.numel() == n * k,
+  // the layout is the one whose size the packed weight has (6.625 bits a weight or 8)
+  const bool six = k % kInt6SuperInputs == 0 && packed.numel() == n / kRows * int8_block_bytes<true>(k);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && (six || packed.numel() == n * k),
               "int8_gemv: packed weight does not match [", n, ", ", k, "]");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == n,
               "int8_gemv: scales must be [", n, "] float32");
   at::Tensor out = at::empty({x.size(0), n}, x.options());
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  if (activation_parts == 2) {
-    bf16 ? int8_product<2, at::BFloat16>(x, w, s, out, portable) : int8_product<2, float>(x, w, s, out, portable);
-  } else {
-    bf16 ? int8_product<1, at::BFloat16>(x, w, s, out, portable) : int8_product<1, float>(x, w, s, out, portable);
-  }
+  six ? int8_dispatch<true>(x, w, s, out, activation_parts, portable)
+      : int8_dispatch<false>(x, w, s, out, activation_parts, portable);
   return out;
 }
 

@@ -116,6 +116,43 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
     return blocks.permute(0, 2, 3, 1, 4).contiguous().view(-1)
 
 
+INT6_SUPER = 256  # inputs per d (Q6_K's block): in_features must be a multiple of it
+INT6_SUB = 16  # inputs per sc
+
+
+def int6_packs(out_features: int, in_features: int) -> bool:
+    return out_features % ROWS == 0 and in_features % INT6_SUPER == 0
+
+
+def pack_int6(q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+    """q [out, in] integers in [0, 63], d [out, in / 256] (float32 values), sc [out, in / 16] int8, w = d * sc *
+    (q - 32): GGUF Q6_K's values. Returns the flat uint8 layout `llmserve::int8_gemv` reads as its 6-bit one (its
+    row scales ones): per block of 16 rows and 256 inputs a header (d as float32, then per group of 32 the int8 sc
+    of its two halves), then per group q's low nibbles as `pack_int4` orders them and q's top 2 bits (see the
+    C++ file)."""
+    out_features, in_features = q.shape
+    if not int6_packs(out_features, in_features):
+        raise ValueError(f"6-bit packing needs out_features % {ROWS} == 0 and in_features % {INT6_SUPER} == 0")
+    blocks, groups, supers = out_features // ROWS, in_features // INT4_GROUP, in_features // INT6_SUPER
+    q = q.to(torch.uint8)
+    low = (q & 15).view(blocks, ROWS, groups, 4, 2, 4)  # [block, row, group, c, nibble, s]
+    nibbles = (low[:, :, :, :, 0] | (low[:, :, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [block, group, c, row, s]
+    # input 8c + 4h + s with c = 2v + c2: top bits of vector v, at bit 2 (2 c2 + h)
+    top = (q >> 4).view(blocks, ROWS, groups, 2, 2, 2, 4)  # [block, row, group, v, c2, h, s]
+    shifts = torch.tensor([[0, 2], [4, 6]], dtype=torch.uint8).view(1, 1, 1, 1, 2, 2, 1)
+    top = (top << shifts).sum(dim=(4, 5), dtype=torch.uint8).permute(0, 2, 3, 1, 4)  # [block, group, v, row, s]
+    group_bytes = torch.cat([nibbles.reshape(blocks, groups, -1), top.reshape(blocks, groups, -1)], dim=2)
+
+    def per_block(values: torch.Tensor) -> torch.Tensor:  # [out, n] -> [block, n, 16 rows] as bytes
+        rows = values.view(blocks, ROWS, -1).transpose(1, 2).contiguous()
+        return rows.view(torch.uint8).view(blocks, rows.shape[1], -1)
+
+    header = torch.cat([per_block(d.float()).view(blocks, supers, -1),  # [block, super, 64]
+                        per_block(sc.to(torch.int8)).view(blocks, supers, -1)], dim=2)  # and 16 halves x 16
+    body = group_bytes.view(blocks, supers, -1)
+    return torch.cat([header, body], dim=2).contiguous().view(-1)
+
+
 def register_fakes() -> None:
     """Output shapes of the ops, so that torch.compile keeps them inside its graphs."""
 

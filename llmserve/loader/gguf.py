@@ -56,18 +56,20 @@ def load_gguf(path: str, name: str) -> Checkpoint:
         raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {sorted(_ARCHITECTURES)})")
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
     config = _config_from_metadata(meta, arch, shapes)
-    weights, formats, grids = {}, {}, {}
+    weights, formats, grids, grids6 = {}, {}, {}, {}
     for tensor in tqdm(reader.tensors, desc=f"Dequantizing {os.path.basename(path)}", unit="tensor"):
         hf_name = _hf_name(tensor.name)
-        array, grid = _dense(tensor), int4_grid(tensor)
+        array, grid, grid6 = _dense(tensor), int4_grid(tensor), int6_grid(tensor)
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if "q_proj" in hf_name else config.num_kv_heads
             array = _unpermute_rope_rows(array, heads)
             grid = grid and tuple(_unpermute_rope_rows(g, heads) for g in grid)
+            grid6 = grid6 and tuple(_unpermute_rope_rows(g, heads) for g in grid6)
         weights[hf_name] = torch.from_numpy(np.ascontiguousarray(array))
         formats[hf_name] = tensor.tensor_type.name
-        if grid is not None:
-            grids[hf_name] = tuple(torch.from_numpy(np.ascontiguousarray(g)) for g in grid)
+        for found, into in ((grid, grids), (grid6, grids6)):
+            if found is not None:
+                into[hf_name] = tuple(torch.from_numpy(np.ascontiguousarray(g)) for g in found)
     tokenizer = gguf_tokenizer(path)
     eos = meta.get("tokenizer.ggml.eos_token_id")
     eos_ids = [int(eos)] if eos is not None else []
@@ -80,6 +82,7 @@ def load_gguf(path: str, name: str) -> Checkpoint:
         eos_token_ids=eos_ids,
         source_formats=formats,
         int4_grids=grids,
+        int6_grids=grids6,
     )
 
 
@@ -153,6 +156,21 @@ def int4_grid(tensor) -> tuple[np.ndarray, np.ndarray] | None:
         scale, low = d * sc.astype(np.float32), -dmin * m.astype(np.float32)
     groups = len(blocks) * per_block // 32 // out_features
     return scale.reshape(out_features, groups), low.reshape(out_features, groups)
+
+
+_Q6_K_BLOCK_BYTES = 210  # 128 bytes of low nibbles, 64 of top bits, 16 int8 sc, an fp16 d; 256 inputs
+
+
+def int6_grid(tensor) -> tuple[np.ndarray, np.ndarray] | None:
+    """(d [out, in / 256] float32, sc [out, in / 16] int8) for a Q6_K tensor (w = d * sc * (q - 32), q in [0, 63]);
+    None for any other type."""
+    if tensor.tensor_type != GGMLQuantizationType.Q6_K:
+        return None
+    out_features = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1
+    blocks = np.asarray(tensor.data).view(np.uint8).reshape(-1, _Q6_K_BLOCK_BYTES)
+    sc = blocks[:, 192:208].copy().view(np.int8)
+    d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
+    return d.reshape(out_features, -1), sc.reshape(out_features, -1)
 
 
 def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:

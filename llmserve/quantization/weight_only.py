@@ -18,6 +18,10 @@ super-block layout, 4.625 bits a weight; `pack_int4`); any other weight gets a g
 fitted to it (scale = (max - min) / 15, min = the group's minimum). AWQ's groups (any multiple of 32
 inputs, w = (q - z) * s: an AWQ checkpoint's, or `--quantization awq`'s) arrive the same way, as
 `int4_grids` (quantization/int4_groups.py).
+
+int8 is symmetric per output channel, except for a weight the file stored as Q6_K (`Checkpoint.int6_grids`: an
+int8 scale per 16 inputs, an fp16 factor per 256): that keeps the file's values, which the native int8 kernel
+reads in a 6-bit layout of its own (`pack_int6`, 6.625 bits a weight, fewer bytes than int8 and exact).
 """
 
 from __future__ import annotations
@@ -28,7 +32,18 @@ import torch
 from torch import nn
 
 from llmserve.kernels.int8_gemm import int8_gemm_packs, pack_int8_for_amx
-from llmserve.kernels.quantized_gemv import SuperBlocks, int4_packs, int8_packs, pack_int4, pack_int8, super_blocks
+from llmserve.kernels.quantized_gemv import (
+    INT6_SUB,
+    INT6_SUPER,
+    SuperBlocks,
+    int4_packs,
+    int6_packs,
+    int8_packs,
+    pack_int4,
+    pack_int6,
+    pack_int8,
+    super_blocks,
+)
 from llmserve.layers.linear import dense_linear
 from llmserve.quantization.int8_activations import int8_linear, pack_int8_weight, quantize_rows, smoothing_scales
 
@@ -57,10 +72,14 @@ class WeightOnlyLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, method: str, native_kernels: bool = False,
                  max_quantized_tokens: int | None = None, bias: torch.Tensor | None = None,
-                 grid: tuple[torch.Tensor, torch.Tensor] | None = None, activation_parts: int = 2) -> None:
+                 grid: tuple[torch.Tensor, torch.Tensor] | None = None, activation_parts: int = 2,
+                 int6_grid: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """`native_kernels`: small steps through `torch.ops.llmserve` (the caller has loaded them), which
         keep a weight copy of their own layout instead of PyTorch's. `grid`: int4's (scale, min) per group,
-        the file's own (see the module docstring); int8 has no use for it. `activation_parts`: how the native
+        the file's own (see the module docstring); int8 has no use for it. `int6_grid`: int8's, a Q6_K weight's
+        (d, sc) (`Checkpoint.int6_grids`): the layer computes with the file's values instead of re-quantizing
+        them per row, the native kernel in its 6-bit layout (`pack_int6`); ignored where it does not give this
+        weight's values (a weight changed since it was read). `activation_parts`: how the native
         int4 kernel takes a small step's inputs, 2 int8 parts (~16 bits) or 1 (Q8_0: an int8 per input, a
         scale per 32, half the integer work; the build plan chooses, see `Q8_MAX_TOKENS`). The native int8
         kernel takes its inputs the same way."""
@@ -77,7 +96,13 @@ class WeightOnlyLinear(nn.Module):
         packs = int4_packs if method == "int4" else int8_packs
         self.native = native_kernels and packs(out_features, in_features)
         with torch.no_grad():
-            if method == "int8":
+            six = _int6_levels(weight, int6_grid) if method == "int8" else None
+            self.six_bit = six is not None  # the file's Q6_K values, not re-quantized per row
+            if six is not None:  # native: the 6-bit layout, row scales ones
+                dequantized = six.dequantized
+                kernel_weights = ((pack_int6(six.q, six.d, six.sc), torch.ones(out_features)) if self.native
+                                  else (None, None))
+            elif method == "int8":
                 q, scales, dequantized = _quantize_int8(weight.float())
                 kernel_weights = (pack_int8(q), scales.float()) if self.native else (q, scales.to(dtype))
             else:
@@ -91,7 +116,9 @@ class WeightOnlyLinear(nn.Module):
         self.register_buffer("scales", kernel_weights[1])
         self.out_features = out_features
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
-        self._small_step = _SMALL_STEP_KERNELS[method, self.native]
+        # (none for the file's 6-bit values without the native kernels: PyTorch's int8 kernel would need them
+        # re-quantized, so every step takes the dense product of the same values)
+        self._small_step = None if kernel_weights[0] is None else _SMALL_STEP_KERNELS[method, self.native]
         # the large-step path: the quantized values themselves, in the model dtype
         self.register_buffer("weight", dequantized.to(dtype))
         self.packed: torch.Tensor | None = None  # its oneDNN-packed copy, once `prepack_linears` made one
@@ -134,7 +161,7 @@ class WeightOnlyLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.max_quantized_tokens:
+        if x.shape[0] <= self.max_quantized_tokens and self._small_step is not None:
             y = self._small_step(self, x)
         else:
             return self._large_step(self, x)  # the dense product adds the bias itself
@@ -166,6 +193,32 @@ def _quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     """Symmetric per output channel: w ~ q * scale, q in [-127, 127]."""
     q, scales = quantize_rows(w)
     return q, scales.squeeze(1), q.float() * scales
+
+
+class Int6Levels(NamedTuple):
+    q: torch.Tensor  # [out, in] uint8 in [0, 63]
+    d: torch.Tensor  # [out, in / 256] float32
+    sc: torch.Tensor  # [out, in / 16] int8
+    dequantized: torch.Tensor  # [out, in] float32: d * sc * (q - 32), as the file's reader computes it
+
+
+def _int6_levels(weight: torch.Tensor, grid: tuple[torch.Tensor, torch.Tensor] | None) -> Int6Levels | None:
+    """The weight's Q6_K levels on the file's grid (d, sc), or None where that grid does not give this weight (in
+    its own dtype: bf16's rounding moves w / (d * sc) by at most 32 / 256, so q is still the nearest integer)."""
+    out_features, in_features = weight.shape
+    if grid is None or not int6_packs(out_features, in_features):
+        return None
+    d, sc = grid
+    if d.shape != (out_features, in_features // INT6_SUPER) or sc.shape != (out_features, in_features // INT6_SUB):
+        return None
+    scale = (d.float().repeat_interleave(INT6_SUPER // INT6_SUB, dim=1) * sc.float()).unsqueeze(2)  # [out, in/16, 1]
+    w = weight.float().view(out_features, -1, INT6_SUB)
+    q = (w / torch.where(scale != 0, scale, 1)).round().clamp(-32, 31)
+    dequantized = (scale * q).view(out_features, in_features)
+    if not torch.equal(dequantized.to(weight.dtype), weight.detach()):
+        return None
+    return Int6Levels((q + 32).to(torch.uint8).view(out_features, in_features), d.float(), sc.to(torch.int8),
+                      dequantized)
 
 
 class Int4Levels(NamedTuple):
@@ -219,7 +272,8 @@ def layer_method_of(method: str, grid: tuple[torch.Tensor, torch.Tensor] | None)
 def quantize_model(model: nn.Module, method: str, native_kernels: bool = False,
                    max_quantized_tokens: int | None = None,
                    grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None, head: str = "int8",
-                   activation_parts: int = 2) -> nn.Module:
+                   activation_parts: int = 2,
+                   int6_grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> nn.Module:
     """Replace every `nn.Linear` of the decoder layers by a `WeightOnlyLinear` (its bias, if any, kept), and
     give the output head `head` weights, int8 unless asked (its logits rank every token; a speculative draft
     takes int4), a tied embedding staying as it is (a lookup reads one row).
@@ -227,23 +281,32 @@ def quantize_model(model: nn.Module, method: str, native_kernels: bool = False,
     int8 where it stored more bits). `native_kernels`: the caller has loaded `llmserve.kernels`; small steps
     use them. `max_quantized_tokens`: the largest step the small-step kernels take (default and ceiling:
     the layer's method's, Q8_MAX_TOKENS for int4 on Q8_0 inputs). `grids`: the checkpoint's `int4_grids`
-    (Hugging Face names). `activation_parts`: the int4 layers' small-step inputs (see `WeightOnlyLinear`)."""
+    (Hugging Face names). `activation_parts`: the int4 layers' small-step inputs (see `WeightOnlyLinear`).
+    `int6_grids`: the checkpoint's, which int8 layers (and the int8 head) keep."""
     grids = {k.removeprefix("model."): v for k, v in (grids or {}).items()}
+    int6_grids = {k.removeprefix("model."): v for k, v in (int6_grids or {}).items()}
     for prefix, module in list(model.layers.named_modules(prefix="layers")):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                sources = [grids.get(s) for s in model.checkpoint_sources(f"{prefix}.{child_name}.weight")]
-                grid = None if None in sources else (torch.cat([g[0] for g in sources]),
-                                                     torch.cat([g[1] for g in sources]))
+                sources = model.checkpoint_sources(f"{prefix}.{child_name}.weight")
+                grid = _fused_grid(grids, sources)
                 layer_method = layer_method_of(method, grid)
                 setattr(module, child_name, WeightOnlyLinear(
                     child.weight, layer_method, native_kernels, small_step_cap(layer_method, max_quantized_tokens,
                                                                                 activation_parts),
-                    child.bias, grid, activation_parts))
+                    child.bias, grid, activation_parts, _fused_grid(int6_grids, sources)))
+    head_source = "embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
     model.lm_head = WeightOnlyLinear(model.lm_head.weight, head, native_kernels,
                                      small_step_cap(head, max_quantized_tokens, activation_parts),
-                                     activation_parts=activation_parts)
+                                     activation_parts=activation_parts, int6_grid=int6_grids.get(head_source))
     return model
+
+
+def _fused_grid(grids: dict[str, tuple[torch.Tensor, torch.Tensor]], sources: list[str]
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A fused weight's grid: its sources' in row order, where every one has one."""
+    found = [grids.get(s) for s in sources]
+    return None if None in found else (torch.cat([g[0] for g in found]), torch.cat([g[1] for g in found]))
 
 
 def small_step_cap(method: str, asked: int | None, activation_parts: int) -> int:

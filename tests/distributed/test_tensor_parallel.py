@@ -133,3 +133,41 @@ def test_a_dead_rank_stops_the_engine_in_bounded_time_and_leaves_no_process(tiny
 def test_what_cannot_be_sharded_is_refused_before_anything_starts(tiny, options, needle):
     with pytest.raises(ValueError, match=needle):
         resolve_plan(engine_config(model=tiny, **options), load_checkpoint(tiny).config)
+
+
+def test_grids_are_cut_as_their_weights_whatever_their_groups():
+    """int4 grids (per 32 inputs) and Q6_K grids (d per 256, sc per 16) follow their weights' rows and columns; a
+    grid whose groups a rank's columns would split is left out (that layer re-quantizes its slice)."""
+    from llmserve.distributed.tensor_parallel import TensorParallel, shard_grids
+    from llmserve.models.llama import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=512, intermediate_size=1536, num_layers=1, num_heads=8,
+                      num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=64,
+                      tie_word_embeddings=False)
+    tp = TensorParallel(rank=1, size=2, group=None)
+
+    def grid(out_features, in_features, units):
+        return tuple(torch.arange(out_features * (in_features // u), dtype=torch.float32).view(out_features, -1)
+                     for u in units)
+
+    grids = {"model.layers.0.mlp.down_proj.weight": grid(512, 1536, (256, 16)),  # 768 columns a rank: 3 blocks
+             "model.layers.0.self_attn.o_proj.weight": grid(512, 512, (256, 16)),  # 256 columns a rank
+             "model.layers.0.mlp.up_proj.weight": grid(1536, 512, (32, 32)),
+             "model.layers.0.self_attn.k_proj.weight": grid(128, 512, (256, 16))}
+    sharded = shard_grids(grids, cfg, tp)
+    d, sc = sharded["model.layers.0.mlp.down_proj.weight"]
+    assert torch.equal(d, grids["model.layers.0.mlp.down_proj.weight"][0][:, 3:6])
+    assert torch.equal(sc, grids["model.layers.0.mlp.down_proj.weight"][1][:, 48:96])
+    assert torch.equal(sharded["model.layers.0.self_attn.o_proj.weight"][0],
+                       grids["model.layers.0.self_attn.o_proj.weight"][0][:, 1:2])
+    assert torch.equal(sharded["model.layers.0.mlp.up_proj.weight"][1],
+                       grids["model.layers.0.mlp.up_proj.weight"][1][768:])
+    assert torch.equal(sharded["model.layers.0.self_attn.k_proj.weight"][0],
+                       grids["model.layers.0.self_attn.k_proj.weight"][0][64:])
+    three_ranks = shard_grids({"model.layers.0.mlp.down_proj.weight": grid(512, 1536, (256, 16))},
+                              cfg, TensorParallel(rank=0, size=3, group=None))  # 512 columns a rank: 2 blocks
+    assert three_ranks["model.layers.0.mlp.down_proj.weight"][0].shape == (512, 2)
+    four_ranks = shard_grids({"model.layers.0.mlp.down_proj.weight": grid(512, 1536, (256, 16)),
+                              "model.layers.0.self_attn.o_proj.weight": grid(512, 512, (32, 32))},
+                             cfg, TensorParallel(rank=0, size=4, group=None))  # 384 columns: 1.5 blocks of 256
+    assert list(four_ranks) == ["model.layers.0.self_attn.o_proj.weight"]

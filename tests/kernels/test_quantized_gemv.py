@@ -10,7 +10,7 @@ import torch
 from llmserve.evaluate.reference import q8_0_levels
 from llmserve.host import cpu_flags
 from llmserve.kernels import load_cpu_kernels, native_quantized_kernels
-from llmserve.kernels.quantized_gemv import pack_int4, pack_int8, super_block_factors
+from llmserve.kernels.quantized_gemv import pack_int4, pack_int6, pack_int8, super_block_factors
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -51,11 +51,22 @@ def _int4_case(out_features, in_features, seed=0, mins_only=False, layout="fp16"
     return packed, dense
 
 
-def _int8_case(out_features, in_features, seed=0):
+def _int8_case(out_features, in_features, seed=0, layout="int8"):
+    """(packed weight, row scales, dense weight). `layout`: "int8" (an int8 per weight) or "six" (a Q6_K weight,
+    w = d * sc * (q - 32) per 16 inputs, in the 6-bit layout, times row scales as any int8 weight)."""
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randint(-127, 128, (out_features, in_features), generator=gen).to(torch.int8)
     scales = torch.rand(out_features, generator=gen) * 0.01
-    return pack_int8(q), scales, q.float() * scales[:, None]
+    if layout == "int8":
+        q = torch.randint(-127, 128, (out_features, in_features), generator=gen).to(torch.int8)
+        return pack_int8(q), scales, q.float() * scales[:, None]
+    q = torch.randint(0, 64, (out_features, in_features), generator=gen)
+    d = (torch.rand(out_features, in_features // 256, generator=gen) * 0.02).half().float()
+    sc = torch.randint(-128, 128, (out_features, in_features // 16), generator=gen).to(torch.int8)
+    step = d.repeat_interleave(16, dim=1) * sc.float()  # per 16 inputs, exact in float32
+    packed = pack_int6(q, d, sc)
+    assert packed.numel() == out_features * in_features * 6.625 / 8
+    dense = (step.repeat_interleave(16, dim=1) * (q - 32).float()) * scales[:, None]
+    return packed, scales, dense
 
 
 def _off_q8_ties(x):
@@ -135,11 +146,15 @@ def test_activation_parts_are_one_or_two():
         torch.ops.llmserve.int8_gemv(torch.randn(1, 64), packed8, scales, 32, 0)
 
 
+# the int8 op's layouts: an int8 per weight, or Q6_K's 6 bits (inputs by 256)
+INT8_LAYOUT_SHAPES = [*[("int8", shape) for shape in SHAPES], *[("six", shape) for shape in SUPER_SHAPES]]
+
+
 @pytest.mark.parametrize("tokens", TOKENS)
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(("layout", "shape"), INT8_LAYOUT_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_product_equals_the_dequantized_weight(tokens, shape, dtype):
-    packed, scales, dense = _int8_case(*shape)
+def test_int8_product_equals_the_dequantized_weight(tokens, layout, shape, dtype):
+    packed, scales, dense = _int8_case(*shape, layout=layout)
     x = torch.randn(tokens, shape[1]).to(dtype)
     out = torch.ops.llmserve.int8_gemv(x, packed, scales, shape[0])
     assert out.dtype == dtype and out.shape == (tokens, shape[0])
@@ -152,12 +167,13 @@ def test_int8_product_equals_the_dequantized_weight(tokens, shape, dtype):
 
 
 @pytest.mark.parametrize("tokens", [*TOKENS, 33])
-@pytest.mark.parametrize("shape", [*SHAPES, (2048, 1536)])
+@pytest.mark.parametrize(("layout", "shape"), [*INT8_LAYOUT_SHAPES, ("int8", (2048, 1536)), ("six", (2048, 1536))])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_product_of_q8_inputs_is_exact_on_their_levels(tokens, shape, dtype):
+def test_int8_product_of_q8_inputs_is_exact_on_their_levels(tokens, layout, shape, dtype):
     """One activation part: x's Q8_0 levels times the int8 weight, up to float32 sums. The weights are stored as
-    q + 128 and the 128 taken back out per group in integers: an error there would show as a whole offset."""
-    packed, scales, dense = _int8_case(*shape)
+    q + 128 (Q6_K's as q with w ~ q - 32) and the offset taken back out per group (per 16 inputs) in integers: an
+    error there would show as a whole offset."""
+    packed, scales, dense = _int8_case(*shape, layout=layout)
     x = _off_q8_ties(torch.randn(tokens, shape[1], generator=torch.Generator().manual_seed(tokens))).to(dtype)
     out = torch.ops.llmserve.int8_gemv(x, packed, scales, shape[0], 1)
     expected = q8_0_levels(x).double() @ dense.double().T
@@ -182,6 +198,19 @@ def test_int8_sums_hold_at_the_extremes(weight, sign):
     for parts in (1, 2):
         out = torch.ops.llmserve.int8_gemv(x, pack_int8(q), scales, 32, parts)
         torch.testing.assert_close(out, torch.full((2, 32), sign * 3.0 * weight * 0.01 * 256))
+
+
+@pytest.mark.parametrize(("q", "sc"), [(63, 127), (0, -128), (0, 127)])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_six_bit_sums_hold_at_the_extremes(q, sc, sign):
+    # q at 0 or 63 and every activation part at +-127: the AVX2 loop's int16 sums of two pairs (4 x 63 x 127)
+    # reach their bound, and sc * (q - 32) its largest sizes
+    d = torch.full((32, 1), 0.01).half().float()
+    x = torch.full((2, 256), sign * 3.0)
+    packed = pack_int6(torch.full((32, 256), q), d, torch.full((32, 16), sc, dtype=torch.int8))
+    for parts in (1, 2):
+        out = torch.ops.llmserve.int8_gemv(x, packed, torch.ones(32), 32, parts)
+        torch.testing.assert_close(out, torch.full((2, 32), sign * 3.0 * (q - 32) * sc * float(d[0, 0]) * 256))
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])

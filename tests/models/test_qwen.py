@@ -26,7 +26,8 @@ def qwen_reference():
 
 @pytest.fixture(scope="module")
 def qwen_grids():
-    return load_checkpoint(MODEL).int4_grids
+    ckpt = load_checkpoint(MODEL)
+    return ckpt.int4_grids, ckpt.int6_grids
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +55,18 @@ def test_qwen_greedy_equals_transformers_on_the_same_gguf(qwen_fp32, qwen_refere
 @pytest.mark.parametrize("method", ["int4", "int4+int8"])
 def test_qwen_int4_equals_transformers_on_the_same_int4_weights(qwen_reference, qwen_grids, prompts, method):
     """int4 keeps the file's own grid where it has one (the Q4_K ffn_down); int4+int8 puts every other
-    weight (Q5_0, Q6_K, Q8_0) on int8."""
-    assert any("down_proj" in name for name in qwen_grids) and not any("q_proj" in name for name in qwen_grids)
-    ref = quantized_reference(qwen_reference, method, qwen_grids)
+    weight on int8, its Q6_K ffn_down at the file's own 6-bit values (the rest, Q5_0 and Q8_0, per row)."""
+    grids, int6_grids = qwen_grids
+    assert any("down_proj" in name for name in grids) and not any("q_proj" in name for name in grids)
+    assert any("down_proj" in name for name in int6_grids) and not set(grids) & set(int6_grids)
+    ref = quantized_reference(qwen_reference, method, grids, int6_grids)
     expected = [reference_greedy(ref, ids, 16) for ids in prompts]
     llm = LLM(MODEL, dtype="float32", quantization=method, kv_cache_memory_gb=0.25, max_model_len=1024)
     # int4: decode steps as one native call (q/k/v biases inside); int4+int8 in float32 keeps PyTorch's
     # elementwise ops (transformers' rounding), so layer by layer
     assert llm.engine.plan.fused_decode_max_tokens == (16 if method == "int4" else 0)
     assert_greedy_equals(llm, prompts, expected, single=0)
+    down = [layer.mlp.down_proj for layer in llm.engine.runner.model.layers]
+    six_bit = [lin for lin in down if lin.six_bit]
+    assert len(six_bit) == (12 if method == "int4+int8" else 0)  # the Q6_K ffn_down
+    assert all(lin.qweight.numel() * 64 == lin.weight.numel() * 53 for lin in six_bit)  # 6.625 bits a weight

@@ -71,27 +71,65 @@ def test_q4_1_weights_requantize_to_their_shipped_values(llm_fp32: LLM):
     assert (layer.weight - weight).abs().max() < 1e-3 * scale.max()
 
 
-def test_a_q4_k_layer_computes_with_the_file_s_values():
-    """Qwen2.5-Coder-0.5B's Q4_K ffn_down: the int4 layer's weights are the file's values exactly (Q4_K's scales, an
-    fp16 times a 6-bit integer, are not rounded to fp16), packed at 4.625 bits a weight, and the kernel's product on
-    ~16-bit inputs is within that split's rounding of the file's (fp16 scales alone were ~6e-4 off)."""
+def _a_qwen_tensor(type_name: str, read_grid) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """The first tensor of Qwen2.5-Coder-0.5B's file stored as `type_name`: its dequantized weight and its grid as
+    `read_grid` (the loader's) reads it; skips without the file or the native kernels."""
     from gguf import GGUFReader
 
     from llmserve.loader.default_models import PARTED_MODELS, installed_path
-    from llmserve.loader.gguf import _dense, int4_grid
+    from llmserve.loader.gguf import _dense
 
     path = installed_path(PARTED_MODELS["qwen2.5-coder-0.5b"])
     if path is None or not native_quantized_kernels():
         pytest.skip("needs the Qwen2.5-Coder-0.5B file (make setup installs it) and the native kernels")
-    tensor = next(t for t in GGUFReader(path).tensors if t.tensor_type.name == "Q4_K")
-    weight = torch.from_numpy(_dense(tensor).copy())
-    grid = tuple(torch.from_numpy(g.copy()) for g in int4_grid(tensor))
+    tensor = next(t for t in GGUFReader(path).tensors if t.tensor_type.name == type_name)
+    return torch.from_numpy(_dense(tensor).copy()), tuple(torch.from_numpy(g.copy()) for g in read_grid(tensor))
+
+
+def test_a_q4_k_layer_computes_with_the_file_s_values():
+    """Qwen2.5-Coder-0.5B's Q4_K ffn_down: the int4 layer's weights are the file's values exactly (Q4_K's scales, an
+    fp16 times a 6-bit integer, are not rounded to fp16), packed at 4.625 bits a weight, and the kernel's product on
+    ~16-bit inputs is within that split's rounding of the file's (fp16 scales alone were ~6e-4 off)."""
+    from llmserve.loader.gguf import int4_grid
+
+    weight, grid = _a_qwen_tensor("Q4_K", int4_grid)
     layer = WeightOnlyLinear(weight, "int4", native_kernels=True, grid=grid)
     assert torch.equal(layer.weight, weight)
     assert layer.qweight.numel() == weight.numel() * 4.625 / 8
     x = torch.randn(4, weight.shape[1], generator=torch.Generator().manual_seed(0))
     expected = x.double() @ weight.double().T
     assert (layer(x).double() - expected).abs().max() < 1e-4 * expected.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_q6_k_layer_computes_with_the_file_s_values(dtype):
+    """Qwen2.5-Coder-0.5B's Q6_K ffn_down on int8: the layer's weights are the file's values (not re-quantized per
+    row), packed at 6.625 bits a weight, its product on ~16-bit inputs within that split's rounding of the file's,
+    also when the model's weight arrived rounded to bf16 (the levels are recovered from it), and without the native
+    kernels (dense products of the same values); a grid that no longer gives the weight (a changed weight) is not
+    used: that layer re-quantizes per row."""
+    from llmserve.loader.gguf import int6_grid
+
+    weight, grid = _a_qwen_tensor("Q6_K", int6_grid)
+    layer = WeightOnlyLinear(weight.to(dtype), "int8", native_kernels=True, int6_grid=grid)
+    assert layer.six_bit and torch.equal(layer.weight, weight.to(dtype))
+    assert layer.qweight.numel() == weight.numel() * 6.625 / 8
+    x = torch.randn(4, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    expected = x.double() @ weight.double().T
+    per_row = WeightOnlyLinear(weight, "int8", native_kernels=True)
+    assert not per_row.six_bit
+    error = (layer(x.to(dtype)).double() - expected).abs().max() / expected.abs().max()
+    assert error < (1e-4 if dtype == torch.float32 else 2**-8)
+    if dtype == torch.float32:  # re-quantized per row, the product was ~1e3 times further from the file's
+        assert (per_row(x).double() - expected).abs().max() > 100 * error * expected.abs().max()
+    if dtype == torch.float32:  # without the native kernels: the same values, every step on the dense product
+        plain = WeightOnlyLinear(weight, "int8", native_kernels=False, int6_grid=grid)
+        assert plain.six_bit and plain.qweight is None
+        torch.testing.assert_close(plain(x), x @ weight.T)
+    changed = weight.clone()
+    changed[3, 5] += float(changed[3].abs().max()) / 7
+    stale = WeightOnlyLinear(changed, "int8", native_kernels=True, int6_grid=grid)
+    assert not stale.six_bit and stale.qweight.numel() == weight.numel()
 
 
 def test_bad_quantization_is_refused():
