@@ -73,6 +73,13 @@ def super_blocks(scales: torch.Tensor, mins: torch.Tensor) -> SuperBlocks | None
     return None if minimum is None else (*scale, *minimum)
 
 
+def _per_row_block(values: torch.Tensor) -> torch.Tensor:
+    """[out, n] per-row values -> [out / 16, n, 16 rows] as bytes: a row block's 16 values of each column side by side,
+    as the kernels' headers hold scales."""
+    rows = values.reshape(-1, ROWS, values.shape[1]).transpose(1, 2).contiguous()
+    return rows.view(torch.uint8).view(rows.shape[0], rows.shape[1], -1)
+
+
 def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
               factored: SuperBlocks | None | Literal["find"] = "find") -> torch.Tensor:
     """q [out, in] integers in [0, 15]; scales, mins [out, in / 32] (w = q * scale + min).
@@ -87,19 +94,15 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
     # byte (vector c, row r, slot s) of a group = q[r, 8c + s] | q[r, 8c + 4 + s] << 4
     q = q.to(torch.uint8).view(blocks, ROWS, groups, 4, 2, 4)  # [block, row, group, c, nibble, s]
     nibbles = (q[:, :, :, :, 0] | (q[:, :, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(blocks, groups, 256)
-
-    def per_block(values: torch.Tensor) -> torch.Tensor:  # [out, n] -> [block, n, 16 rows] as bytes
-        rows = values.view(blocks, ROWS, -1).transpose(1, 2).contiguous()
-        return rows.view(torch.uint8).view(blocks, rows.shape[1], -1)
-
     if factored == "find":
         factored = super_blocks(scales, mins)
     if factored is None:
-        return torch.cat([nibbles, per_block(scales.half()), per_block(mins.half())], dim=2).contiguous().view(-1)
+        fp16 = [_per_row_block(scales.half()), _per_row_block(mins.half())]
+        return torch.cat([nibbles, *fp16], dim=2).contiguous().view(-1)
     scale_factor, scale_u, min_factor, min_u = factored
     supers = groups // SUPER_GROUPS
-    factors = torch.cat([per_block(scale_factor), per_block(min_factor)], dim=2)  # [block, super, 64]
-    u8 = torch.cat([per_block(scale_u), per_block(min_u)], dim=2).view(blocks, supers, -1)  # 8 groups x 32
+    factors = torch.cat([_per_row_block(scale_factor), _per_row_block(min_factor)], dim=2)  # [block, super, 64]
+    u8 = torch.cat([_per_row_block(scale_u), _per_row_block(min_u)], dim=2).view(blocks, supers, -1)  # 8 groups x 32
     return torch.cat([factors, u8, nibbles.view(blocks, supers, -1)], dim=2).contiguous().view(-1)
 
 
@@ -143,12 +146,8 @@ def pack_int6(q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor) -> torch.Tenso
     top = (top << shifts).sum(dim=(4, 5), dtype=torch.uint8).permute(0, 2, 3, 1, 4)  # [block, group, v, row, s]
     group_bytes = torch.cat([nibbles.reshape(blocks, groups, -1), top.reshape(blocks, groups, -1)], dim=2)
 
-    def per_block(values: torch.Tensor) -> torch.Tensor:  # [out, n] -> [block, n, 16 rows] as bytes
-        rows = values.view(blocks, ROWS, -1).transpose(1, 2).contiguous()
-        return rows.view(torch.uint8).view(blocks, rows.shape[1], -1)
-
-    header = torch.cat([per_block(d.float()).view(blocks, supers, -1),  # [block, super, 64]
-                        per_block(sc.to(torch.int8)).view(blocks, supers, -1)], dim=2)  # and 16 halves x 16
+    header = torch.cat([_per_row_block(d.float()).view(blocks, supers, -1),  # [block, super, 64]
+                        _per_row_block(sc.to(torch.int8)).view(blocks, supers, -1)], dim=2)  # and 16 halves x 16
     body = group_bytes.view(blocks, supers, -1)
     return torch.cat([header, body], dim=2).contiguous().view(-1)
 
