@@ -774,9 +774,10 @@ void int6_rows_avx512(const uint8_t* w, SplitTokens a, const float* scales, T* o
         __m512i dot_hi[M][S], dot_lo[M][S];  // starting from the -32 * sum(x) of q - 32
         for (int t = 0; t < M; ++t) {
           const int64_t th = 2 * (t * groups + g) + half;
-          for (int s = 0; s < S; ++s) dot_hi[t][s] = dot_lo[t][s] = _mm512_setzero_si512();
-          dot_hi[t][0] = _mm512_set1_epi32(-32 * a.hi_sum[th]);
-          if constexpr (Parts == 2) dot_lo[t][0] = _mm512_set1_epi32(-32 * a.lo_sum[th]);
+          for (int s = 0; s < S; ++s) {
+            dot_hi[t][s] = s == 0 ? _mm512_set1_epi32(-32 * a.hi_sum[th]) : _mm512_setzero_si512();
+            dot_lo[t][s] = s == 0 && Parts == 2 ? _mm512_set1_epi32(-32 * a.lo_sum[th]) : _mm512_setzero_si512();
+          }
         }
         const __m512i top = _mm512_loadu_si512(p + 256 + 64 * half);
 #pragma GCC unroll 2
@@ -860,7 +861,10 @@ void int6_rows_avx2(const uint8_t* w, SplitTokens a, const float* scales, T* out
           for (int t = 0; t < M; ++t) {
             const int32_t* hi = reinterpret_cast<const int32_t*>(a.hi + t * k + g * kGroup);
             const int32_t* lo = reinterpret_cast<const int32_t*>(Parts == 2 ? a.lo + t * k + g * kGroup : nullptr);
-            __m256i dot_hi = _mm256_setzero_si256(), dot_lo = _mm256_setzero_si256();
+            const int64_t th = 2 * (t * groups + g) + half;
+            // starting from the -32 * sum(x) of q - 32, as the AVX-512 loop's
+            __m256i dot_hi = _mm256_set1_epi32(-32 * a.hi_sum[th]);
+            __m256i dot_lo = Parts == 2 ? _mm256_set1_epi32(-32 * a.lo_sum[th]) : _mm256_setzero_si256();
 #pragma GCC unroll 2
             for (int cc = 0; cc < 2; ++cc) {
               const int c = 2 * half + cc;
@@ -877,11 +881,10 @@ void int6_rows_avx2(const uint8_t* w, SplitTokens a, const float* scales, T* out
                     _mm256_maddubs_epi16(high, _mm256_set1_epi32(lo[2 * c + 1]))), ones));
               }
             }
-            const int64_t th = 2 * (t * groups + g) + half;
-            const __m256i scaled_hi = _mm256_mullo_epi32(_mm256_sub_epi32(dot_hi, _mm256_set1_epi32(32 * a.hi_sum[th])), scale);
+            const __m256i scaled_hi = _mm256_mullo_epi32(dot_hi, scale);
             sum_hi[t] = half == 0 ? scaled_hi : _mm256_add_epi32(sum_hi[t], scaled_hi);
             if constexpr (Parts == 2) {
-              const __m256i scaled_lo = _mm256_mullo_epi32(_mm256_sub_epi32(dot_lo, _mm256_set1_epi32(32 * a.lo_sum[th])), scale);
+              const __m256i scaled_lo = _mm256_mullo_epi32(dot_lo, scale);
               sum_lo[t] = half == 0 ? scaled_lo : _mm256_add_epi32(sum_lo[t], scaled_lo);
             }
           }
