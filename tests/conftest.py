@@ -55,3 +55,16 @@ def hf_model():
 @pytest.fixture(scope="session")
 def hf_reference(hf_model, prompt_token_ids) -> list[list[int]]:
     return [reference_greedy(hf_model, ids, 64) for ids in prompt_token_ids]
+
+
+@pytest.fixture(scope="session")
+def mixed_kquant_gguf(tmp_path_factory) -> str:
+    """A small Qwen2 GGUF whose fused linears mix Q4_K and Q6_K rows, as Qwen2.5-Coder-1.5B's file does
+    (tests/models/mixed_gguf.py); its vocabulary is the 0.5B's."""
+    from llmserve.loader.default_models import PARTED_MODELS, installed_path
+    from tests.models.mixed_gguf import write_mixed_gguf
+
+    vocabulary = installed_path(PARTED_MODELS["qwen2.5-coder-0.5b"])
+    if vocabulary is None:
+        pytest.skip("qwen2.5-coder-0.5b (whose vocabulary the test model takes) is not assembled here")
+    return str(write_mixed_gguf(tmp_path_factory.mktemp("mixed-kquants") / "mixed.gguf", str(vocabulary)))

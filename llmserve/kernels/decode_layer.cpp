@@ -11,9 +11,10 @@
 //   h = rms_norm(x); qkv = h Wqkv (+ b); q, k = rotary(q, k); cache <- k, v; o = attention(q)
 //   x = x + o Wo; h = rms_norm(x); x = x + (silu(h Wgate) * h Wup) Wdown
 //
-// Each linear is int4 or int8 (a K-quant mix such as Q4_K_M: int4 where the file is 4-bit, int8 per channel
-// where it holds more bits), and q/k/v may carry a bias (Qwen2): the layer-by-layer path's kernels and
-// arithmetic for each (a bias added to the product in the model's dtype, as `WeightOnlyLinear` adds it).
+// Each linear is int4 or int8 (a K-quant mix such as Q4_K_M: int4 where the file is 4-bit, int8 where it holds
+// more bits, Q6_K's in its 6-bit layout), or runs of rows of each (a `StackedLinear`: Q4_K q/k beside a Q6_K v),
+// and q/k/v may carry a bias (Qwen2): the layer-by-layer path's kernels and arithmetic for each (a bias added to
+// the product in the model's dtype, as `WeightOnlyLinear` adds it).
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -60,15 +61,33 @@ const LayerOps& layer_ops() {
   return ops;
 }
 
-// A linear's small-step weights: packed by `pack_int4` (no scales) or by `pack_int8` with its row scales; its
-// activations split into `activation_parts` int8 parts.
-struct Linear {
+// A linear's small-step weights, one part or more (a `StackedLinear`'s runs of rows, each in its file's format), each
+// packed by `pack_int4` (no scales), by `pack_int8` with its row scales or by `pack_int6` (ones); its activations
+// split into `activation_parts` int8 parts.
+struct LinearPart {
   at::Tensor packed, scales;  // scales undefined: int4
-  int64_t activation_parts;
+  int64_t activation_parts, out_features;
 
-  at::Tensor operator()(const LayerOps& ops, const at::Tensor& x, int64_t out_features) const {
+  at::Tensor operator()(const LayerOps& ops, const at::Tensor& x) const {
     return scales.defined() ? ops.int8_gemv.call(x, packed, scales, out_features, activation_parts)
                             : ops.int4_gemv.call(x, packed, out_features, activation_parts);
+  }
+};
+
+struct Linear {
+  std::vector<LinearPart> parts;
+
+  at::Tensor operator()(const LayerOps& ops, const at::Tensor& x) const {
+    if (parts.size() == 1) return parts[0](ops, x);
+    std::vector<at::Tensor> outputs;
+    for (const auto& part : parts) outputs.push_back(part(ops, x));
+    return at::cat(outputs, 1);
+  }
+
+  int64_t out_features() const {
+    int64_t rows = 0;
+    for (const auto& part : parts) rows += part.out_features;
+    return rows;
   }
 };
 
@@ -86,13 +105,12 @@ struct LayerWeights {
 
 at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin,
                         LayerWeights& w, const at::Tensor& slots, const at::Tensor& block_table,
-                        const at::Tensor& context_lens, int64_t num_heads, int64_t intermediate_size, double eps,
-                        double scale) {
+                        const at::Tensor& context_lens, int64_t num_heads, double eps, double scale) {
   const auto& ops = layer_ops();
-  const int64_t tokens = x.size(0), hidden = x.size(1);
+  const int64_t tokens = x.size(0);
   const int64_t num_kv_heads = w.k_cache.size(1), head_dim = llmserve::attention::cache_head_dim(w.k_cache);
   const int64_t q_and_k = num_heads + num_kv_heads;
-  at::Tensor qkv = w.qkv(ops, ops.rms_norm.call(x, w.input_norm, eps), (q_and_k + num_kv_heads) * head_dim);
+  at::Tensor qkv = w.qkv(ops, ops.rms_norm.call(x, w.input_norm, eps));
   if (w.qkv_bias.defined()) qkv = qkv + w.qkv_bias;
   const at::Tensor qk = ops.rotary.call(qkv.narrow(1, 0, q_and_k * head_dim).view({tokens, q_and_k, head_dim}),
                                         cos, signed_sin);
@@ -100,36 +118,56 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
   ops.write_kv.call(qk.narrow(1, num_heads, num_kv_heads), v, w.k_cache, w.v_cache, slots);
   const at::Tensor attended =
       ops.attention.call(qk.narrow(1, 0, num_heads), w.k_cache, w.v_cache, block_table, context_lens, scale);
-  const at::Tensor o = w.o(ops, attended.view({tokens, num_heads * head_dim}), hidden);
+  const at::Tensor o = w.o(ops, attended.view({tokens, num_heads * head_dim}));
   auto [residual, normed] = ops.add_rms_norm.call(x, o, w.post_norm, eps);
-  const at::Tensor gated = ops.silu_and_mul.call(w.gate_up(ops, normed, 2 * intermediate_size));
-  return residual.add_(w.down(ops, gated, hidden));
+  const at::Tensor gated = ops.silu_and_mul.call(w.gate_up(ops, normed));
+  return residual.add_(w.down(ops, gated));
 }
 
 // The decoder layers, built once from the model's tensors (shared, not copied) and its KV caches, so a
-// step is one call with the step's own tensors only. `linears`, `linear_scales` and `activation_parts` hold
-// four per layer (q/k/v, o, gate/up, down; an empty scales tensor for an int4 linear; the products' argument),
-// `qkv_biases` one (empty: none).
+// step is one call with the step's own tensors only. Four linears per layer (q/k/v, o, gate/up, down), of
+// `linear_parts` parts each (one, or a `StackedLinear`'s); `linears`, `linear_scales`, `activation_parts` and
+// `part_rows` hold one entry per part (an empty scales tensor for int4; the products' arguments), `qkv_biases`
+// one per layer (empty: none).
 class DecodeStack : public torch::CustomClassHolder {
  public:
   DecodeStack(std::vector<at::Tensor> input_norms, std::vector<at::Tensor> post_norms, std::vector<at::Tensor> linears,
               std::vector<at::Tensor> linear_scales, std::vector<at::Tensor> qkv_biases,
               std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, int64_t num_heads,
-              int64_t intermediate_size, double eps, double scale, std::vector<int64_t> activation_parts)
-      : num_heads_(num_heads), intermediate_size_(intermediate_size), eps_(eps), scale_(scale) {
+              int64_t intermediate_size, double eps, double scale, std::vector<int64_t> activation_parts,
+              std::vector<int64_t> linear_parts, std::vector<int64_t> part_rows)
+      : num_heads_(num_heads), eps_(eps), scale_(scale) {
     const size_t n = input_norms.size();
-    TORCH_CHECK(post_norms.size() == n && linears.size() == 4 * n && linear_scales.size() == 4 * n &&
-                    activation_parts.size() == 4 * n && qkv_biases.size() == n && k_caches.size() == n && v_caches.size() == n,
-                "DecodeStack: one of each tensor per layer (four linears)");
+    size_t total_parts = 0;
+    for (int64_t count : linear_parts) {
+      TORCH_CHECK(count >= 1, "DecodeStack: a linear has one part or more");
+      total_parts += count;
+    }
+    TORCH_CHECK(post_norms.size() == n && linear_parts.size() == 4 * n && linears.size() == total_parts &&
+                    linear_scales.size() == total_parts && activation_parts.size() == total_parts &&
+                    part_rows.size() == total_parts && qkv_biases.size() == n && k_caches.size() == n &&
+                    v_caches.size() == n,
+                "DecodeStack: one of each tensor per layer (four linears), per linear part");
+    size_t next = 0;
     auto linear = [&](size_t i) {
-      return Linear{linears[i], linear_scales[i].numel() ? linear_scales[i] : at::Tensor(), activation_parts[i]};
+      Linear made;
+      for (int64_t p = 0; p < linear_parts[i]; ++p, ++next)
+        made.parts.push_back({linears[next], linear_scales[next].numel() ? linear_scales[next] : at::Tensor(),
+                              activation_parts[next], part_rows[next]});
+      return made;
     };
     for (size_t i = 0; i < n; ++i) {
       TORCH_CHECK(k_caches[i].dim() == 4 && k_caches[i].sizes() == v_caches[i].sizes(),
                   "DecodeStack: caches must be [blocks, kv_heads, block_size, head_dim]");
-      layers_.push_back({input_norms[i], linear(4 * i), qkv_biases[i].numel() ? qkv_biases[i] : at::Tensor(),
+      LayerWeights layer{input_norms[i], linear(4 * i), qkv_biases[i].numel() ? qkv_biases[i] : at::Tensor(),
                          linear(4 * i + 1), post_norms[i], linear(4 * i + 2), linear(4 * i + 3), k_caches[i],
-                         v_caches[i]});
+                         v_caches[i]};
+      const int64_t hidden = input_norms[i].numel(), head_dim = llmserve::attention::cache_head_dim(k_caches[i]);
+      TORCH_CHECK(layer.qkv.out_features() == (num_heads + 2 * k_caches[i].size(1)) * head_dim &&
+                      layer.o.out_features() == hidden && layer.gate_up.out_features() == 2 * intermediate_size &&
+                      layer.down.out_features() == hidden,
+                  "DecodeStack: a linear's parts must add up to its rows");
+      layers_.push_back(std::move(layer));
     }
   }
 
@@ -139,14 +177,13 @@ class DecodeStack : public torch::CustomClassHolder {
     TORCH_CHECK(x_in.dim() == 2, "DecodeStack.run: x must be [tokens, hidden]");
     at::Tensor x = x_in;
     for (auto& layer : layers_)
-      x = decode_layer(x, cos, signed_sin, layer, slots, block_table, context_lens, num_heads_, intermediate_size_,
-                       eps_, scale_);
+      x = decode_layer(x, cos, signed_sin, layer, slots, block_table, context_lens, num_heads_, eps_, scale_);
     return x;
   }
 
  private:
   std::vector<LayerWeights> layers_;
-  int64_t num_heads_, intermediate_size_;
+  int64_t num_heads_;
   double eps_, scale_;
 };
 
@@ -156,6 +193,7 @@ TORCH_LIBRARY_FRAGMENT(llmserve, m) {
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                       std::vector<at::Tensor>, int64_t, int64_t, double, double, std::vector<int64_t>>())
+                       std::vector<at::Tensor>, int64_t, int64_t, double, double, std::vector<int64_t>,
+                       std::vector<int64_t>, std::vector<int64_t>>())
       .def("run", &DecodeStack::run);
 }

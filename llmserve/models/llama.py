@@ -15,7 +15,7 @@ from torch import nn
 from llmserve.layers.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from llmserve.layers.layernorm import RMSNorm
 from llmserve.layers.rotary_embedding import RotaryEmbedding, apply_rotary
-from llmserve.quantization.weight_only import WeightOnlyLinear
+from llmserve.quantization.weight_only import StackedLinear, WeightOnlyLinear
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,10 @@ class LlamaAttention(nn.Module):
         self.backend = methods.attention
         self.native_rotary = methods.native_elementwise
 
+    def source_rows(self, linear: str) -> list[int]:
+        """The rows each checkpoint tensor gives one of these linears, in order (q, k, v: the fused q/k/v)."""
+        return [self.q_size, self.kv_size, self.kv_size] if linear == "qkv_proj" else [self.o_proj.out_features]
+
     def project(
         self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]  # x: [T, hidden]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -88,6 +92,10 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.native = methods.native_elementwise
+
+    def source_rows(self, linear: str) -> list[int]:
+        """The rows each checkpoint tensor gives one of these linears, in order (gate, up: the fused gate/up)."""
+        return [self.intermediate_size] * 2 if linear == "gate_up_proj" else [self.down_proj.out_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -134,28 +142,30 @@ def use_native_elementwise(model: nn.Module, native: bool = True) -> None:
 def fused_decode_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
     """The decoder layers as one native call for small decode-only steps (kernels/decode_layer.cpp): at
     batch 1 the Python between a layer's ~11 kernels cost ~1 ms of a ~4.3 ms step (SmolLM2). Built from the
-    layers' native int4 or int8 weights, q/k/v biases, norms and KV caches (shared, not copied); it computes
-    as the layers do on the native kernels, bit for bit. Raises ValueError where a layer's weights are not
-    on the native kernels."""
+    layers' native int4 or int8 weights (a `StackedLinear`'s parts each), q/k/v biases, norms and KV caches (shared,
+    not copied); it computes as the layers do on the native kernels, bit for bit. Raises ValueError where a layer's
+    weights are not on the native kernels."""
     layers = list(model.layers)
     linears = [lin for layer in layers for lin in (
         layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    if not all(isinstance(lin, WeightOnlyLinear) and lin.native for lin in linears):
+    if not all(isinstance(lin, WeightOnlyLinear | StackedLinear) and lin.native for lin in linears):
         raise ValueError("the fused decode stack needs every decoder linear on the native int4 or int8 kernels")
     if any(lin.bias is not None for layer in layers for lin in (layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                                                                  layer.mlp.down_proj)):
         raise ValueError("the fused decode stack takes a bias on q/k/v only")
+    parts = [list(lin.parts) if isinstance(lin, StackedLinear) else [lin] for lin in linears]
+    flat = [part for each in parts for part in each]
     none = torch.empty(0)
     cfg = model.config
     return torch.classes.llmserve.DecodeStack(
         [layer.input_layernorm.weight for layer in layers],
         [layer.post_attention_layernorm.weight for layer in layers],
-        [lin.qweight for lin in linears],
-        [lin.scales if lin.method == "int8" else none for lin in linears],
+        [part.qweight for part in flat],
+        [part.scales if part.method == "int8" else none for part in flat],
         [none if layer.self_attn.qkv_proj.bias is None else layer.self_attn.qkv_proj.bias for layer in layers],
         [k for k, _ in kv_caches], [v for _, v in kv_caches],
         cfg.num_heads, cfg.intermediate_size, cfg.rms_norm_eps, layers[0].self_attn.scale,
-        [lin.activation_parts for lin in linears],
+        [part.activation_parts for part in flat], [len(each) for each in parts], [part.out_features for part in flat],
     )
 
 

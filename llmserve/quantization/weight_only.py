@@ -22,10 +22,14 @@ inputs, w = (q - z) * s: an AWQ checkpoint's, or `--quantization awq`'s) arrive 
 int8 is symmetric per output channel, except for a weight the file stored as Q6_K (`Checkpoint.int6_grids`: an
 int8 scale per 16 inputs, an fp16 factor per 256): that keeps the file's values, which the native int8 kernel
 reads in a 6-bit layout of its own (`pack_int6`, 6.625 bits a weight, fewer bytes than int8 and exact).
+
+A fused weight (q/k/v, gate/up) whose parts the file stored in different formats (Q4_K_M's q and k Q4_K, v Q6_K)
+becomes a `StackedLinear`: one layer per run of rows of one format, each computing as above.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -285,21 +289,75 @@ def quantize_model(model: nn.Module, method: str, native_kernels: bool = False,
     `int6_grids`: the checkpoint's, which int8 layers (and the int8 head) keep."""
     grids = {k.removeprefix("model."): v for k, v in (grids or {}).items()}
     int6_grids = {k.removeprefix("model."): v for k, v in (int6_grids or {}).items()}
+
+    def quantized(weight: torch.Tensor, bias: torch.Tensor | None, sources: list[str]) -> WeightOnlyLinear:
+        grid = _fused_grid(grids, sources)
+        layer_method = layer_method_of(method, grid)
+        return WeightOnlyLinear(weight, layer_method, native_kernels,
+                                small_step_cap(layer_method, max_quantized_tokens, activation_parts),
+                                bias, grid, activation_parts, _fused_grid(int6_grids, sources))
+
     for prefix, module in list(model.layers.named_modules(prefix="layers")):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 sources = model.checkpoint_sources(f"{prefix}.{child_name}.weight")
-                grid = _fused_grid(grids, sources)
-                layer_method = layer_method_of(method, grid)
-                setattr(module, child_name, WeightOnlyLinear(
-                    child.weight, layer_method, native_kernels, small_step_cap(layer_method, max_quantized_tokens,
-                                                                                activation_parts),
-                    child.bias, grid, activation_parts, _fused_grid(int6_grids, sources)))
+                runs = _format_runs(sources, module.source_rows(child_name),
+                                    lambda s: _source_format(method, s, grids, int6_grids))
+                if len(runs) == 1:
+                    setattr(module, child_name, quantized(child.weight, child.bias, sources))
+                else:  # rows the file stored in different formats: each run of rows in its own
+                    setattr(module, child_name, StackedLinear([
+                        quantized(child.weight[rows], None if child.bias is None else child.bias[rows], run)
+                        for run, rows in runs]))
     head_source = "embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
     model.lm_head = WeightOnlyLinear(model.lm_head.weight, head, native_kernels,
                                      small_step_cap(head, max_quantized_tokens, activation_parts),
                                      activation_parts=activation_parts, int6_grid=int6_grids.get(head_source))
     return model
+
+
+def _source_format(method: str, source: str, grids: dict, int6_grids: dict) -> tuple[str, bool]:
+    """How a checkpoint tensor is computed under `method`: its layer method, and whether with the file's own grid
+    (int4: Q4_K's super-blocks or a fitted fp16 one; int8: Q6_K's 6 bits or per row)."""
+    layer_method = layer_method_of(method, grids.get(source))
+    return layer_method, source in (grids if layer_method == "int4" else int6_grids)
+
+
+def _format_runs(sources: list[str], rows: list[int], format_of: Callable[[str], tuple[str, bool]]
+                 ) -> list[tuple[list[str], slice]]:
+    """A fused weight's sources (their row counts `rows`) grouped into runs of one format: (sources, their rows)."""
+    runs: list[tuple[list[str], slice]] = []
+    start, previous = 0, None
+    for source, count in zip(sources, rows, strict=True):
+        form = format_of(source)
+        if runs and form == previous:
+            runs[-1] = (runs[-1][0] + [source], slice(runs[-1][1].start, start + count))
+        else:
+            runs.append(([source], slice(start, start + count)))
+        start, previous = start + count, form
+    return runs
+
+
+class StackedLinear(nn.Module):
+    """A fused linear whose rows the file stored in different formats (Qwen2.5-Coder-1.5B's Q4_K_M q/k/v: q and k
+    Q4_K, v Q6_K), as one `WeightOnlyLinear` per run of rows, each in its own format: one format for the whole
+    would re-quantize all of them (8 bits a weight instead of 4.625 and 6.625, and not the file's values). The
+    output is the parts' side by side; the one-call decode stack calls the parts in turn as well."""
+
+    def __init__(self, parts: list[WeightOnlyLinear]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.out_features = sum(p.out_features for p in parts)
+        self.native = all(p.native for p in parts)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """The parts' biases side by side (each part adds its own), or None."""
+        biases = [p.bias for p in self.parts]
+        return None if biases[0] is None else torch.cat(biases)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
 def _fused_grid(grids: dict[str, tuple[torch.Tensor, torch.Tensor]], sources: list[str]

@@ -101,6 +101,21 @@ def test_int4_weights_shard_and_give_the_one_rank_tokens(tiny, prompts):
         two.shutdown()
 
 
+def test_rows_of_two_formats_shard_and_give_the_one_rank_tokens(mixed_kquant_gguf):
+    """Q4_K q/k beside a Q6_K v (tests/models/mixed_gguf.py): each rank's q/k/v rows keep both formats."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    one = LLM(mixed_kquant_gguf, quantization="int4+int8", **COMMON)
+    assert [p.out_features for p in one.engine.runner.model.layers[0].self_attn.qkv_proj.parts] == [384, 128]
+    prompts = [one.engine.processor.encode(p) for p in PROMPTS]
+    expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    one.shutdown()
+    two = LLM(mixed_kquant_gguf, tensor_parallel_size=2, quantization="int4+int8", **COMMON)
+    try:  # (the ranks' layers live in their processes: their tokens are what is checked)
+        assert_greedy_equals(two, prompts, expected)
+    finally:
+        two.shutdown()
+
+
 def test_a_dead_rank_stops_the_engine_in_bounded_time_and_leaves_no_process(tiny, prompts):
     llm = LLM(tiny, tensor_parallel_size=2, quantization="none", collective_timeout_s=20, **COMMON)
     workers = llm.engine.runner._workers

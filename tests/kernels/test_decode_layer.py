@@ -12,7 +12,7 @@ from llmserve.engine.build_plan import BuildPlan
 from llmserve.kernels import native_quantized_kernels
 from llmserve.loader.default_models import PARTED_MODELS, installed_path
 from llmserve.models.llama import fused_decode_stack
-from llmserve.quantization.weight_only import WeightOnlyLinear
+from llmserve.quantization.weight_only import StackedLinear, WeightOnlyLinear
 
 QWEN = "qwen2.5-coder-0.5b"
 pytestmark = pytest.mark.skipif(not native_quantized_kernels(),
@@ -99,6 +99,22 @@ def test_qwen_fused_decode_equals_the_layer_by_layer_native_ops(method, q8):
                                                                       logprobs=3))
 
 
+def test_rows_of_two_formats_run_inside_the_one_call(mixed_kquant_gguf):
+    """The default on a file whose q/k/v rows are Q4_K and Q6_K (tests/models/mixed_gguf.py, Qwen2.5-Coder-1.5B's
+    mix): each q/k/v a `StackedLinear` of an int4 and a 6-bit part, inside the one call: the same bits."""
+    llm = LLM(mixed_kquant_gguf, kv_cache_memory_gb=0.1, max_model_len=512, max_num_seqs=8)
+    runner = llm.engine.runner
+    assert runner.fused_stack is not None and runner.plan.weights == "int4+int8"
+    assert all(isinstance(layer.self_attn.qkv_proj, StackedLinear) for layer in runner.model.layers)
+    tokenizer = llm.engine.processor
+    prompts = [tokenizer.encode(p) for p in ("def is_prime(n):\n    \"\"\"Return whether n is prime.\"\"\"",
+                                             "The three laws of thermodynamics are, in the order they were found,",
+                                             "# Sort a list of tuples by their second item, then by their first\n")]
+    assert sum(map(len, prompts)) > runner.plan.fused_decode_max_tokens  # the prompts' step: layer by layer
+    _assert_fused_equals_layer_by_layer(llm, prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                                      logprobs=3))
+
+
 @pytest.mark.parametrize("options", [dict(quantization=None), dict(quantization="int4", kernels="torch")])
 def test_no_fused_stack_without_native_quantized_weights(options):
     llm = LLM(dtype="bfloat16", kv_cache_memory_gb=0.05, max_model_len=256, **options)
@@ -112,15 +128,23 @@ def test_the_stack_refuses_mismatched_layers():
     weights = [torch.zeros(16)]
     cache = torch.zeros(4, 3, 16, 64)
     linears = weights * 4
+
+    def stack(input_norms=weights, linears=linears, biases=weights, v_cache=cache, parts=(2,) * 4,
+              linear_parts=(1,) * 4, rows=(15 * 64, 16, 2 * 1536, 16)):
+        return torch.classes.llmserve.DecodeStack(input_norms, weights, linears, linears, biases, [cache], [v_cache],
+                                                  9, 1536, 1e-5, 0.125, list(parts), list(linear_parts), list(rows))
+
     with pytest.raises(RuntimeError, match="one of each tensor per layer"):
-        torch.classes.llmserve.DecodeStack(weights, weights, linears, linears, [], [cache], [cache],
-                                           9, 1536, 1e-5, 0.125, [2] * 4)
+        stack(biases=[])
     with pytest.raises(RuntimeError, match="one of each tensor per layer"):  # four linears a layer
-        torch.classes.llmserve.DecodeStack(weights, weights, weights, weights, weights, [cache], [cache],
-                                           9, 1536, 1e-5, 0.125, [2] * 4)
-    with pytest.raises(RuntimeError, match="one of each tensor per layer"):  # activation parts per linear
-        torch.classes.llmserve.DecodeStack(weights, weights, linears, linears, weights, [cache], [cache],
-                                           9, 1536, 1e-5, 0.125, [2])
+        stack(linears=weights)
+    with pytest.raises(RuntimeError, match="one of each tensor per layer"):  # activation parts per linear part
+        stack(parts=[2])
+    with pytest.raises(RuntimeError, match="one of each tensor per layer"):  # two parts for q/k/v: five in all
+        stack(linear_parts=(2, 1, 1, 1))
+    with pytest.raises(RuntimeError, match="one part or more"):
+        stack(linear_parts=(0, 1, 1, 1))
+    with pytest.raises(RuntimeError, match="add up to its rows"):  # q/k/v: (9 + 2 x 3 heads) x 64
+        stack(rows=(14 * 64, 16, 2 * 1536, 16))
     with pytest.raises(RuntimeError, match="caches must be"):
-        torch.classes.llmserve.DecodeStack(weights, weights, linears, linears, weights, [cache],
-                                           [torch.zeros(4, 3, 16)], 9, 1536, 1e-5, 0.125, [2] * 4)
+        stack(v_cache=torch.zeros(4, 3, 16))

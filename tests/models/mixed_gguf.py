@@ -1,0 +1,94 @@
+"""A small Qwen2 GGUF made here whose fused linears mix K-quant formats as Qwen2.5-Coder-1.5B's Q4_K_M does (q and
+k Q4_K, v Q6_K; gate and up Q4_K, down Q6_K; head Q6_K), for what CI cannot load the 1.5B for.
+
+Its hidden size is 256 (K-quants need rows of 256 inputs; the 0.5B's 896 are not). The blocks are random but valid:
+random 4- and 6-bit levels, scales and factors written in the formats' own bit layouts (ggml's
+`dequantize_row_q4_K` / `dequantize_row_q6_K` read them back; gguf-py cannot write K-quants). The vocabulary and
+tokenizer are the 0.5B's, copied from its file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
+HEAD_DIM = HIDDEN // HEADS
+SUPER = 256  # inputs per K-quant block
+
+
+def q4_k_rows(rows: int, cols: int, rng: np.random.Generator, d: float) -> np.ndarray:
+    """[rows, cols / 256 * 144] bytes: per block fp16 d and dmin, 8 (sc, m) of 6 bits in 12 bytes, 128 bytes of
+    nibbles (w = d * sc * q - dmin * m per 32 inputs, the low nibbles the first 32 of each 64, the high ones the
+    next 32); weights of about 190 x `d` at most."""
+    blocks = rows * cols // SUPER
+    dmin = np.full(blocks, 8 * d, np.float16)
+    d = np.full(blocks, d, np.float16)
+    sc = rng.integers(16, 64, (blocks, 8))
+    m = np.round(sc * 7.5 / 8).astype(np.int64)  # about half the group's range: centred weights
+    sc[:, 0] = m[:, 0] = 63  # as llama.cpp writes them: each block's largest 63
+    packed = np.zeros((blocks, 12), np.uint8)
+    packed[:, 0:4] = sc[:, :4] | (sc[:, 4:] >> 4) << 6
+    packed[:, 4:8] = m[:, :4] | (m[:, 4:] >> 4) << 6
+    packed[:, 8:12] = (sc[:, 4:] & 15) | (m[:, 4:] & 15) << 4
+    qs = rng.integers(0, 256, (blocks, 128), dtype=np.uint8)
+    return np.concatenate([d.view(np.uint8).reshape(blocks, 2), dmin.view(np.uint8).reshape(blocks, 2), packed, qs],
+                          axis=1).reshape(rows, -1)
+
+
+def q6_k_rows(rows: int, cols: int, rng: np.random.Generator, d: float) -> np.ndarray:
+    """[rows, cols / 256 * 210] bytes: 128 bytes of low nibbles, 64 of top bit pairs, 16 int8 sc, fp16 d
+    (w = d * sc * (q - 32) per 16 inputs; any bytes are valid levels): weights of about 1300 x `d` at most."""
+    blocks = rows * cols // SUPER
+    bits = rng.integers(0, 256, (blocks, 192), dtype=np.uint8)
+    sc = rng.integers(8, 41, (blocks, 16)).astype(np.int8) * rng.choice(np.array([-1, 1], np.int8), (blocks, 16))
+    d = np.full(blocks, d, np.float16)
+    return np.concatenate([bits, sc.view(np.uint8), d.view(np.uint8).reshape(blocks, 2)], axis=1).reshape(rows, -1)
+
+
+def write_mixed_gguf(path: Path, vocabulary_from: str, seed: int = 0) -> Path:
+    """The model at `path`, its tokenizer fields copied from the GGUF `vocabulary_from` (a Qwen2 one)."""
+    rng = np.random.default_rng(seed)
+    source = GGUFReader(vocabulary_from)
+    vocab = next(t for t in source.tensors if t.name == "token_embd.weight").shape[1]
+    writer = GGUFWriter(str(path), "qwen2")
+    writer.add_name("mixed K-quant test model")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(1024)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(INTERMEDIATE)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_freq_base(1e6)
+    writer.add_layer_norm_rms_eps(1e-6)
+    for key, field in source.fields.items():
+        if key.startswith("tokenizer."):
+            array = field.types[0] == GGUFValueType.ARRAY
+            writer.add_key_value(key, field.contents(), field.types[0], field.types[-1] if array else None)
+    q4, q6 = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
+    # the embedding and head spread (clear greedy choices), the layers' weights small (a random network's
+    # attention and residual stream stay calm: no near tie turns on float rounding)
+    tensors = {"token_embd.weight": (q4, vocab, HIDDEN, 1e-3), "output.weight": (q6, vocab, HIDDEN, 5e-4)}
+    for i in range(LAYERS):
+        tensors |= {f"blk.{i}.attn_q.weight": (q4, HIDDEN, HIDDEN, 1e-4),
+                    f"blk.{i}.attn_k.weight": (q4, KV_HEADS * HEAD_DIM, HIDDEN, 1e-4),
+                    f"blk.{i}.attn_v.weight": (q6, KV_HEADS * HEAD_DIM, HIDDEN, 5e-5),
+                    f"blk.{i}.attn_output.weight": (q4, HIDDEN, HIDDEN, 1e-4),
+                    f"blk.{i}.ffn_gate.weight": (q4, INTERMEDIATE, HIDDEN, 1e-4),
+                    f"blk.{i}.ffn_up.weight": (q4, INTERMEDIATE, HIDDEN, 1e-4),
+                    f"blk.{i}.ffn_down.weight": (q6, HIDDEN, INTERMEDIATE, 5e-5)}
+    for name, (kind, rows, cols, d) in tensors.items():
+        data = (q4_k_rows if kind == q4 else q6_k_rows)(rows, cols, rng, d)
+        writer.add_tensor(name, data, raw_dtype=kind)
+    for i in range(LAYERS):
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+        for part, rows in (("q", HIDDEN), ("k", KV_HEADS * HEAD_DIM), ("v", KV_HEADS * HEAD_DIM)):
+            writer.add_tensor(f"blk.{i}.attn_{part}.bias", (0.5 * rng.standard_normal(rows)).astype(np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
