@@ -52,6 +52,11 @@ def main() -> None:
     for name, kwargs in configs:
         print(f"loading {name}: {kwargs} ...", flush=True)
         engines[name] = LLM(kv_cache_memory_gb=1.0, max_num_seqs=64, **kwargs).engine
+    time_engines(engines, [int(b) for b in args.batches.split(",")], args.steps, args.repeats)
+
+
+def time_engines(engines: dict, batches: list[int], steps: int, repeats: int) -> None:
+    """The table: per batch size, each engine's median ms a decode step, stretches alternated between them."""
     tok = next(iter(engines.values())).tokenizer
     prefix = tok.encode("You are a helpful assistant. " * 40)[:200]
     params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
@@ -59,7 +64,7 @@ def main() -> None:
     print("| batch | " + " | ".join(f"{n} ms/step" for n in names) + " | "
           + " | ".join(f"{names[0]} / {n}" for n in names[1:]) + " |")
     print("|---:|" + "---:|" * (2 * len(names) - 1))
-    for batch in (int(b) for b in args.batches.split(",")):
+    for batch in batches:
         ids = [f"b{batch}-{i}" for i in range(batch)]
         for engine in engines.values():
             for i, rid in enumerate(ids):
@@ -69,12 +74,12 @@ def main() -> None:
                 engine.step()
             engine.step()
         times: dict[str, list[float]] = {n: [] for n in names}
-        for _ in range(args.repeats):
+        for _ in range(repeats):
             for name, engine in engines.items():
                 start = time.perf_counter()
-                for _ in range(args.steps):
+                for _ in range(steps):
                     engine.step()
-                times[name].append((time.perf_counter() - start) / args.steps * 1e3)
+                times[name].append((time.perf_counter() - start) / steps * 1e3)
         for engine in engines.values():
             for rid in ids:
                 engine.abort_request(rid)
