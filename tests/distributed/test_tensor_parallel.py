@@ -102,7 +102,8 @@ def test_int4_weights_shard_and_give_the_one_rank_tokens(tiny, prompts):
 
 
 def test_rows_of_two_formats_shard_and_give_the_one_rank_tokens(mixed_kquant_gguf):
-    """Q4_K q/k beside a Q6_K v (tests/models/mixed_gguf.py): each rank's q/k/v rows keep both formats."""
+    """Q4_K q/k beside a Q6_K v (tests/models/mixed_gguf.py): two ranks, each with its share of both parts' rows
+    and grids, give the one-rank tokens."""
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     one = LLM(mixed_kquant_gguf, quantization="int4+int8", **COMMON)
     assert [p.out_features for p in one.engine.runner.model.layers[0].self_attn.qkv_proj.parts] == [384, 128]
