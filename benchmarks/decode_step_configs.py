@@ -51,7 +51,8 @@ def main() -> None:
     engines = {}
     for name, kwargs in configs:
         print(f"loading {name}: {kwargs} ...", flush=True)
-        engines[name] = LLM(kv_cache_memory_gb=1.0, max_num_seqs=64, **kwargs).engine
+        # a step of one token per request: no proposals (unless a configuration asks for them)
+        engines[name] = LLM(kv_cache_memory_gb=1.0, max_num_seqs=64, **{"speculative_config": "off", **kwargs}).engine
     time_engines(engines, [int(b) for b in args.batches.split(",")], args.steps, args.repeats)
 
 

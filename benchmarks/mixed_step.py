@@ -31,7 +31,8 @@ def main() -> None:
     ap.add_argument("--decodes", type=int, default=31, help="requests decoding beside it (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=5, help="timed stretches per setting (default: %(default)s)")
     args = ap.parse_args()
-    engine = LLM(kv_cache_memory_gb=1.0, max_num_seqs=64, quantization="int4", int8_activations=True).engine
+    engine = LLM(kv_cache_memory_gb=1.0, max_num_seqs=64, quantization="int4", int8_activations=True,
+                 speculative_config="off").engine
     tok = engine.tokenizer
     prefix = tok.encode("You are a helpful assistant. " * 40)[:205]
     params = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)

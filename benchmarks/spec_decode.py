@@ -11,7 +11,8 @@ workloads against each, one after the other on this machine's cores, one table o
         --no-ngram --variant 'draft={"method": "draft_model", "model": "qwen2.5-coder-0.5b"}' \
         --llama-cpp --llama-cpp-draft qwen2.5-coder-0.5b
 
-Variants: "off" (no flag: the default server) and "on" ({"method": "ngram"}: the adaptive speculator; left
+Variants: "off" (`--speculative-config off`; the default server speculates at low load since session 39) and
+"on" ({"method": "ngram"}: the adaptive speculator at every load; left
 out by --no-ngram), plus any --variant NAME=JSON. With --llama-cpp, llama.cpp's own `llama-server` (peerbench's
 build under $PEERS, one slot per concurrent request) on the same GGUF file joins as "llama.cpp", and with
 --llama-cpp-draft MODEL as "llama.cpp-draft" (`--model-draft --spec-type draft-simple`, its default draft
@@ -151,7 +152,7 @@ def main() -> int:
     ap.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
     args = ap.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    variants = [Variant("off")] + ([] if args.no_ngram else [Variant("on", json.dumps({"method": "ngram"}))])
+    variants = [Variant("off", "off")] + ([] if args.no_ngram else [Variant("on", json.dumps({"method": "ngram"}))])
     variants += [Variant(*v.split("=", 1)) for v in args.variant]
     if args.llama_cpp:
         variants.append(Variant("llama.cpp", llama_cpp=True))

@@ -52,7 +52,7 @@ def main() -> int:
     args = ap.parse_args()
     workload = make_workload(WorkloadConfig(name=args.workload, output_len=args.output_len), approximate_counter())
     requests = [workload.request(f"s{i}", 0) for i in range(args.concurrency)]
-    engines = {"off": LLM(args.model, max_num_seqs=args.concurrency),
+    engines = {"off": LLM(args.model, max_num_seqs=args.concurrency, speculative_config="off"),
                "on": LLM(args.model, max_num_seqs=args.concurrency, speculative_config=args.speculative_config)}
     prompts = [engines["off"].engine.apply_chat_template(r.messages) for r in requests]
     params = SamplingParams(temperature=0, max_tokens=args.output_len)

@@ -185,6 +185,9 @@ class SpeculativeConfig:
     # True: per step, only the proposal tokens the measured step cost and each request's acceptance rate say
     # pay; False: every proposal the proposer finds, num_speculative_tokens long (vLLM's behaviour)
     adaptive: bool = True
+    # the engine's own choice (`"auto"`, the default), not the user's: a seeded request that samples never gets
+    # proposals (its text must not depend on which steps speculated; greedy text does not)
+    automatic: bool = False
 
     def __post_init__(self) -> None:
         self._check_method(self.method)
@@ -214,14 +217,16 @@ class SpeculativeConfig:
                              f"{list(SPECULATIVE_METHODS)}")
 
     @classmethod
-    def parse(cls, value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+    def parse(cls, value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | str | None:
         """From the option's forms: a dict (LLM(speculative_config={...})), JSON (--speculative-config), an
-        instance, or None / "none" / "off" (no speculation)."""
+        instance, None / "none" / "off" (no speculation), or "auto" (returned as is: the build plan decides)."""
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, str):
             if value.strip().lower() in ("none", "off", ""):
                 return None
+            if value.strip().lower() == "auto":
+                return "auto"
             if value.strip() in SPECULATIVE_METHODS:  # a method alone: its defaults
                 value = json.dumps({"method": value.strip()})
             try:
@@ -244,14 +249,17 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    speculative: SpeculativeConfig | None = None
+    # "auto": the build plan decides (engine_config's default); None: none
+    speculative: SpeculativeConfig | str | None = None
 
 
 _SECTIONS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
 _TYPES = {"int": int, "float": float, "str": str}
 
 
-SPECULATIVE_HELP = ("speculative decoding, as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+SPECULATIVE_HELP = ("speculative decoding: auto (the default: n-gram prompt lookup where the one-call decode stack "
+                    "runs, while few requests run), off, or as JSON: {\"method\": \"ngram\", "
+                    "\"num_speculative_tokens\": 4, "
                     "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2, \"disable_by_batch_size\": null, "
                     "\"adaptive\": true}, or {\"method\": \"draft_model\", \"model\": \"qwen2.5-coder-0.5b\", "
                     "\"num_speculative_tokens\": 4} "
@@ -260,7 +268,8 @@ SPECULATIVE_HELP = ("speculative decoding, as JSON: {\"method\": \"ngram\", \"nu
 
 def engine_options() -> dict[str, Any]:
     """Every engine option by name, with its default: what `LLM(...)` and `engine_config` accept."""
-    return {**{f.name: f.default for cls in _SECTIONS.values() for f in fields(cls)}, "speculative_config": None}
+    return {**{f.name: f.default for cls in _SECTIONS.values() for f in fields(cls)},
+            "speculative_config": "auto"}
 
 
 def engine_config(**options: Any) -> EngineConfig:
@@ -272,7 +281,7 @@ def engine_config(**options: Any) -> EngineConfig:
         raise TypeError(f"unknown engine option(s) {unknown}; the options are {sorted(known)}")
     parts = {section: cls(**{f.name: options[f.name] for f in fields(cls) if f.name in options})
              for section, cls in _SECTIONS.items()}
-    return EngineConfig(**parts, speculative=SpeculativeConfig.parse(options.get("speculative_config")))
+    return EngineConfig(**parts, speculative=SpeculativeConfig.parse(options.get("speculative_config", "auto")))
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
@@ -306,7 +315,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGro
                                 choices=f.metadata.get("choices"), help=help_text)
     if "speculative_config" not in skip:
         parser.add_argument("--speculative-config", dest="speculative_config", metavar="JSON",
-                            default=defaults.get("speculative_config"), help=SPECULATIVE_HELP)
+                            default=defaults.get("speculative_config", "auto"), help=SPECULATIVE_HELP)
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:

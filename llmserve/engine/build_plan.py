@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
-from llmserve.config import EngineConfig
+from llmserve.config import EngineConfig, SpeculativeConfig
 from llmserve.distributed.tensor_parallel import check_shardable
 from llmserve.host import cpu_has_native_bf16, cpu_has_vnni
 from llmserve.kernels import amx_int8_gemm, load_cpu_kernels, native_quantized_kernels
@@ -31,6 +31,15 @@ from llmserve.models.llama import LlamaConfig
 from llmserve.quantization.weight_only import AMX_MIN_TOKENS, Q8_MAX_TOKENS, QUANTIZED_MAX_TOKENS, small_step_cap
 
 logger = logging.getLogger(__name__)
+
+# Speculation by default ("auto"): n-gram prompt lookup while fewer than this many requests run. Where the one
+# native call runs the decoder, a step streams the weights once whatever its handful of tokens, so a kept
+# proposal is a token for little more than the step's own cost. Served on Zen 5, the peer comparison's workload
+# (benchmarks/README.md, session 39), speculating at every load against none: SmolLM2 c=1 1.55-1.63x, c=8
+# 0.88-0.99x, c=32 0.96-1.04x, so not under load (where a step is compute-bound on other hosts too: Zen 4 chat
+# c=32 0.90x, session 24); this default against none, three rounds: SmolLM2 c=1 1.31-1.49x, c=2 1.24-1.38x, c=4
+# and c=8 1.00x; Qwen2.5-Coder-1.5B c=1 0.97-1.05x, c=2 1.05-1.06x.
+AUTO_SPECULATION_BELOW = 4
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,7 @@ class BuildPlan:
     head: str = "int8"  # a quantized model's output head: "int8" (it ranks every token), "int4" for a draft
     activation_parts: int = 2  # the native int4 and int8 kernels' inputs: 2 int8 parts (~16 bits) or 1 (Q8_0)
     tensor_parallel_size: int = 1  # ranks the model is split over (distributed/)
+    speculative: SpeculativeConfig | None = None  # speculative decoding, as asked or as "auto" resolved it
     reasons: dict[str, str] = field(default_factory=dict, compare=False)  # why, per choice
 
     def step_route(self, decode_only: bool, num_tokens: int, has_graph: bool) -> str:
@@ -77,6 +87,7 @@ class BuildPlan:
             ("argmax", self.argmax),
             *([("tensor parallel", f"{self.tensor_parallel_size} ranks")] if self.tensor_parallel_size > 1 else []),
             ("decode steps", self._routes()),
+            *([("speculation", self._speculation())] if self.speculative or "speculation" in self.reasons else []),
             ("KV cache", f"{self.num_kv_blocks} blocks x {self.kv_cache.block_size} tokens "
              f"({self.num_kv_blocks * self.kv_cache.block_size} tokens, "
              f"{self.num_kv_blocks * self.kv_cache.bytes_per_block / 2**30:.2f} GiB, "
@@ -86,6 +97,15 @@ class BuildPlan:
         lines = [f"  {name:<{width}}  {value}" + (f"  ({self.reasons[name]})" if name in self.reasons else "")
                  for name, value in rows]
         return "build plan:\n" + "\n".join(lines)
+
+    def _speculation(self) -> str:
+        spec = self.speculative
+        if spec is None:
+            return "off"
+        what = ("n-gram prompt lookup" if spec.method == "ngram" else f"draft model {spec.model}") + \
+            f", up to {spec.num_speculative_tokens} tokens" + (", where they pay" if spec.adaptive else "")
+        return what + (f", while fewer than {spec.disable_by_batch_size} requests run"
+                       if spec.disable_by_batch_size else "")
 
     def _routes(self) -> str:
         parts = []
@@ -207,6 +227,8 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
     if fused:
         reasons["decode steps"] = "native quantized products, attention and elementwise ops: one call for all layers"
 
+    speculative = _speculation(config.speculative, fused, reasons)
+
     max_model_len = min(mc.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
     backend = ATTENTION_BACKENDS[attention]()
     spec = backend.kv_cache_spec(model.num_layers, model.num_kv_heads, model.head_dim, config.cache.block_size, dtype,
@@ -222,8 +244,24 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
         int8_activations=int8_activations, int8_products=products, attention=attention,
         elementwise=elementwise, argmax=argmax, compile=compile_mode,
         fused_decode_max_tokens=fused_max, kv_cache=spec, num_kv_blocks=num_blocks,
-        max_model_len=max_model_len, head=head, tensor_parallel_size=tp, activation_parts=parts, reasons=reasons,
+        max_model_len=max_model_len, head=head, tensor_parallel_size=tp, activation_parts=parts,
+        speculative=speculative, reasons=reasons,
     )
+
+
+def _speculation(asked: SpeculativeConfig | str | None, fused: bool,
+                 reasons: dict[str, str]) -> SpeculativeConfig | None:
+    """Speculative decoding as asked, or, for "auto", n-gram prompt lookup at low load where the one native call
+    runs the decoder (see AUTO_SPECULATION_BELOW), else none."""
+    if asked != "auto":
+        return asked
+    if not fused:
+        reasons["speculation"] = ("auto: off, steps run layer by layer or compiled, where each proposal token "
+                                  "costs more (--speculative-config to ask for it)")
+        return None
+    reasons["speculation"] = ("auto: a step of a few tokens streams the weights once, like a step of one; seeded "
+                              "requests that sample never speculate; --speculative-config off to disable")
+    return SpeculativeConfig(method="ngram", disable_by_batch_size=AUTO_SPECULATION_BELOW, automatic=True)
 
 
 def _check_tensor_parallel(config: EngineConfig, model: LlamaConfig, weights: str, reasons: dict[str, str]) -> None:

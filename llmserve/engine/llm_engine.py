@@ -75,7 +75,7 @@ class LLMEngine:
         self.tokenizer = ckpt.tokenizer
         self.eos_token_ids = ckpt.eos_token_ids or [ckpt.tokenizer.eos_token_id]
         self.plan = resolve_plan(config, ckpt.config, ckpt.source_formats)
-        spec = config.speculative
+        spec = self.plan.speculative
         draft_kv_bytes = 0
         if spec is not None and spec.method == "draft_model":  # the draft's cache comes out of the same budget
             draft_blocks = int(self.plan.num_kv_blocks * spec.draft_kv_cache_fraction)
@@ -297,7 +297,7 @@ class LLMEngine:
     def _speculator(self, draft_kv_bytes: int) -> Speculator:
         """The speculator, with its draft engine for draft_model (refused here if the draft's vocabulary
         is not the target's: its token ids would mean other tokens)."""
-        spec = self.config.speculative
+        spec = self.plan.speculative
         if spec.method != "draft_model":
             return Speculator(spec)
         draft_tokenizer = load_tokenizer(spec.model)  # before its weights: a refusal should not wait for them

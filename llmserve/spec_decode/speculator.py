@@ -114,7 +114,8 @@ class Speculator:
 
     def propose(self, running: list[Request]) -> dict[str, list[int]]:
         """Proposal tokens for the decoding requests worth it this step (most get none under load)."""
-        decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1]
+        decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1
+                    and not (self.config.automatic and r.params.seed is not None and not r.params.greedy)]
         limit = self.config.disable_by_batch_size
         if not decoding or (limit is not None and len(running) >= limit):
             return {}

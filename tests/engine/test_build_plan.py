@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from llmserve.config import engine_config
+from llmserve.config import SpeculativeConfig, engine_config
 from llmserve.engine import build_plan
-from llmserve.engine.build_plan import resolve_plan
+from llmserve.engine.build_plan import AUTO_SPECULATION_BELOW, resolve_plan
 from llmserve.host import cpu_has_vnni
 from llmserve.models.llama import LlamaConfig
 
@@ -133,3 +133,20 @@ def test_q8_inputs_by_default_for_a_k_quant_mix():
         _plan(_formats("Q4_1"), quantization="none", q8_activations=True)
     with pytest.raises(ValueError, match="q8_activations"):
         _plan(_formats("Q4_1"), quantization="int8", q8_activations=True)
+
+
+def test_speculation_by_default_where_one_call_runs_the_decoder():
+    """auto: n-gram prompt lookup at low load where decode steps are one native call (a step of a few tokens
+    streams the weights once); off where steps run layer by layer; "off" and a config asked for win."""
+    plan = _plan(_formats("Q4_1"))
+    if plan.fused_decode_max_tokens:
+        assert plan.speculative == SpeculativeConfig(disable_by_batch_size=AUTO_SPECULATION_BELOW, automatic=True)
+        assert "n-gram prompt lookup" in plan.describe() and "auto" in plan.reasons["speculation"]
+    else:
+        assert plan.speculative is None and "auto: off" in plan.reasons["speculation"]
+    dense = _plan(_formats("F16"))
+    assert dense.speculative is None and "auto: off" in dense.reasons["speculation"]
+    assert "speculation" in dense.describe()  # says why not
+    off = _plan(_formats("Q4_1"), speculative_config="off")
+    assert off.speculative is None and "speculation" not in off.describe()
+    assert _plan(_formats("F16"), speculative_config="ngram").speculative == SpeculativeConfig()

@@ -9,6 +9,7 @@ import pytest
 
 from llmserve.config import SpeculativeConfig, engine_config
 from llmserve.engine.step import ModelRunnerOutput, SchedulerOutput
+from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.speculator import Speculator, StepCost
 from tests.engine.test_scheduler import make_request
 
@@ -166,4 +167,19 @@ def test_the_config_forms_agree():
     as_json = engine_config(speculative_config='{"method": "ngram", "num_speculative_tokens": 5}').speculative
     assert as_dict == as_json == SpeculativeConfig(num_speculative_tokens=5)
     assert engine_config(speculative_config="ngram").speculative == SpeculativeConfig()  # a method alone
-    assert engine_config().speculative is None and engine_config(speculative_config="off").speculative is None
+    assert engine_config(speculative_config="off").speculative is None
+    assert engine_config(speculative_config=None).speculative is None
+    assert engine_config().speculative == engine_config(speculative_config="auto").speculative == "auto"  # the plan's
+
+
+def test_the_engines_own_choice_leaves_seeded_sampling_alone():
+    """Under "auto" a seeded request that samples never gets proposals (its text must not depend on which steps
+    speculated); greedy ones, seeded or not, and unseeded sampled ones do. Asked for by the user, every one may."""
+    requests = [decoding(rid) for rid in "abcd"]
+    for req, params in zip(requests, [SamplingParams(temperature=0, max_tokens=50),
+                                      SamplingParams(temperature=0.8, seed=3, max_tokens=50),
+                                      SamplingParams(temperature=0.8, max_tokens=50),
+                                      SamplingParams(temperature=0, seed=3, max_tokens=50)], strict=True):
+        req.params = params
+    assert set(Speculator(SpeculativeConfig(adaptive=False, automatic=True)).propose(requests)) == {"a", "c", "d"}
+    assert set(Speculator(SpeculativeConfig(adaptive=False)).propose(requests)) == {"a", "b", "c", "d"}
