@@ -281,7 +281,8 @@ def engine_config(**options: Any) -> EngineConfig:
         raise TypeError(f"unknown engine option(s) {unknown}; the options are {sorted(known)}")
     parts = {section: cls(**{f.name: options[f.name] for f in fields(cls) if f.name in options})
              for section, cls in _SECTIONS.items()}
-    return EngineConfig(**parts, speculative=SpeculativeConfig.parse(options.get("speculative_config", "auto")))
+    return EngineConfig(**parts, speculative=SpeculativeConfig.parse(
+        options.get("speculative_config", known["speculative_config"])))
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup,

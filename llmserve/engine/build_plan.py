@@ -87,7 +87,7 @@ class BuildPlan:
             ("argmax", self.argmax),
             *([("tensor parallel", f"{self.tensor_parallel_size} ranks")] if self.tensor_parallel_size > 1 else []),
             ("decode steps", self._routes()),
-            *([("speculation", self._speculation())] if self.speculative or "speculation" in self.reasons else []),
+            *([("speculation", self._speculation_row())] if self.speculative or "speculation" in self.reasons else []),
             ("KV cache", f"{self.num_kv_blocks} blocks x {self.kv_cache.block_size} tokens "
              f"({self.num_kv_blocks * self.kv_cache.block_size} tokens, "
              f"{self.num_kv_blocks * self.kv_cache.bytes_per_block / 2**30:.2f} GiB, "
@@ -98,7 +98,7 @@ class BuildPlan:
                  for name, value in rows]
         return "build plan:\n" + "\n".join(lines)
 
-    def _speculation(self) -> str:
+    def _speculation_row(self) -> str:
         spec = self.speculative
         if spec is None:
             return "off"
