@@ -41,8 +41,9 @@ class ModelConfig:
     max_model_len: int | None = _option(None, "longest prompt + output in tokens (default: the model's context "
                                         "length)")
     seed: int = _option(0, "engine random seed (requests without a seed of their own draw from it)")
-    device: str = _option("cpu", "torch device; only the CPU is tested (the native kernels and quantization "
-                          "are CPU-only)", cli=False)
+    device: str = _option("auto", "torch device: auto (a CUDA GPU where there is one and nothing asked for is "
+                          "CPU-only), cpu, or cuda (PyTorch kernels, weights as loaded, decode steps as CUDA graphs; "
+                          "the native kernels and quantization are CPU-only)")
     quantization: str | None = _option("auto", "weight-only quantization of the linear layers (int4: groups of 32 "
                                        "on GGUF Q4_1's grid, a 4-bit file's own grid where it has one; output head "
                                        "int8; int4+int8: int4 where the file is 4-bit, int8 where it holds more "
@@ -68,6 +69,8 @@ class ModelConfig:
                                           "SmolLM2)")
     compile: bool = _option(False, "torch.compile each decode-only step as one graph (native attention) or each "
                             "decoder layer (PyTorch attention): faster steps for ~1-2 min more start-up")
+    enforce_eager: bool = _option(False, "on CUDA: run decode steps layer by layer instead of replaying captured "
+                                  "CUDA graphs (to debug or compare)")
     kernels: str = _option("auto", "llmserve's native CPU kernels (paged decode attention, quantized products, "
                            "fused norm/rotary/SwiGLU, argmax): auto = where they build and pay (the fused "
                            "elementwise ops in bfloat16 only), native = always (an error where they cannot run), "
@@ -79,14 +82,14 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {list(KERNEL_CHOICES)}, got {self.kernels!r}")
-        if self.kernels == "native" and not self.device.startswith("cpu"):
+        if self.kernels == "native" and not self.device.startswith(("cpu", "auto")):
             raise ValueError(f"the native kernels are CPU-only, not {self.device!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {list(DTYPES)}, got {self.dtype!r}")
         if self.quantization not in (None, "auto", "none", *QUANTIZATION_METHODS):
             raise ValueError(f"quantization must be one of {['auto', 'none', *QUANTIZATION_METHODS]} or None, got "
                              f"{self.quantization!r}")
-        if self.quantization in QUANTIZATION_METHODS and not self.device.startswith("cpu"):
+        if self.quantization in QUANTIZATION_METHODS and not self.device.startswith(("cpu", "auto")):
             raise ValueError(f"quantization {self.quantization!r} has CPU kernels only, not {self.device!r}")
         if self.int8_activations and self.quantization in (None, "none"):
             raise ValueError("int8_activations needs quantization ('int8' or 'int4'): it is their large-step path")
@@ -101,7 +104,8 @@ class CacheConfig:
     block_size: int = _option(16, "tokens per KV cache block")
     kv_cache_memory_gb: float | None = _option(None, "KV cache size in GiB (default: --kv-cache-memory-fraction of "
                                                "the memory free at start)")
-    kv_cache_memory_fraction: float = _option(0.1, "KV cache size as a fraction of the memory available at start")
+    kv_cache_memory_fraction: float = _option(0.1, "KV cache size as a fraction of the memory available at start "
+                                              "(on CUDA, the GPU's free memory)")
     enable_prefix_caching: bool = _option(True, "reuse the KV blocks of shared prompt prefixes across requests")
     kv_cache_dtype: str = _option("auto", "KV cache format: auto (the model dtype), int8 or fp8_e4m3 (1 byte a "
                                   "value and a scale per token and KV head: about twice the tokens in the same "

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
-from llmserve.config import EngineConfig, SpeculativeConfig
+from llmserve.config import QUANTIZATION_METHODS, EngineConfig, SpeculativeConfig
 from llmserve.distributed.tensor_parallel import check_shardable
+from llmserve.engine.cuda_graphs import MAX_GRAPH_BATCH
 from llmserve.host import cpu_has_native_bf16, cpu_has_vnni
 from llmserve.kernels import amx_int8_gemm, load_cpu_kernels, native_quantized_kernels
 from llmserve.kernels.quantized_gemv import int4_packs
@@ -64,19 +65,23 @@ class BuildPlan:
     activation_parts: int = 2  # the native int4 and int8 kernels' inputs: 2 int8 parts (~16 bits) or 1 (Q8_0)
     tensor_parallel_size: int = 1  # ranks the model is split over (distributed/)
     speculative: SpeculativeConfig | None = None  # speculative decoding, as asked or as "auto" resolved it
+    cuda_graph_max_tokens: int = 0  # decode-only steps up to this many tokens replay CUDA graphs (0: never)
     reasons: dict[str, str] = field(default_factory=dict, compare=False)  # why, per choice
 
     def step_route(self, decode_only: bool, num_tokens: int, has_graph: bool) -> str:
-        """How a step runs: "fused" (the decoder as one native call), "graph" (the compiled decode graph) or
-        "eager" (layer by layer). The one place this is decided."""
+        """How a step runs: "fused" (the decoder as one native call), "cuda graph" (a captured CUDA graph),
+        "graph" (the compiled decode graph) or "eager" (layer by layer). The one place this is decided."""
         if decode_only and num_tokens <= self.fused_decode_max_tokens:
             return "fused"
+        if decode_only and num_tokens <= self.cuda_graph_max_tokens:
+            return "cuda graph"
         if decode_only and has_graph:
             return "graph"
         return "eager"
 
     def describe(self) -> str:
         rows = [
+            ("device", self.device),
             ("dtype", str(self.dtype).removeprefix("torch.")),
             ("weights", self.weights + (f", output head {self.head}" if self.head != "int8" else "")),
             ("small steps", f"{self.small_step_kernels} kernels, <= {self.small_step_max_tokens} tokens"
@@ -111,6 +116,8 @@ class BuildPlan:
         parts = []
         if self.fused_decode_max_tokens:
             parts.append(f"one native call up to {self.fused_decode_max_tokens} tokens")
+        if self.cuda_graph_max_tokens:
+            parts.append(f"CUDA graphs up to {self.cuda_graph_max_tokens} tokens")
         if self.compile == "graph":
             parts.append("a compiled graph" + (" above" if parts else ""))
         elif self.compile == "layers":
@@ -125,8 +132,9 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
     kernels asked for by name that cannot run here) before anything is built."""
     mc = config.model
     reasons: dict[str, str] = {}
-    on_cpu = mc.device.startswith("cpu")
-    dtype = _dtype(mc.dtype, mc.device, reasons)
+    device = _device(config, reasons)
+    on_cpu = device.startswith("cpu")
+    dtype = _dtype(mc.dtype, device, reasons)
     # native kernels: CPU only; "torch" never; "native" wherever asked (an error where they cannot run)
     wanted = on_cpu and mc.kernels != "torch"
     built = wanted and load_cpu_kernels()
@@ -228,24 +236,32 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
         reasons["decode steps"] = "native quantized products, attention and elementwise ops: one call for all layers"
 
     speculative = _speculation(config.speculative, fused, reasons)
+    cuda_graphs = 0
+    if device.startswith("cuda") and mc.enforce_eager:
+        reasons["decode steps"] = "enforce_eager"
+    elif device.startswith("cuda") and tp == 1 and compile_mode == "off":
+        cuda_graphs = min(MAX_GRAPH_BATCH, config.scheduler.max_num_seqs * (
+            1 + (speculative.num_speculative_tokens if speculative else 0)))
+        reasons["decode steps"] = ("CUDA: each batch and context size class captured at its first step, then "
+                                   "replayed (one launch instead of ~60 a layer)")
 
     max_model_len = min(mc.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
     backend = ATTENTION_BACKENDS[attention]()
     spec = backend.kv_cache_spec(model.num_layers, model.num_kv_heads, model.head_dim, config.cache.block_size, dtype,
                                  config.cache.kv_cache_dtype)
-    num_blocks = _num_kv_blocks(config, spec, max_model_len, reasons)
+    num_blocks = _num_kv_blocks(config, spec, max_model_len, device, reasons)
     if spec.dtype != dtype:  # quantized: say what it buys against the model dtype's cache
         full = backend.kv_cache_spec(model.num_layers, model.num_kv_heads, model.head_dim, config.cache.block_size,
                                      dtype)
         reasons["KV cache"] += (f"; {config.cache.kv_cache_dtype}: {full.bytes_per_block / spec.bytes_per_block:.2f}x "
                                 f"the tokens of a {str(dtype).removeprefix('torch.')} cache")
     return BuildPlan(
-        device=mc.device, dtype=dtype, weights=weights, small_step_kernels=small, small_step_max_tokens=small_max,
+        device=device, dtype=dtype, weights=weights, small_step_kernels=small, small_step_max_tokens=small_max,
         int8_activations=int8_activations, int8_products=products, attention=attention,
         elementwise=elementwise, argmax=argmax, compile=compile_mode,
         fused_decode_max_tokens=fused_max, kv_cache=spec, num_kv_blocks=num_blocks,
         max_model_len=max_model_len, head=head, tensor_parallel_size=tp, activation_parts=parts,
-        speculative=speculative, reasons=reasons,
+        speculative=speculative, cuda_graph_max_tokens=cuda_graphs, reasons=reasons,
     )
 
 
@@ -332,6 +348,30 @@ def _weights(choice: str | None, formats: dict[str, str] | None, on_cpu: bool, r
     return "as loaded"
 
 
+def _device(config: EngineConfig, reasons: dict[str, str]) -> str:
+    """auto: a CUDA GPU (one a rank) unless something asked for runs on the CPU only. On an H200, decode steps
+    replayed as CUDA graphs served SmolLM2 at 373 tok/s one request at a time and 5,199 at 32 (this project's
+    2-core CPU: ~300 and ~750; benchmarks/README.md, session 40)."""
+    mc = config.model
+    if mc.device != "auto":
+        return mc.device
+    cpu_only = [what for what, asked in ((f"quantization {mc.quantization!r}", mc.quantization in QUANTIZATION_METHODS),
+                                         ("kernels 'native'", mc.kernels == "native"),
+                                         ("int8_activations", bool(mc.int8_activations))) if asked]
+    tp = config.parallel.tensor_parallel_size
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not gpus:
+        reasons["device"] = "auto: no CUDA GPU"
+    elif cpu_only:
+        reasons["device"] = f"auto: {' and '.join(cpu_only)} run on the CPU only"
+    elif gpus < tp:
+        reasons["device"] = f"auto: {tp} tensor-parallel ranks, {gpus} CUDA GPU(s)"
+    else:
+        reasons["device"] = f"auto: {torch.cuda.get_device_name()}"
+        return "cuda"
+    return "cpu"
+
+
 def _dtype(name: str, device: str, reasons: dict[str, str]) -> torch.dtype:
     if name != "auto":
         reasons["dtype"] = "as asked"
@@ -346,11 +386,15 @@ def _dtype(name: str, device: str, reasons: dict[str, str]) -> torch.dtype:
     return torch.float32
 
 
-def _num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, max_model_len: int, reasons: dict[str, str]) -> int:
+def _num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, max_model_len: int, device: str,
+                   reasons: dict[str, str]) -> int:
     cache = config.cache
     if cache.kv_cache_memory_gb is not None:
         budget = cache.kv_cache_memory_gb * 2**30
         reasons["KV cache"] = "kv_cache_memory_gb"
+    elif device.startswith("cuda"):  # the cache lives in the GPU's memory, not the host's
+        budget = cache.kv_cache_memory_fraction * torch.cuda.mem_get_info(torch.device(device))[0]
+        reasons["KV cache"] = f"{cache.kv_cache_memory_fraction:.0%} of the GPU memory free at start"
     else:
         budget = cache.kv_cache_memory_fraction * psutil.virtual_memory().available
         reasons["KV cache"] = f"{cache.kv_cache_memory_fraction:.0%} of the memory available at start"

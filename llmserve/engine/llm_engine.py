@@ -349,7 +349,8 @@ class LLMEngine:
         # decode batches of each size class: up to 8 tokens (every quantized kernel), past 8 (the int8 kernel's
         # limit) and past the plan's small-step limit (dense products)
         sizes = sorted({1, 3, 9, self.plan.small_step_max_tokens + 1})
-        batches = [[list(range(100 * size + i, 100 * size + i + 20)) for i in range(size)]
+        vocab = self.model_config.vocab_size
+        batches = [[[t % vocab for t in range(100 * size + i, 100 * size + i + 20)] for i in range(size)]
                    for size in sizes if size <= self.config.scheduler.max_num_seqs]
         for batch in batches:
             self._run_to_completion([(f"warm-up-{len(batch)}-{i}", prompt, greedy, None)

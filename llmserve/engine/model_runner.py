@@ -20,6 +20,7 @@ import torch
 
 from llmserve.distributed.tensor_parallel import TensorParallel, shard_config, shard_grids, shard_model
 from llmserve.engine.build_plan import BuildPlan
+from llmserve.engine.cuda_graphs import CudaGraphs
 from llmserve.engine.decode_graph import DecodeGraph
 from llmserve.engine.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from llmserve.kv_cache.key_smoothing import smooth_keys
@@ -106,11 +107,16 @@ class ModelRunner:
         if plan.compile == "layers":
             compile_layers(model)  # the PyTorch attention path: per layer, attention left eager
         self.model = model
-        self.kv_caches = kv_spec.allocate(plan.num_kv_blocks, plan.device)
+        # CUDA graphs' padded rows write to one more block, which the KV manager never hands out
+        self.kv_caches = kv_spec.allocate(plan.num_kv_blocks + bool(plan.cuda_graph_max_tokens), plan.device)
         # decode-only steps as one compiled graph (needs the native kernels; see decode_graph.py), and the
         # smallest of them as one native call
         self.decode_graph = DecodeGraph(model, self.kv_caches) if plan.compile == "graph" else None
         self.fused_stack = fused_decode_stack(model, self.kv_caches) if plan.fused_decode_max_tokens else None
+        self.cuda_graphs = CudaGraphs(model, self.kv_caches, plan.num_kv_blocks, self.block_size,
+                                      -(-plan.max_model_len // self.block_size),
+                                      plan.cuda_graph_max_tokens, capture=self.device.type == "cuda",
+                                      ) if plan.cuda_graph_max_tokens else None
         self._requests: dict[str, _RequestState] = {}
 
     def shutdown(self) -> None:
@@ -182,27 +188,13 @@ class ModelRunner:
 
         dev = self.device
         tables = [row.state.block_ids for row in rows]
-        width = max(len(t) for t in tables)
-        block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
         counts_t = torch.tensor(counts)
-        starts_t = torch.tensor(starts)
-        if len(token_ids) == len(rows):  # one token each (a decode-only step): row i is token i
-            row_of_token = first_token = torch.arange(len(rows))
-            positions = starts_t
-        else:  # repeat_interleave alone was ~35 us, 1 % of a batch-1 step
-            row_of_token = torch.repeat_interleave(torch.arange(len(rows)), counts_t)
-            first_token = torch.cumsum(counts_t, 0) - counts_t
-            positions = torch.arange(len(token_ids)) - first_token[row_of_token] + starts_t[row_of_token]
-        meta = attention_metadata(self.attention, block_table, row_of_token, positions, counts, starts,
-                                  first_token.tolist(), self.block_size, self.config.num_kv_heads,
-                                  self.config.num_heads, self.plan.dtype, dev)
-        input_ids, positions = torch.tensor(token_ids, device=dev), positions.to(dev)
-        route = self.plan.step_route(not meta.prefills, len(token_ids), self.decode_graph is not None)
-        if route == "fused":
-            hidden = self.model.forward_fused(self.fused_stack, input_ids, positions, meta)
+        route = self.plan.step_route(len(token_ids) == len(rows), len(token_ids), self.decode_graph is not None)
+        if route == "cuda graph":  # one token each: row i is token i
+            first_token = torch.arange(len(rows))
+            hidden = self.cuda_graphs(token_ids, starts, tables)
         else:
-            forward = self.decode_graph if route == "graph" else self.model
-            hidden = forward(input_ids, positions, self.kv_caches, meta)
+            first_token, hidden = self._forward(route, token_ids, counts, counts_t, starts, tables)
         result = ModelRunnerOutput({request_id: [] for request_id in ids})
         for i, row in enumerate(rows):
             if row.state.params.prompt_logprobs is not None and row.start + 1 < row.state.num_prompt_tokens:
@@ -235,6 +227,31 @@ class ModelRunner:
             if tokens[0].logprob is not None:
                 result.logprobs[request_id] = [TokenLogprobs(t.logprob, t.rank, t.top) for t in tokens]
         return result
+
+    def _forward(self, route: str, token_ids: list[int], counts: list[int], counts_t: torch.Tensor,
+                 starts: list[int], tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states of the step's tokens, rows in order (and each row's first token in them), on every
+        route but CUDA graphs: the attention's indices built here for all layers at once."""
+        dev = self.device
+        width = max(len(t) for t in tables)
+        block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        starts_t = torch.tensor(starts)
+        num_rows = len(counts)
+        if len(token_ids) == num_rows:  # one token each (a decode-only step): row i is token i
+            row_of_token = first_token = torch.arange(num_rows)
+            positions = starts_t
+        else:  # repeat_interleave alone was ~35 us, 1 % of a batch-1 step
+            row_of_token = torch.repeat_interleave(torch.arange(num_rows), counts_t)
+            first_token = torch.cumsum(counts_t, 0) - counts_t
+            positions = torch.arange(len(token_ids)) - first_token[row_of_token] + starts_t[row_of_token]
+        meta = attention_metadata(self.attention, block_table, row_of_token, positions, counts, starts,
+                                  first_token.tolist(), self.block_size, self.config.num_kv_heads,
+                                  self.config.num_heads, self.plan.dtype, dev)
+        input_ids, positions = torch.tensor(token_ids, device=dev), positions.to(dev)
+        if route == "fused":
+            return first_token, self.model.forward_fused(self.fused_stack, input_ids, positions, meta)
+        forward = self.decode_graph if route == "graph" else self.model
+        return first_token, forward(input_ids, positions, self.kv_caches, meta)
 
     def _prompt_logprobs(self, r: _RequestState, start: int, hidden: torch.Tensor) -> list[TokenLogprobs]:
         """The logprob of each prompt token after `start` given those before it, from the hidden states of

@@ -158,13 +158,15 @@ def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int,
     """Greedy decoding with transformers' KV cache and no logits processors (EOS is not special); `logit_bias` is
     added to every step's logits, as OpenAI's is."""
     out_ids: list[int] = []
+    device = next(model.parameters()).device
     with torch.inference_mode():
-        out = model(torch.tensor([prompt_ids]), use_cache=True)
+        out = model(torch.tensor([prompt_ids], device=device), use_cache=True)
         for _ in range(max_new_tokens):
             logits = out.logits[0, -1].clone()
             if logit_bias:
-                logits[list(logit_bias)] += torch.tensor(list(logit_bias.values()), dtype=logits.dtype)
+                logits[list(logit_bias)] += torch.tensor(list(logit_bias.values()), dtype=logits.dtype,
+                                                         device=device)
             token = int(logits.argmax())
             out_ids.append(token)
-            out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+            out = model(torch.tensor([[token]], device=device), past_key_values=out.past_key_values, use_cache=True)
     return out_ids

@@ -98,7 +98,7 @@ def _row_factors(attn: nn.Module, exponents: torch.Tensor) -> torch.Tensor:
     s = torch.pow(2.0, exponents.float()).repeat(1, 2)  # [kv_heads, head_dim]: pair i and i + half alike
     group = attn.num_heads // attn.num_kv_heads
     return torch.cat([s.repeat_interleave(group, dim=0).flatten(), s.reciprocal().flatten(),
-                      torch.ones(attn.kv_size)])
+                      torch.ones(attn.kv_size, device=s.device)])
 
 
 def fold_key_smoothing(model: nn.Module, smoothing: KeySmoothing,

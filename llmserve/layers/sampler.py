@@ -85,7 +85,7 @@ def _apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torc
     the bitmask's bytes is token t: numpy unpacks them in one call (~20 us a row of 49k tokens with the fill, a few
     times faster than shifts in torch or a byte lookup table)."""
     bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]]
-    refused = ~torch.from_numpy(bits.view(np.bool_))
+    refused = ~torch.from_numpy(bits.view(np.bool_)).to(logits.device, non_blocking=True)
     if len(rows) == len(logits):  # every row constrained, in order
         logits.masked_fill_(refused, float("-inf"))
     else:

@@ -150,3 +150,34 @@ def test_speculation_by_default_where_one_call_runs_the_decoder():
     off = _plan(_formats("Q4_1"), speculative_config="off")
     assert off.speculative is None and "speculation" not in off.describe()
     assert _plan(_formats("F16"), speculative_config="ngram").speculative == SpeculativeConfig()
+
+
+def test_cuda_decode_steps_replay_graphs():
+    # resolved on any host: a plan needs no GPU (the KV budget is given, not read from the device)
+    plan = _plan(_formats("Q4_1"), device="cuda")
+    assert plan.weights == "as loaded" and plan.attention == "torch" and plan.fused_decode_max_tokens == 0
+    assert plan.cuda_graph_max_tokens == 64 and "CUDA graphs up to 64 tokens" in plan.describe()
+    assert plan.step_route(True, 64, False) == "cuda graph" and plan.step_route(True, 65, False) == "eager"
+    assert plan.step_route(False, 8, False) == "eager"  # prompt tokens: layer by layer
+    assert _plan(None, device="cuda", max_num_seqs=4).cuda_graph_max_tokens == 4
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    assert _plan(None, device="cuda", max_num_seqs=4, speculative_config=spec).cuda_graph_max_tokens == 16
+    assert _plan(None, device="cuda", compile=True).cuda_graph_max_tokens == 0  # compiled layers, as asked
+    assert _plan(None, device="cuda", enforce_eager=True).cuda_graph_max_tokens == 0
+    assert _plan(_formats("Q4_1")).cuda_graph_max_tokens == 0  # the CPU
+
+
+def test_the_device_is_a_gpu_where_there_is_one(monkeypatch):
+    plan = _plan(_formats("Q4_1"))
+    assert engine_config().model.device == "auto" and plan.device == "cpu" and plan.weights == "int4"
+    assert plan.reasons["device"] == "auto: no CUDA GPU" and "device" in plan.describe()
+    # a machine with one GPU (the plan only asks torch how many there are; nothing is built)
+    monkeypatch.setattr(build_plan.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(build_plan.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(build_plan.torch.cuda, "get_device_name", lambda *_: "NVIDIA H200")
+    plan = _plan(_formats("Q4_1"))
+    assert plan.device == "cuda" and plan.cuda_graph_max_tokens == 64 and plan.reasons["device"] == "auto: NVIDIA H200"
+    asks = [{"quantization": "int4"}, {"kernels": "native"}, {"tensor_parallel_size": 3}]
+    for cpu_only in asks + ([{"int8_activations": True}] if cpu_has_vnni() else []):  # else refused on this CPU
+        assert _plan(_formats("Q4_1"), **cpu_only).device == "cpu", cpu_only
+    assert _plan(_formats("Q4_1"), device="cpu").device == "cpu"  # as asked

@@ -13,14 +13,15 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from llmserve.loader import load_tokenizer
 
-VOCAB = 49152
-
 
 def make_tiny_hf_dir(path: Path, kind: str = "qwen2", kv_heads: int = 2, hidden: int = 128,
-                     intermediate: int = 256, layers: int = 2, seed: int = 0) -> Path:
-    """A Qwen2 (q/k/v biases, separate output head) or Llama (tied head) checkpoint of 4 heads."""
+                     intermediate: int = 256, layers: int = 2, seed: int = 0, tokenizer=None) -> Path:
+    """A Qwen2 (q/k/v biases, separate output head) or Llama (tied head) checkpoint of 4 heads; `tokenizer`
+    (default: the default model's) sets its vocabulary, rounded up to a multiple of 64 as real models pad it."""
     torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(None)
+    vocab = -(-len(tokenizer) // 64) * 64
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=1024,
                   rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
     config = (Qwen2Config(**common, tie_word_embeddings=False) if kind == "qwen2"
@@ -36,5 +37,20 @@ def make_tiny_hf_dir(path: Path, kind: str = "qwen2", kv_heads: int = 2, hidden:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
                 p[:4] *= 8
     model.save_pretrained(path)
-    load_tokenizer(None).save_pretrained(path)
+    tokenizer.save_pretrained(path)
     return path
+
+
+def trained_tokenizer(corpus: list[str], vocab_size: int = 500):
+    """A byte-level BPE tokenizer trained here on `corpus` (bos 1, eos 2, as the tiny models say): for a
+    machine that has none of the shipped models' files, a GPU machine's, say."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
