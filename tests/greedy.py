@@ -13,3 +13,14 @@ def assert_greedy_equals(llm: LLM, prompts: list[list[int]], expected: list[list
     [alone] = llm.generate([prompts[single]], params, use_tqdm=False)
     assert alone.outputs[0].token_ids == expected[single]
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
+
+
+def assert_equal_up_to_a_near_tie(fast, plain, margin: float = 0.1) -> None:
+    """`fast`'s greedy tokens are `plain`'s, or part from them where `plain`'s best two candidates nearly tie (in
+    bfloat16 a verification step, whose rows split the attention otherwise, can round the last bits apart, as a
+    batch can: README, Reproducibility)."""
+    for i, (a, b) in enumerate(zip(fast.token_ids, plain.token_ids, strict=True)):
+        if a != b:
+            best, second = sorted((p.logprob for p in plain.logprobs[i].values()), reverse=True)[:2]
+            assert best - second < margin, f"greedy tokens part at {i} where the reference does not nearly tie"
+            return

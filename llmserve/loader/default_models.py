@@ -25,6 +25,7 @@ class EmbeddedModel:
     pip_spec: str
     filename: str
     description: str = ""
+    draft: str | None = None  # as PartedModel's
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,9 @@ class PartedModel:
     size: int
     sha256: str
     description: str = ""
+    # a registered model of the same tokenizer, a fraction of the size: the default speculation drafts with it
+    # where it is installed (engine/build_plan.py)
+    draft: str | None = None
 
     @property
     def filename(self) -> str:
@@ -73,6 +77,7 @@ PARTED_MODELS: dict[str, PartedModel] = {
         size=1_117_320_768,
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
         description="Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M (22 packages)",
+        draft="qwen2.5-coder-0.5b",
     ),
 }
 _ALIASES = {"smollm2": DEFAULT_MODEL, "smollm2-135m-instruct": DEFAULT_MODEL,
@@ -103,6 +108,17 @@ def resolve_model_path(model: str | None) -> tuple[str, str]:
         f"model {model!r} is neither a registered name ({', '.join(sorted([*EMBEDDED_MODELS, *PARTED_MODELS]))}) "
         "nor an existing GGUF file or Hugging Face directory"
     )
+
+
+def registered_draft(model: str | None) -> tuple[str | None, bool]:
+    """(the draft registered for `model` (None: the default model), whether it is installed); (None, False) for
+    a model without one."""
+    key = registered_name(model or DEFAULT_MODEL)
+    entry = EMBEDDED_MODELS.get(key) or PARTED_MODELS.get(key) if key else None
+    if entry is None or entry.draft is None:
+        return None, False
+    draft = EMBEDDED_MODELS.get(entry.draft) or PARTED_MODELS[entry.draft]
+    return entry.draft, installed_path(draft) is not None
 
 
 def installed_path(entry: EmbeddedModel | PartedModel) -> str | None:

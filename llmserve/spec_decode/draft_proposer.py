@@ -40,6 +40,8 @@ class DraftEngine(Protocol):
 
 
 class DraftModelProposer:
+    catches_up = True  # a request's first proposal prefills its tokens into the draft's cache
+
     def __init__(self, engine: DraftEngine) -> None:
         self.engine = engine
         self._ids = itertools.count()

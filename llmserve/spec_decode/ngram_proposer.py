@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 class NgramProposer:
     catch_up_seconds = 0.0  # a lookup keeps no state to bring up to date
+    catches_up = False
 
     def __init__(self, num_tokens: int, min_n: int, max_n: int) -> None:
         self.num_tokens = num_tokens

@@ -49,6 +49,8 @@ class Proposer(Protocol):
     # seconds of the last propose() spent on work a request needs once, not per proposal depth (a draft
     # model's prefill of a prompt it has not seen): left out of the cost of a depth
     catch_up_seconds: float
+    # True where a request's first proposal costs that catch-up (a draft model's cache of its tokens)
+    catches_up: bool
 
     def propose(self, requests: list[Request], num_tokens: dict[str, int]) -> dict[str, list[int]]:
         """Up to num_tokens[id] tokens to follow each request's tokens; requests without any left out."""
@@ -108,6 +110,12 @@ class Speculator:
         # per request: decayed kept proposal tokens, and proposal tokens tried up to a rejection (from the prior)
         self._accepted: dict[str, float] = {}
         self._trials: dict[str, float] = {}
+        # A catching-up proposer (a draft model) never starts on a request that decoded while the batch-size limit
+        # held proposals off (`_late`): alone again, it would first prefill the request's whole context into the
+        # draft, for a stretch alone that the next arrival ends (served at c=2, the 1.5B with its 0.5B draft ran
+        # 0.92x of no speculation that way; benchmarks/README.md, session 40). Requests it has started on go on.
+        self._started: set[str] = set()
+        self._late: set[str] = set()
 
     def acceptance(self, request_id: str) -> float:
         return self._accepted.get(request_id, PRIOR_ACCEPTED) / self._trials.get(request_id, PRIOR_TRIALS)
@@ -115,9 +123,14 @@ class Speculator:
     def propose(self, running: list[Request]) -> dict[str, list[int]]:
         """Proposal tokens for the decoding requests worth it this step (most get none under load)."""
         decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1
-                    and not (self.config.automatic and r.params.seed is not None and not r.params.greedy)]
+                    and not (self.config.automatic and r.params.seed is not None and not r.params.greedy)
+                    and not (self.proposer.catches_up and r.request_id in self._late)]
         limit = self.config.disable_by_batch_size
-        if not decoding or (limit is not None and len(running) >= limit):
+        if not decoding:
+            return {}
+        if limit is not None and len(running) >= limit:
+            if self.proposer.catches_up:
+                self._late.update(r.request_id for r in decoding if r.request_id not in self._started)
             return {}
         k = self.config.num_speculative_tokens
         room = {r.request_id: n for r in decoding if (n := min(k, r.max_tokens - r.num_output_tokens - 1)) > 0}
@@ -128,6 +141,8 @@ class Speculator:
         if not wanted:
             self.depth_cost *= RECOVERY  # unmeasured while unused: drift toward trying again
             return {}
+        if self.proposer.catches_up:
+            self._started.update(wanted)
         start = time.perf_counter()
         proposals = self.proposer.propose([r for r in decoding if r.request_id in wanted], wanted)
         seconds = time.perf_counter() - start - self.proposer.catch_up_seconds
@@ -173,6 +188,8 @@ class Speculator:
         for request_id in scheduled.finished_request_ids:
             self._accepted.pop(request_id, None)
             self._trials.pop(request_id, None)
+            self._started.discard(request_id)
+            self._late.discard(request_id)
         decode_only = True
         for request_id, num_scheduled in scheduled.num_scheduled_tokens.items():
             draft = scheduled.spec_token_ids.get(request_id, ())

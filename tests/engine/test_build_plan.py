@@ -7,8 +7,9 @@ import pytest
 
 from llmserve.config import SpeculativeConfig, engine_config
 from llmserve.engine import build_plan
-from llmserve.engine.build_plan import AUTO_SPECULATION_BELOW, resolve_plan
+from llmserve.engine.build_plan import AUTO_DRAFT_BELOW, AUTO_SPECULATION_BELOW, resolve_plan
 from llmserve.host import cpu_has_vnni
+from llmserve.loader import default_models
 from llmserve.models.llama import LlamaConfig
 
 SMOLLM = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
@@ -150,6 +151,23 @@ def test_speculation_by_default_where_one_call_runs_the_decoder():
     off = _plan(_formats("Q4_1"), speculative_config="off")
     assert off.speculative is None and "speculation" not in off.describe()
     assert _plan(_formats("F16"), speculative_config="ngram").speculative == SpeculativeConfig()
+
+
+def test_the_default_drafts_with_the_models_registered_draft(monkeypatch):
+    """auto, for a model with a registered draft (Qwen2.5-Coder-1.5B: the 0.5B): the draft where it is installed,
+    n-gram lookup where not (the plan says how to get it); the plan loads nothing (the 1.5B need not be here)."""
+    if not _plan(_formats("Q4_1")).fused_decode_max_tokens:
+        pytest.skip("no one-call decode stack on this host: no speculation by default")
+    draft, installed = default_models.registered_draft("qwen2.5-coder-1.5b")
+    assert draft == "qwen2.5-coder-0.5b" and default_models.registered_draft(None) == (None, False)
+    if installed:
+        plan = _plan(_formats("Q4_1"), model="qwen2.5-coder-1.5b")
+        assert plan.speculative == SpeculativeConfig(method="draft_model", model=draft,
+                                                     disable_by_batch_size=AUTO_DRAFT_BELOW, automatic=True)
+        assert f"draft model {draft}" in plan.describe()
+    monkeypatch.setattr(default_models, "installed_path", lambda entry: None)
+    plan = _plan(_formats("Q4_1"), model="qwen2.5-coder-1.5b")
+    assert plan.speculative.method == "ngram" and f"llmserve download {draft}" in plan.reasons["speculation"]
 
 
 def test_cuda_decode_steps_replay_graphs():

@@ -4,11 +4,14 @@ vocabulary is refused at start."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from llmserve import LLM, SamplingParams
-from llmserve.loader.default_models import PARTED_MODELS, installed_path
-from tests.greedy import assert_greedy_equals
+from llmserve.engine.build_plan import AUTO_DRAFT_BELOW
+from llmserve.loader.default_models import DEFAULT_MODEL, EMBEDDED_MODELS, PARTED_MODELS, installed_path
+from tests.greedy import assert_equal_up_to_a_near_tie, assert_greedy_equals
 
 DRAFT = {"method": "draft_model", "model": "smollm2-135m", "num_speculative_tokens": 3, "adaptive": False}
 FP32 = {"dtype": "float32", "quantization": "none", "max_model_len": 2048}
@@ -50,3 +53,35 @@ def test_a_draft_with_another_vocabulary_is_refused():
     with pytest.raises(ValueError, match="another vocabulary"):
         LLM(**FP32, kv_cache_memory_gb=0.1, speculative_config={
             "method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 2})
+
+
+def test_the_default_drafts_with_a_registered_draft(monkeypatch, prompt_token_ids):
+    """`speculative_config="auto"` with a draft registered for the model and installed: a draft model at low load
+    instead of n-gram lookup. The default model registered as its own draft stands in for the registered pair
+    (Qwen2.5-Coder-1.5B with the 0.5B, too large for CI): greedy tokens as without speculation (up to a near tie),
+    no proposals for a seeded sampled request, both caches emptied."""
+    entry = EMBEDDED_MODELS[DEFAULT_MODEL]
+    monkeypatch.setitem(EMBEDDED_MODELS, DEFAULT_MODEL, dataclasses.replace(entry, draft=DEFAULT_MODEL))
+    auto = LLM(kv_cache_memory_gb=0.25)
+    spec = auto.engine.plan.speculative
+    if not auto.engine.plan.fused_decode_max_tokens:  # no one-call stack on this host: nothing to speculate with
+        assert spec is None
+        return
+    assert (spec.method, spec.model, spec.automatic, spec.disable_by_batch_size) == (
+        "draft_model", DEFAULT_MODEL, True, AUTO_DRAFT_BELOW)
+    assert "a draft model" in auto.engine.plan.reasons["speculation"]
+    off = LLM(kv_cache_memory_gb=0.25, speculative_config="off")
+    greedy = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
+    for prompt in prompt_token_ids[:3]:  # alone: c=1 speculates
+        [fast], [plain] = (llm.generate([prompt], greedy, use_tqdm=False) for llm in (auto, off))
+        assert_equal_up_to_a_near_tie(fast.outputs[0], plain.outputs[0])
+    stats = auto.engine.stats().spec_decode
+    assert stats.num_drafts > 0 and stats.acceptance_rate > 0.5
+    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=32, ignore_eos=True)
+    [sampled] = auto.generate(prompt_token_ids[:1], seeded, use_tqdm=False)
+    assert auto.engine.stats().spec_decode.num_drafts == stats.num_drafts  # none for it
+    [again] = off.generate(prompt_token_ids[:1], seeded, use_tqdm=False)
+    assert sampled.outputs[0].token_ids == again.outputs[0].token_ids
+    draft = auto.engine.speculator.proposer.engine
+    for engine in (auto.engine, draft):
+        assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks and not engine.has_unfinished_requests()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from llmserve import LLM, SamplingParams
-from tests.greedy import assert_greedy_equals
+from tests.greedy import assert_equal_up_to_a_near_tie, assert_greedy_equals
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
          "adaptive": False}
@@ -121,17 +121,6 @@ def test_seeded_sampling_with_speculation_repeats_itself(llm_spec: LLM, prompt_t
     assert llm_spec.engine.kv_cache.num_free_blocks == llm_spec.engine.kv_cache.num_blocks
 
 
-def _equal_up_to_a_near_tie(fast, plain, margin: float = 0.1) -> None:
-    """`fast`'s greedy tokens are `plain`'s, or part from them where `plain`'s best two candidates nearly tie (in
-    bfloat16 a verification step, whose rows split the attention otherwise, can round the last bits apart, as a
-    batch can: README, Reproducibility)."""
-    for i, (a, b) in enumerate(zip(fast.token_ids, plain.token_ids, strict=True)):
-        if a != b:
-            best, second = sorted((p.logprob for p in plain.logprobs[i].values()), reverse=True)[:2]
-            assert best - second < margin, f"greedy tokens part at {i} where the reference does not nearly tie"
-            return
-
-
 def test_on_by_default_where_one_call_runs_the_decoder(prompt_token_ids):
     """`speculative_config="auto"`, the default: where the one native call runs the decoder, greedy requests get
     n-gram proposals (kept ones included) and decode as the same engine without speculation does; a seeded request
@@ -148,7 +137,7 @@ def test_on_by_default_where_one_call_runs_the_decoder(prompt_token_ids):
     stats = auto.engine.stats().spec_decode
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
     for out, ref in zip(fast, (off.generate([p], greedy, use_tqdm=False)[0].outputs[0] for p in prompts), strict=True):
-        _equal_up_to_a_near_tie(out, ref)
+        assert_equal_up_to_a_near_tie(out, ref)
     seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=48, ignore_eos=True)
     [sampled] = auto.generate(prompts[:1], seeded, use_tqdm=False)
     assert auto.engine.stats().spec_decode.num_drafts == stats.num_drafts  # none for it

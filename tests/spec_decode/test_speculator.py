@@ -75,6 +75,8 @@ class SlowFirstProposer:
     """A draft-like proposer: its first call prefills a prompt (0.2 s, reported as catch-up), later calls take
     `per_depth` seconds per depth."""
 
+    catches_up = True
+
     def __init__(self, per_depth: float) -> None:
         self.per_depth = per_depth
         self.catch_up_seconds = 0.0
@@ -144,6 +146,25 @@ def test_disable_by_batch_size_and_fixed_proposals():
     near_the_end = decoding("c")
     near_the_end.max_tokens = 2  # one output token left after this step's own: one proposal
     assert speculator.propose([near_the_end]) == {"c": [5]}
+
+
+@pytest.mark.parametrize("catches_up", [True, False])
+def test_a_draft_never_starts_on_a_request_that_decoded_beside_others(catches_up):
+    """A request that decoded while the batch-size limit held proposals off, later alone: a draft would first
+    prefill its whole context, for a stretch alone the next arrival ends (0.92x served at c=2). A request the
+    draft started on goes on after such a stretch; prompt lookup, which keeps no state, proposes for any."""
+    proposer = SlowFirstProposer(per_depth=0.0)
+    proposer.catches_up = catches_up
+    config = SpeculativeConfig(num_speculative_tokens=3, disable_by_batch_size=2, adaptive=False)
+    speculator = Speculator(config, proposer)
+    a, b, c = decoding("a"), decoding("b"), decoding("c")
+    assert speculator.propose([c]) == {"c": [5, 6, 7]}  # alone: started
+    assert speculator.propose([a, b, c]) == {}  # three running: off
+    assert speculator.propose([a]) == ({} if catches_up else {"a": [5, 6, 7]})  # a alone, never started
+    assert speculator.propose([c]) == {"c": [5, 6, 7]}  # started before: it goes on
+    speculator.observe(SchedulerOutput(finished_request_ids={"a", "c"}), ModelRunnerOutput(), 0.01)
+    again = decoding("a")  # an id used again (a new request): no history
+    assert speculator.propose([again]) == {"a": [5, 6, 7]}
 
 
 @pytest.mark.parametrize(("value", "message"), [
