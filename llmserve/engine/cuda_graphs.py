@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from llmserve.layers.attention import AttentionMetadata, DecodeGroup
+from llmserve.layers.attention import AttentionMetadata, DecodeGroup, cache_rows, cache_slots, padding_bias
 
 # Rows a graph takes: the batch sizes captured (and padded up to); a larger decode step runs eagerly, where
 # launches are a smaller share of its time.
@@ -65,7 +65,6 @@ class CudaGraphs:
         self.batch_classes = batch_size_classes(max_batch)
         self.block_classes = [1 << i for i in range((max_blocks - 1).bit_length() + 1)]
         self.capture = capture
-        self._heads = torch.arange(self.num_kv_heads, device=self.device)
         self._offsets = torch.arange(self.block_classes[-1] * block_size, device=self.device)
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self._graphs: dict[tuple[int, int], _Graph] = {}
@@ -97,13 +96,11 @@ class CudaGraphs:
         bs, kv = self.block_size, self.num_kv_heads
         table, positions = graph.block_table, graph.positions
         batch, blocks = table.shape
-        write_blocks = table.gather(1, (positions // bs).unsqueeze(1)).squeeze(1)
-        write_slots = ((write_blocks * kv).unsqueeze(1) + self._heads) * bs + (positions % bs).unsqueeze(1)
-        rows = (table.unsqueeze(1) * kv + self._heads.view(1, -1, 1)).flatten()
+        write_slots = cache_slots(table.gather(1, (positions // bs).unsqueeze(1)).squeeze(1), positions, bs, kv)
         padding = self._offsets[: blocks * bs].unsqueeze(0) > positions.unsqueeze(1)  # past the new token
-        bias = torch.zeros(padding.shape, dtype=self.dtype, device=self.device).masked_fill_(padding, float("-inf"))
-        bias = bias.unsqueeze(1).expand(-1, self.num_heads, -1).contiguous()
-        meta = AttentionMetadata(write_slots.flatten(), [DecodeGroup(0, batch, rows, bias)], [])
+        bias = padding_bias(padding, self.num_heads, self.dtype)
+        meta = AttentionMetadata(write_slots.flatten(), [DecodeGroup(0, batch, cache_rows(table, kv).flatten(), bias)],
+                                 [])
         return self.model(graph.input_ids, positions, self.kv_caches, meta)
 
     def _capture(self, batch: int, blocks: int) -> _Graph:

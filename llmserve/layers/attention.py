@@ -141,8 +141,7 @@ class TorchAttention(AttentionBackend):
             max_blocks = -(-int(ctx[-1]) // block_size)  # sorted: the last is the longest
             rows = head_rows[start:end, :, :max_blocks].flatten().to(device)
             padding = torch.arange(max_blocks * block_size) >= ctx.unsqueeze(1)  # [B, max_blocks * bs]
-            bias = torch.zeros(padding.shape, dtype=dtype).masked_fill_(padding, float("-inf"))
-            bias = bias.unsqueeze(1).expand(-1, num_heads, -1).contiguous().to(device)
+            bias = padding_bias(padding, num_heads, dtype).to(device)
             groups.append(DecodeGroup(start, end, rows, bias))
         return groups
 
@@ -224,12 +223,8 @@ def attention_metadata(
 ) -> AttentionMetadata:
     """A step's attention indices, built once with batched tensor ops and shared by every layer."""
     bs = block_size
-    write_blocks = block_table[row_of_token, positions // bs]
-    write_slots = ((write_blocks * num_kv_heads).unsqueeze(1) + torch.arange(num_kv_heads)) * bs + (
-        positions % bs
-    ).unsqueeze(1)  # [T, kv_heads]
-    # rows of the (block, kv head) view of the cache, per request: [rows, kv_heads, max_blocks]
-    head_rows = block_table.unsqueeze(1) * num_kv_heads + torch.arange(num_kv_heads).view(1, -1, 1)
+    write_slots = cache_slots(block_table[row_of_token, positions // bs], positions, bs, num_kv_heads)
+    head_rows = cache_rows(block_table, num_kv_heads)
     num_decodes = sum(1 for n in counts if n == 1)
     decodes = backend.decode_metadata(block_table, head_rows, starts[:num_decodes], bs, num_heads, dtype, device)
     prefills = []
@@ -244,6 +239,25 @@ def attention_metadata(
         mask = torch.arange(ctx).unsqueeze(0) <= (torch.arange(n) + start).unsqueeze(1)
         prefills.append(PrefillSpan(first, first + n, rows, ctx, mask.to(device)))
     return AttentionMetadata(write_slots.flatten().to(device), decodes, prefills)
+
+
+def cache_slots(blocks: torch.Tensor, positions: torch.Tensor, block_size: int, num_kv_heads: int) -> torch.Tensor:
+    """[T, kv_heads]: the rows of the cache seen as [slots, head_dim] where the K/V of tokens at `positions`, in
+    `blocks`, go (slot = (block * kv_heads + head) * block_size + offset)."""
+    heads = torch.arange(num_kv_heads, device=blocks.device)
+    return ((blocks * num_kv_heads).unsqueeze(1) + heads) * block_size + (positions % block_size).unsqueeze(1)
+
+
+def cache_rows(block_table: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[rows, kv_heads, max_blocks]: each request's rows of the (block, kv head) view of the cache."""
+    heads = torch.arange(num_kv_heads, device=block_table.device)
+    return block_table.unsqueeze(1) * num_kv_heads + heads.view(1, -1, 1)
+
+
+def padding_bias(padding: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, num_heads, L]: 0 where a decode may attend, -inf where `padding` [B, L] is set."""
+    bias = torch.zeros(padding.shape, dtype=dtype, device=padding.device).masked_fill_(padding, float("-inf"))
+    return bias.unsqueeze(1).expand(-1, num_heads, -1).contiguous()
 
 
 def write_rows(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
