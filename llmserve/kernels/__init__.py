@@ -35,6 +35,8 @@ _HEADERS = [Path(__file__).with_name(name) for name in ("simd_exp.h", "attention
 
 
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+_LIBRARY = "llmserve_cpu_kernels"
+_FINISHED = "finished"  # marks a build directory whose library loaded
 # A build takes about a minute here (three under load). torch's build lock is a bare file its builder
 # removes when done: a build that was killed leaves it, and every later start would wait on it forever.
 STALE_BUILD_LOCK_S = 600.0
@@ -66,18 +68,29 @@ def load_cpu_kernels() -> bool:
     Returns False, with the reason logged, where they cannot be built: callers fall back to PyTorch."""
     from torch.utils import cpp_extension
 
-    clear_stale_build_lock(build_directory())
+    directory = build_directory()
+    library = finished_build(directory)
+    if library is not None:
+        try:
+            torch.ops.load_library(str(library))
+        except OSError as exc:  # damaged since: build it again
+            logger.warning("rebuilding the native CPU kernels: %s did not load: %s", library, exc)
+            (directory / _FINISHED).unlink(missing_ok=True)
+            library = None
     try:
-        cpp_extension.load(
-            name="llmserve_cpu_kernels",
-            sources=[str(s) for s in _SOURCES],
-            # the headers' digest: torch's build cache versions sources and flags only
-            extra_cflags=[*_CFLAGS, f"-DLLMSERVE_HEADERS={_headers_digest()}"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_directory()),
-            is_python_module=False,
-            verbose=False,
-        )
+        if library is None:
+            clear_stale_build_lock(directory)
+            library = cpp_extension.load(
+                name=_LIBRARY,
+                sources=[str(s) for s in _SOURCES],
+                # the headers' digest: torch's build cache versions sources and flags only
+                extra_cflags=[*_CFLAGS, f"-DLLMSERVE_HEADERS={_headers_digest()}"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=False,
+            )
+            mark_finished(directory, Path(library))
     except Exception as exc:  # no compiler, no ninja, a read-only cache: every one means "use PyTorch"
         logger.warning("native CPU kernels unavailable, using PyTorch's attention and quantized kernels: %s", exc)
         return False
@@ -98,6 +111,25 @@ def load_cpu_kernels() -> bool:
     register_quantized_gemv_fakes()
     register_int8_gemm_fakes()
     return True
+
+
+def finished_build(directory: Path) -> Path | None:
+    """The library a finished build left in `directory`, or None. The directory's name is a digest of all the
+    build depends on, so a library there is current; loading it directly skips ninja, which rebuilds whenever
+    the sources' files are newer than its objects (a fresh checkout of unchanged sources: a minute at start)."""
+    try:
+        library = directory / (directory / _FINISHED).read_text().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return library if library.is_file() and library.parent == directory else None
+
+
+def mark_finished(directory: Path, library: Path) -> None:
+    """Record that `directory`'s build finished and which file it made (written after the library loaded, by a
+    rename: a killed build leaves no mark, and the next start builds again)."""
+    partial = directory / f"{_FINISHED}.{os.getpid()}"
+    partial.write_text(f"{library.name}\n")
+    partial.replace(directory / _FINISHED)
 
 
 def clear_stale_build_lock(directory: Path, stale_after_s: float = STALE_BUILD_LOCK_S) -> bool:
