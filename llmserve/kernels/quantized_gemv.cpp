@@ -84,25 +84,45 @@ constexpr int kMergeChainsFrom = 5;
 // flight. SmolLM2's 120 int4 products at 1 token, weights streamed, on a host whose 1 GiB sum read 25.9 GB/s:
 // 4.17 ms (T0, 4 KiB ahead) -> 3.57 ms (T2, 8 KiB ahead), 15.9 -> 18.6 GB/s (T1 the same within noise).
 constexpr int64_t kPrefetchBytes = 8192;
+// Weights a step reads once (one pass: at most kMaxTokens tokens) are prefetched non-temporally on AMD CPUs: a
+// step streams 95 MB (SmolLM2) to 1.1 GB (Qwen2.5-Coder-1.5B) of them through an L3 (32 MB on the Zen 5 host)
+// that, on AMD, takes every line L2 evicts, so they pushed out what the step reads again (the KV cache, the
+// activations, the next layer's small tensors) and slowed their own stream. Zen 5, offline decode steps, builds
+// alternated one process each (ms a step, median; L2 -> NTA): SmolLM2 one request 2.73-3.44 -> 2.50-2.98, 10 of
+// 11 pairs faster, median 0.89x (attention 18-23 -> 9-22 us a layer); eight requests 7.3-8.3 -> 6.3-7.7 (three
+// of three); the 1.5B one request, pairs at the same `sum` rate: 23.7 -> 22.9 at 48 GB/s, 19.4 -> 16.9 and
+// 18.4 -> 15.1 at 76-80 GB/s (the weights at ~75 GB/s, the rate of a 1 GiB `sum`, from ~60). Elsewhere (Intel:
+// NTA fills L1 only, the line-fill-buffer limit above; not measured) and for steps that pass over a tile more than
+// once (it must stay in L2 between passes), L2 as before.
+enum class WeightStream { kCached, kOnce };
+
+inline WeightStream weight_stream(int64_t tokens) {
+  static const bool amd = __builtin_cpu_is("amd");
+  return amd && tokens <= kMaxTokens ? WeightStream::kOnce : WeightStream::kCached;
+}
 
 // Prefetches the `bytes` of weight stream that lie kPrefetchBytes after `p` (each line once: a line skipped here
 // is a demand miss later, which cost the super-block layout 5 % at 1 token when its headers were not prefetched)
 #if LLMSERVE_GEMV_AVX512 || LLMSERVE_GEMV_AVX2
-inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
-  for (int64_t line = 0; line < bytes; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes + line, _MM_HINT_T2);
+inline void prefetch_ahead(const uint8_t* p, int64_t bytes, WeightStream stream) {
+  const char* ahead = reinterpret_cast<const char*>(p) + kPrefetchBytes;
+  if (stream == WeightStream::kOnce) {
+    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_NTA);
+  } else {
+    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T2);
+  }
 }
 
 // Moves a weight stream `p` to group g's own bytes, taking a super-block's header (`header_bytes`, 0: a layout
 // without) at its first group, and prefetches
 inline void enter_group(const uint8_t*& p, int64_t g, const uint8_t*& header, int64_t header_bytes,
-                        int64_t group_bytes) {
+                        int64_t group_bytes, WeightStream stream) {
   if (header_bytes && g % kSuperGroups == 0) {
     header = p;
     p += header_bytes;
-    prefetch_ahead(header, header_bytes);
+    prefetch_ahead(header, header_bytes, stream);
   }
-  prefetch_ahead(p, group_bytes);
+  prefetch_ahead(p, group_bytes, stream);
 }
 #endif
 
@@ -111,15 +131,16 @@ inline void enter_group(const uint8_t*& p, int64_t g, const uint8_t*& header, in
 constexpr int64_t kTileBytes = 256 * 1024;
 
 // Row blocks split between torch's threads, contiguous so that each thread reads one stream; each thread
-// runs `pass(first_token, tokens, block_begin, block_end)` over each tile of its blocks for every kMaxTokens
-// tokens. `block_bytes`: the weight bytes of one row block.
+// runs `pass(first_token, tokens, block_begin, block_end, stream)` over each tile of its blocks for every
+// kMaxTokens tokens. `block_bytes`: the weight bytes of one row block.
 template <typename Pass>
 void for_token_passes(int64_t num_blocks, int64_t m, int64_t block_bytes, const Pass& pass) {
   const int64_t tile = m <= kMaxTokens ? num_blocks : std::max<int64_t>(1, kTileBytes / block_bytes);
+  const WeightStream stream = weight_stream(m);
   at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; b += tile) {
       const int64_t tile_end = std::min(end, b + tile);
-      for (int64_t t0 = 0; t0 < m; t0 += kMaxTokens) pass(t0, std::min(kMaxTokens, m - t0), b, tile_end);
+      for (int64_t t0 = 0; t0 < m; t0 += kMaxTokens) pass(t0, std::min(kMaxTokens, m - t0), b, tile_end, stream);
     }
   });
 }
@@ -311,7 +332,7 @@ void int4_rows_portable(const uint8_t* w, SplitTokens a, T* out, int64_t m, int6
 // (two with one part).
 template <int M, int Parts, bool Super, typename T>
 void int4_rows_avx512(const uint8_t* w, SplitTokens a, T* out, int64_t k, int64_t n, int64_t block_begin,
-                      int64_t block_end) {
+                      int64_t block_end, WeightStream stream) {
   const int64_t groups = k / kGroup;
   const __m512i nibble = _mm512_set1_epi8(15);
   const __m512 lo_weight = _mm512_set1_ps(1.f / 254.f);
@@ -321,7 +342,7 @@ void int4_rows_avx512(const uint8_t* w, SplitTokens a, T* out, int64_t k, int64_
     for (int t = 0; t < M; ++t) total[t] = _mm512_setzero_ps();
     const uint8_t* header = nullptr;  // the super-block's (read from L1 per group: registers are few at 8 tokens)
     for (int64_t g = 0; g < groups; ++g, p += Super ? kSuperGroupBytes : kInt4GroupBytes) {
-      enter_group(p, g, header, Super ? kSuperHeaderBytes : 0, Super ? kSuperGroupBytes : kInt4GroupBytes);
+      enter_group(p, g, header, Super ? kSuperHeaderBytes : 0, Super ? kSuperGroupBytes : kInt4GroupBytes, stream);
       // [low nibbles, high nibbles]: independent dependency chains (one for both past kMergeChainsFrom tokens
       // of two parts; one part keeps two chains a token, as many accumulators as two parts' merged chains)
       constexpr int S = Parts == 2 && M >= kMergeChainsFrom ? 1 : 2;
@@ -386,7 +407,7 @@ void int4_rows_avx512(const uint8_t* w, SplitTokens a, T* out, int64_t k, int64_
 // block is two halves, bytes 0-31 (rows 0-7) and 32-63 (rows 8-15) of every 64-byte vector.
 template <int M, int Parts, bool Super, typename T>
 void int4_rows_avx2(const uint8_t* w, SplitTokens a, T* out, int64_t k, int64_t n, int64_t block_begin,
-                    int64_t block_end) {
+                    int64_t block_end, WeightStream stream) {
   const int64_t groups = k / kGroup;
   const __m256i nibble = _mm256_set1_epi8(15);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -397,7 +418,7 @@ void int4_rows_avx2(const uint8_t* w, SplitTokens a, T* out, int64_t k, int64_t 
     for (int t = 0; t < M; ++t) total[t][0] = total[t][1] = _mm256_setzero_ps();
     const uint8_t* header = nullptr;  // the super-block's
     for (int64_t g = 0; g < groups; ++g, p += Super ? kSuperGroupBytes : kInt4GroupBytes) {
-      enter_group(p, g, header, Super ? kSuperHeaderBytes : 0, Super ? kSuperGroupBytes : kInt4GroupBytes);
+      enter_group(p, g, header, Super ? kSuperHeaderBytes : 0, Super ? kSuperGroupBytes : kInt4GroupBytes, stream);
       for (int half = 0; half < 2; ++half) {
         const uint8_t* bytes = p + 32 * half;
         __m256 scales, mins;
@@ -462,14 +483,15 @@ void int4_product(const at::Tensor& x, const uint8_t* w, at::Tensor& out, bool p
   T* o = out.data_ptr<T>();
   if (portable) return int4_rows_portable<Super>(w, a, o, m, k, n, 0, num_blocks);
   for_token_passes(num_blocks, m, int4_block_bytes<Super>(k / kGroup), [&](int64_t t0, int64_t mt, int64_t begin,
-                                                                           int64_t end) {
+                                                                           int64_t end,
+                                                                           [[maybe_unused]] WeightStream stream) {
 #if LLMSERVE_GEMV_AVX512
     with_token_count<kMaxTokens>(mt, [&](auto tokens) {
-      int4_rows_avx512<decltype(tokens)::value, Parts, Super>(w, a.from(t0, k), o + t0 * n, k, n, begin, end);
+      int4_rows_avx512<decltype(tokens)::value, Parts, Super>(w, a.from(t0, k), o + t0 * n, k, n, begin, end, stream);
     });
 #elif LLMSERVE_GEMV_AVX2
     with_token_count<kMaxTokens>(mt, [&](auto tokens) {
-      int4_rows_avx2<decltype(tokens)::value, Parts, Super>(w, a.from(t0, k), o + t0 * n, k, n, begin, end);
+      int4_rows_avx2<decltype(tokens)::value, Parts, Super>(w, a.from(t0, k), o + t0 * n, k, n, begin, end, stream);
     });
 #else
     int4_rows_portable<Super>(w, a.from(t0, k), o + t0 * n, mt, k, n, begin, end);
@@ -568,7 +590,7 @@ void int8_rows_portable(const uint8_t* w, SplitTokens a, const float* scales, T*
 // dependency chains (a token and part's own vectors alternate between 8 / (tokens x parts) of them).
 template <int M, int Parts, typename T>
 void int8_rows_avx512(const uint8_t* w, SplitTokens a, const float* scales, T* out, int64_t k, int64_t n,
-                      int64_t block_begin, int64_t block_end) {
+                      int64_t block_begin, int64_t block_end, WeightStream stream) {
   const int64_t groups = k / kGroup;
   constexpr int S = M * Parts >= 8 ? 1 : 8 / (M * Parts);
   const __m512 lo_weight = _mm512_set1_ps(1.f / 254.f);
@@ -577,7 +599,7 @@ void int8_rows_avx512(const uint8_t* w, SplitTokens a, const float* scales, T* o
     __m512 total[M];
     for (int t = 0; t < M; ++t) total[t] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g, p += kInt8GroupBytes) {
-      prefetch_ahead(p, kInt8GroupBytes);
+      prefetch_ahead(p, kInt8GroupBytes, stream);
       __m512i dot_hi[M][S], dot_lo[M][S];
       for (int t = 0; t < M; ++t) {
         for (int s = 0; s < S; ++s) dot_hi[t][s] = dot_lo[t][s] = _mm512_setzero_si512();
@@ -627,7 +649,7 @@ void int8_rows_avx512(const uint8_t* w, SplitTokens a, const float* scales, T* o
 // 0 1 4 5 2 3 6 7 (`kHaddOrder`), put back once per row block. Integer sums exact, as the AVX-512 loop's.
 template <int M, int Parts, typename T>
 void int8_rows_avx2(const uint8_t* w, SplitTokens a, const float* scales, T* out, int64_t k, int64_t n,
-                    int64_t block_begin, int64_t block_end) {
+                    int64_t block_begin, int64_t block_end, WeightStream stream) {
   const int64_t groups = k / kGroup;
   const __m256i hadd_order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
   const uint8_t* p = w + block_begin * groups * kInt8GroupBytes;
@@ -635,7 +657,7 @@ void int8_rows_avx2(const uint8_t* w, SplitTokens a, const float* scales, T* out
     __m256 total[M][2];
     for (int t = 0; t < M; ++t) total[t][0] = total[t][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g, p += kInt8GroupBytes) {
-      prefetch_ahead(p, kInt8GroupBytes);
+      prefetch_ahead(p, kInt8GroupBytes, stream);
       for (int t = 0; t < M; ++t) {
         const int64_t tg = t * groups + g;
         alignas(32) int16_t x[kGroup];
@@ -754,7 +776,7 @@ inline __m512i top_bits512(__m512i v, int slot) {
 // by the half's sc at its end; the group's two halves then go to float32 once, times d and the step.
 template <int M, int Parts, typename T>
 void int6_rows_avx512(const uint8_t* w, SplitTokens a, const float* scales, T* out, int64_t k, int64_t n,
-                      int64_t block_begin, int64_t block_end) {
+                      int64_t block_begin, int64_t block_end, WeightStream stream) {
   const int64_t groups = k / kGroup;
   constexpr int S = M * Parts >= 4 ? 1 : 2;
   const __m512i nibble = _mm512_set1_epi8(15);
@@ -765,7 +787,7 @@ void int6_rows_avx512(const uint8_t* w, SplitTokens a, const float* scales, T* o
     for (int t = 0; t < M; ++t) total[t] = _mm512_setzero_ps();
     const uint8_t* header = nullptr;
     for (int64_t g = 0; g < groups; ++g, p += kInt6GroupBytes) {
-      enter_group(p, g, header, kInt6HeaderBytes, kInt6GroupBytes);
+      enter_group(p, g, header, kInt6HeaderBytes, kInt6GroupBytes, stream);
       const __m512 d = _mm512_loadu_ps(reinterpret_cast<const float*>(header));
       const int8_t* sc = reinterpret_cast<const int8_t*>(header + kRows * 4 + 2 * kRows * (g % kSuperGroups));
       __m512i sum_hi[M], sum_lo[M];  // per token and part: sc times the half groups' sums of (q - 32) x
@@ -838,7 +860,7 @@ inline __m256i top_bits256(__m256i v, int slot) {  // as top_bits512
 // 256-bit vector, two halves a row block, as int4's AVX2 loop.
 template <int M, int Parts, typename T>
 void int6_rows_avx2(const uint8_t* w, SplitTokens a, const float* scales, T* out, int64_t k, int64_t n,
-                    int64_t block_begin, int64_t block_end) {
+                    int64_t block_begin, int64_t block_end, WeightStream stream) {
   const int64_t groups = k / kGroup;
   const __m256i nibble = _mm256_set1_epi8(15);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -849,7 +871,7 @@ void int6_rows_avx2(const uint8_t* w, SplitTokens a, const float* scales, T* out
     for (int t = 0; t < M; ++t) total[t][0] = total[t][1] = _mm256_setzero_ps();
     const uint8_t* header = nullptr;
     for (int64_t g = 0; g < groups; ++g, p += kInt6GroupBytes) {
-      enter_group(p, g, header, kInt6HeaderBytes, kInt6GroupBytes);
+      enter_group(p, g, header, kInt6HeaderBytes, kInt6GroupBytes, stream);
       const int8_t* sc = reinterpret_cast<const int8_t*>(header + kRows * 4 + 2 * kRows * (g % kSuperGroups));
       for (int eight = 0; eight < 2; ++eight) {  // rows 0-7, 8-15: bytes 0-31, 32-63 of each vector
         const __m256 d = _mm256_loadu_ps(reinterpret_cast<const float*>(header) + 8 * eight);
@@ -920,18 +942,19 @@ void int8_product(const at::Tensor& x, const uint8_t* w, const float* scales, at
   T* o = out.data_ptr<T>();
   const auto rows_portable = Six ? int6_rows_portable<T> : int8_rows_portable<T>;
   if (portable) return rows_portable(w, a, scales, o, m, k, n, 0, num_blocks);
-  for_token_passes(num_blocks, m, int8_block_bytes<Six>(k), [&](int64_t t0, int64_t mt, int64_t begin, int64_t end) {
+  for_token_passes(num_blocks, m, int8_block_bytes<Six>(k), [&](int64_t t0, int64_t mt, int64_t begin, int64_t end,
+                                                                [[maybe_unused]] WeightStream stream) {
 #if LLMSERVE_GEMV_AVX512
     with_token_count<kMaxTokens>(mt, [&](auto tokens) {
       constexpr int M = decltype(tokens)::value;
       const auto rows = Six ? int6_rows_avx512<M, Parts, T> : int8_rows_avx512<M, Parts, T>;
-      rows(w, a.from(t0, k), scales, o + t0 * n, k, n, begin, end);
+      rows(w, a.from(t0, k), scales, o + t0 * n, k, n, begin, end, stream);
     });
 #elif LLMSERVE_GEMV_AVX2
     with_token_count<kMaxTokens>(mt, [&](auto tokens) {
       constexpr int M = decltype(tokens)::value;
       const auto rows = Six ? int6_rows_avx2<M, Parts, T> : int8_rows_avx2<M, Parts, T>;
-      rows(w, a.from(t0, k), scales, o + t0 * n, k, n, begin, end);
+      rows(w, a.from(t0, k), scales, o + t0 * n, k, n, begin, end, stream);
     });
 #else
     rows_portable(w, a.from(t0, k), scales, o + t0 * n, mt, k, n, begin, end);
