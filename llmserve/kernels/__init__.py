@@ -64,8 +64,9 @@ def _build_key() -> str:
 
 @functools.cache
 def load_cpu_kernels() -> bool:
-    """Build (first call on a machine) and load the kernels; registers `torch.ops.llmserve.*`.
-    Returns False, with the reason logged, where they cannot be built: callers fall back to PyTorch."""
+    """Build (first call on a machine) and load the kernels, or load a finished build as it is; registers
+    `torch.ops.llmserve.*`. Returns False, with the reason logged, where they cannot be built: callers fall
+    back to PyTorch."""
     from torch.utils import cpp_extension
 
     directory = build_directory()

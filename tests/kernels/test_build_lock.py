@@ -5,9 +5,19 @@ loaded as it is, never rebuilt at start."""
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 import time
 
-from llmserve.kernels import STALE_BUILD_LOCK_S, clear_stale_build_lock
+from llmserve.kernels import (
+    STALE_BUILD_LOCK_S,
+    build_directory,
+    clear_stale_build_lock,
+    finished_build,
+    load_cpu_kernels,
+    mark_finished,
+)
 
 
 def test_a_killed_build_s_lock_is_removed_and_a_running_one_kept(tmp_path):
@@ -23,12 +33,6 @@ def test_a_killed_build_s_lock_is_removed_and_a_running_one_kept(tmp_path):
 def test_a_finished_build_is_loaded_without_rebuilding_when_the_sources_look_newer(tmp_path):
     """A fresh checkout gives unchanged sources new times; ninja would rebuild (a minute at start). The build
     directory's name is a digest of everything the build depends on, so its finished library is loaded as it is."""
-    import shutil
-    import subprocess
-    import sys
-
-    from llmserve.kernels import build_directory, finished_build, load_cpu_kernels, mark_finished
-
     assert load_cpu_kernels()
     built = build_directory()
     assert finished_build(built) is not None  # marked by the build (or by setup's)
