@@ -111,7 +111,7 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
   const int64_t num_kv_heads = w.k_cache.size(1), head_dim = llmserve::attention::cache_head_dim(w.k_cache);
   const int64_t q_and_k = num_heads + num_kv_heads;
   at::Tensor qkv = w.qkv(ops, ops.rms_norm.call(x, w.input_norm, eps));
-  if (w.qkv_bias.defined()) qkv = qkv + w.qkv_bias;
+  if (w.qkv_bias.defined()) qkv.add_(w.qkv_bias);  // the product's own output: no copy
   const at::Tensor qk = ops.rotary.call(qkv.narrow(1, 0, q_and_k * head_dim).view({tokens, q_and_k, head_dim}),
                                         cos, signed_sin);
   const at::Tensor v = qkv.narrow(1, q_and_k * head_dim, num_kv_heads * head_dim).view({tokens, num_kv_heads, head_dim});
