@@ -96,9 +96,9 @@ constexpr int64_t kPrefetchBytes = 8192;
 // once (it must stay in L2 between passes), L2 as before.
 enum class WeightStream { kCached, kOnce };
 
-inline WeightStream weight_stream(int64_t tokens) {
+inline WeightStream weight_stream(bool one_pass) {
   static const bool amd = __builtin_cpu_is("amd");
-  return amd && tokens <= kMaxTokens ? WeightStream::kOnce : WeightStream::kCached;
+  return amd && one_pass ? WeightStream::kOnce : WeightStream::kCached;
 }
 
 // Prefetches the `bytes` of weight stream that lie kPrefetchBytes after `p` (each line once: a line skipped here
@@ -135,8 +135,9 @@ constexpr int64_t kTileBytes = 256 * 1024;
 // kMaxTokens tokens. `block_bytes`: the weight bytes of one row block.
 template <typename Pass>
 void for_token_passes(int64_t num_blocks, int64_t m, int64_t block_bytes, const Pass& pass) {
-  const int64_t tile = m <= kMaxTokens ? num_blocks : std::max<int64_t>(1, kTileBytes / block_bytes);
-  const WeightStream stream = weight_stream(m);
+  const bool one_pass = m <= kMaxTokens;
+  const int64_t tile = one_pass ? num_blocks : std::max<int64_t>(1, kTileBytes / block_bytes);
+  const WeightStream stream = weight_stream(one_pass);
   at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; b += tile) {
       const int64_t tile_end = std::min(end, b + tile);
