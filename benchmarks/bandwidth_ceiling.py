@@ -1,0 +1,160 @@
+"""One request's decode step against the host's memory-bandwidth ceiling (issue 20's c=1 target), offline.
+
+    .venv/bin/python benchmarks/bandwidth_ceiling.py                          # the default model, as served
+    .venv/bin/python benchmarks/bandwidth_ceiling.py --model qwen2.5-coder-1.5b
+    taskset -c 0,1 python benchmarks/bandwidth_ceiling.py --shape smollm2-135m --threads 2   # a host without the files
+
+A decode step of one token must read every weight once, so its floor is the bytes of the step's weights (the
+layers' products and the output head; not the embedding table, of which it reads one row) over the rate this
+process's threads read memory at: a 1 GiB float32 `sum`, measured beside every timed stretch because a shared
+host's rate moves. Stretches of steps alternate with those reads; per stretch: the step, its split (the decoder
+layers, the output head, the rest: scheduling, inputs, sampling), and the step as a share of the ceiling.
+
+`--shape` builds the model from a registered shape with random weights (a lent machine has no GGUF file; a
+step's time does not depend on the weights' values) and quantizes it as the registered file is served (int4
+layers, int8 head). Speculation is off: one token a step is what the ceiling describes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from llmserve import LLM, SamplingParams  # noqa: E402
+
+
+def step_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a one-token step reads from the weights: each linear's stored weight (quantized or not), once."""
+    total = 0
+    for module in model.modules():
+        qweight = getattr(module, "qweight", None)
+        if isinstance(qweight, torch.Tensor):  # quantized: the dequantized `weight` beside it serves other paths
+            parts = [qweight, module.scales, getattr(module, "bias", None)]
+        elif isinstance(module, torch.nn.Linear):
+            parts = [module.weight, module.bias]
+        else:
+            continue
+        total += sum(p.numel() * p.element_size() for p in parts if isinstance(p, torch.Tensor))
+    return total
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux), else what `platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def read_rate(buffer: torch.Tensor) -> float:
+    """GB/s of a `sum` over `buffer`, the best of three (the threads this process uses)."""
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return buffer.numel() * buffer.element_size() / best / 1e9
+
+
+class SplitTimer:
+    """Wall time spent in named calls of the model during a stretch (they run on the calling thread)."""
+
+    def __init__(self, model: torch.nn.Module, names: list[str]) -> None:
+        self.seconds = dict.fromkeys(names, 0.0)
+        for name in names:
+            setattr(model, name, self._timed(getattr(model, name), name))
+
+    def _timed(self, call, name: str):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            out = call(*args, **kwargs)
+            self.seconds[name] += time.perf_counter() - start
+            return out
+        return timed
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+
+
+def build_shape(shape: str, folder: Path) -> str:
+    from benchmarks.device_throughput import build
+
+    print(f"building {shape} with random weights ...", flush=True)
+    return build(shape, folder)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", help="a registered name or a path (default: the default model)")
+    source.add_argument("--shape", help="a registered shape, random weights, quantized as its file is served")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument("--steps", type=int, default=32, help="steps per timed stretch (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=8, help="stretches (default: %(default)s)")
+    parser.add_argument("--out", type=Path, help="a JSON file for the rows")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.shape:
+            llm = LLM(build_shape(args.shape, Path(tmp)), device="cpu", quantization="int4", speculative_config="off",
+                      kv_cache_memory_gb=0.5, max_model_len=4096)
+        else:
+            llm = LLM(args.model, speculative_config="off", kv_cache_memory_gb=0.5, max_model_len=4096)
+    engine = llm.engine
+    model = engine.runner.model
+    weights = step_weight_bytes(model)
+    print(engine.plan.describe() if hasattr(engine.plan, "describe") else engine.plan, flush=True)
+    timer = SplitTimer(model, [n for n in ("forward_fused", "forward", "compute_logits") if hasattr(model, n)])
+    vocab = engine.model_config.vocab_size
+    prompt = torch.randint(3, vocab, (256,), generator=torch.Generator().manual_seed(0)).tolist()
+    engine.add_request("probe", prompt, SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True))
+    while engine.requests["probe"].num_computed_tokens < len(prompt):
+        engine.step()
+    for _ in range(8):  # allocator, caches
+        engine.step()
+    buffer = torch.ones(2**28, dtype=torch.float32)
+    host = {"cpu": cpu_name(), "threads": torch.get_num_threads(),
+            "weights_mb": round(weights / 1e6, 1)}
+    print(json.dumps(host), flush=True)
+    print("| GB/s | ceiling ms | step ms | layers ms | head ms | rest ms | of the ceiling |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    rows = []
+    for _ in range(args.repeats):
+        rate = read_rate(buffer)
+        timer.reset()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        step = (time.perf_counter() - start) / args.steps * 1e3
+        layers = sum(v for k, v in timer.seconds.items() if k != "compute_logits") / args.steps * 1e3
+        head = timer.seconds.get("compute_logits", 0.0) / args.steps * 1e3
+        ceiling = weights / rate / 1e6
+        row = {"gb_s": round(rate, 1), "ceiling_ms": round(ceiling, 3), "step_ms": round(step, 3),
+               "layers_ms": round(layers, 3), "head_ms": round(head, 3), "rest_ms": round(step - layers - head, 3),
+               "share": round(ceiling / step, 3)}
+        rows.append(row)
+        print(f"| {rate:.1f} | {ceiling:.2f} | {step:.2f} | {layers:.2f} | {head:.2f} | {step - layers - head:.2f} "
+              f"| {ceiling / step:.0%} |", flush=True)
+    median = statistics.median(r["share"] for r in rows)
+    print(f"median share of the ceiling: {median:.0%} ({weights / 1e6:.1f} MB a step)")
+    if args.out:
+        args.out.write_text(json.dumps({"host": host, "plan": str(engine.plan.describe()) if hasattr(
+            engine.plan, "describe") else "", "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
