@@ -67,6 +67,10 @@ class ModelConfig:
                                           "Qwen2.5-Coder-1.5B) and "
                                           "a speculative draft, off for a 4-bit-only file (Q4_1: +1.45 %% on "
                                           "SmolLM2)")
+    huge_pages: bool | None = _option(None, "with quantized weights on the native kernels: the weights a decode "
+                                      "step streams copied, in the order it reads them, into one arena on 2 MiB "
+                                      "transparent huge pages (Linux); default: on where the host allows them on "
+                                      "request", cli=False)
     compile: bool = _option(False, "torch.compile each decode-only step as one graph (native attention) or each "
                             "decoder layer (PyTorch attention): faster steps for ~1-2 min more start-up")
     enforce_eager: bool = _option(False, "on CUDA: run decode steps layer by layer instead of replaying captured "

@@ -34,3 +34,14 @@ def cpu_has_vnni() -> bool:
     oneDNN's int8 x int8 products run on `vpmaddubsw`, whose int16 pair sums saturate (255 * 127 twice is
     more than 32767): results that are wrong, not slower, so int8 activations need it."""
     return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & cpu_flags())
+
+
+def transparent_huge_pages() -> str:
+    """Linux's transparent huge page mode for anonymous memory: "always", "madvise" (on request) or "never"
+    ("" where there is no such setting, as off Linux)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    return text.partition("[")[2].partition("]")[0]

@@ -29,6 +29,7 @@ from llmserve.layers.linear import prepack_linears, release_plain_weights
 from llmserve.layers.sampler import SamplingMetadata, sample
 from llmserve.loader import Checkpoint, build_model
 from llmserve.models.llama import LayerMethods, compile_layers, fused_decode_stack
+from llmserve.quantization.weight_arena import place_on_huge_pages
 from llmserve.quantization.weight_only import quantize_model
 from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.rejection_sampler import verify
@@ -104,6 +105,9 @@ class ModelRunner:
             logger.info("%d linear weights prepacked for oneDNN", packed)
             if plan.compile == "off" and not plan.int8_activations:
                 release_plain_weights(model)  # eager steps read the packed copies only
+        if plan.huge_pages:
+            placed = place_on_huge_pages(model)
+            logger.info("%.1f MB of streamed weights placed on huge pages", placed / 1e6)
         if plan.compile == "layers":
             compile_layers(model)  # the PyTorch attention path: per layer, attention left eager
         self.model = model

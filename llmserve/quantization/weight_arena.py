@@ -1,0 +1,55 @@
+"""The weights a decode step streams, moved into one arena on transparent huge pages, in the order it reads them.
+
+Why: a one-token step reads every quantized weight once (SmolLM2: 95 MB in 121 tensors, 0.2-1.1 MB each;
+Qwen2.5-Coder-1.5B: 1.0 GB). On the allocator's 4 KiB pages each page crossed is a TLB miss, the hardware
+prefetcher stops at every page edge, and a tensor under 2 MiB never gets a huge page even where the kernel would
+give one. In one 2 MiB-aligned arena advised MADV_HUGEPAGE, a step's products walk ~48 (SmolLM2) to ~500 (1.5B)
+huge pages in address order. Measured on the Zen 5 host, offline one-token steps, alternated (benchmarks/README.md,
+"Session 42"). The values are copied bit for bit: the products read the same bytes at another address.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+HUGE_PAGE = 2 << 20
+_ALIGN = 64  # each tensor starts on a cache line, as the allocator's do
+
+
+def streamed_weights(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, buffer name) of every quantized linear's packed weight and scales, in module order: the decoder
+    layers in turn (each its q/k/v, o, gate/up and down), then the output head, as a step reads them."""
+    return [(module, name) for module in model.modules() for name in ("qweight", "scales")
+            if isinstance(getattr(module, "qweight", None), torch.Tensor)
+            and isinstance(module._buffers.get(name), torch.Tensor)]
+
+
+def place_on_huge_pages(model: nn.Module) -> int:
+    """Copy the streamed weights into one anonymous private mapping advised MADV_HUGEPAGE and make each buffer a
+    view of it (the arena lives as long as any view does); returns the bytes placed. Each original is released
+    as its copy is made, so memory grows by one tensor at most. Raises OSError where the advice is refused."""
+    entries = streamed_weights(model)
+    sizes = [_aligned(getattr(module, name).nbytes, _ALIGN) for module, name in entries]
+    total = _aligned(sum(sizes), HUGE_PAGE)
+    # private and anonymous: a shared mapping is shmem, whose huge pages follow another setting
+    arena_map = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    arena_map.madvise(mmap.MADV_HUGEPAGE)
+    arena = torch.frombuffer(arena_map, dtype=torch.uint8)  # holds a reference to the mapping
+    offset = -arena.data_ptr() % HUGE_PAGE
+    for (module, name), size in zip(entries, sizes, strict=True):
+        tensor = module._buffers[name]
+        view = arena[offset : offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+        view.copy_(tensor)
+        module._buffers[name] = view
+        offset += size
+    return sum(sizes)
+
+
+def _aligned(n: int, to: int) -> int:
+    return -(-n // to) * to
