@@ -106,8 +106,11 @@ class ModelRunner:
             if plan.compile == "off" and not plan.int8_activations:
                 release_plain_weights(model)  # eager steps read the packed copies only
         if plan.huge_pages:
-            placed = place_on_huge_pages(model)
-            logger.info("%.1f MB of streamed weights placed on huge pages", placed / 1e6)
+            try:
+                placed = place_on_huge_pages(model)
+                logger.info("%.1f MB of streamed weights placed on huge pages", placed / 1e6)
+            except OSError as e:  # refused before any weight moved: they stay where they are
+                logger.warning("the weights stay on the allocator's pages: huge pages refused (%s)", e)
         if plan.compile == "layers":
             compile_layers(model)  # the PyTorch attention path: per layer, attention left eager
         self.model = model

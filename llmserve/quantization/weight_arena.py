@@ -33,7 +33,8 @@ def streamed_weights(model: nn.Module) -> list[tuple[nn.Module, str]]:
 def place_on_huge_pages(model: nn.Module) -> int:
     """Copy the streamed weights into one anonymous private mapping advised MADV_HUGEPAGE and make each buffer a
     view of it (the arena lives as long as any view does); returns the bytes placed. Each original is released
-    as its copy is made, so memory grows by one tensor at most. Raises OSError where the advice is refused."""
+    as its copy is made, so memory grows by one tensor at most. Raises OSError, before any buffer has moved, where
+    the mapping or the advice is refused."""
     entries = streamed_weights(model)
     sizes = [_aligned(getattr(module, name).nbytes, _ALIGN) for module, name in entries]
     total = _aligned(sum(sizes), HUGE_PAGE)

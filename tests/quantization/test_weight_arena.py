@@ -98,3 +98,23 @@ def test_the_plan_places_only_native_quantized_weights_and_says_why_not(tiny_dir
     assert "the allocator's pages" in off.describe()
     with pytest.raises(ValueError, match="transparent huge pages"):
         plan(quantization="int4", huge_pages=True)
+
+
+@pytest.mark.skipif(not THP, reason="transparent huge pages are off on this host")
+def test_a_refused_placement_leaves_the_weights_where_they_are(tiny_dir, monkeypatch, caplog):
+    """A kernel that refuses the mapping or the advice (it raises before any buffer moves) costs the speed-up only."""
+    from llmserve.engine import model_runner
+
+    def refuse(model):
+        raise OSError(22, "Invalid argument")
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    placed = LLM(str(tiny_dir), quantization="int4", kv_cache_memory_gb=0.01, speculative_config="off")
+    monkeypatch.setattr(model_runner, "place_on_huge_pages", refuse)
+    refused = LLM(str(tiny_dir), quantization="int4", kv_cache_memory_gb=0.01, speculative_config="off")
+    assert refused.engine.plan.huge_pages and "huge pages refused" in caplog.text
+    storages = {t.untyped_storage().data_ptr() for t in _streamed(refused)}
+    assert len(storages) == len(_streamed(refused))  # each its own allocation, as quantized
+    prompts = [[5, 17, 99, 3, 250], [300, 301]]
+    assert ([o.outputs[0].token_ids for o in refused.generate(prompts, params, use_tqdm=False)]
+            == [o.outputs[0].token_ids for o in placed.generate(prompts, params, use_tqdm=False)])
