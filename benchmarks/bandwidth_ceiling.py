@@ -31,32 +31,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmserve import LLM, SamplingParams  # noqa: E402
+from llmserve.host import cpu_model  # noqa: E402
+from llmserve.quantization.weight_arena import streamed_weights  # noqa: E402
 
 
 def step_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a one-token step reads from the weights: each linear's stored weight (quantized or not), once."""
-    total = 0
-    for module in model.modules():
-        qweight = getattr(module, "qweight", None)
-        if isinstance(qweight, torch.Tensor):  # quantized: the dequantized `weight` beside it serves other paths
-            parts = [qweight, module.scales, getattr(module, "bias", None)]
-        elif isinstance(module, torch.nn.Linear):
-            parts = [module.weight, module.bias]
-        else:
-            continue
-        total += sum(p.numel() * p.element_size() for p in parts if isinstance(p, torch.Tensor))
-    return total
-
-
-def cpu_name() -> str:
-    """The CPU's model name (Linux), else what `platform` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    """Bytes a one-token step reads from the weights: the quantized linears' packed weights and scales (what the
+    weight arena places), else each dense linear's weight and bias."""
+    quantized = streamed_weights(model)
+    if quantized:
+        return sum(module._buffers[name].nbytes for module, name in quantized)
+    return sum(p.nbytes for m in model.modules() if isinstance(m, torch.nn.Linear)
+               for p in (m.weight, m.bias) if p is not None)
 
 
 def read_rate(buffer: torch.Tensor) -> float:
@@ -127,7 +113,7 @@ def main() -> None:
     for _ in range(8):  # allocator, caches
         engine.step()
     buffer = torch.ones(2**28, dtype=torch.float32)
-    host = {"cpu": cpu_name(), "threads": torch.get_num_threads(),
+    host = {"cpu": cpu_model() or platform.machine(), "threads": torch.get_num_threads(),
             "weights_mb": round(weights / 1e6, 1)}
     print(json.dumps(host), flush=True)
     print("| GB/s | ceiling ms | step ms | layers ms | head ms | rest ms | of the ceiling |")

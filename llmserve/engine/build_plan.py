@@ -318,7 +318,6 @@ def _check_tensor_parallel(config: EngineConfig, model: LlamaConfig, weights: st
 # text, every token through the kernel (benchmarks/README.md, issue 20, session 33): a tenth of a percent or less
 # on the Qwen2.5-Coder Q4_K_M files, but +1.45 % on SmolLM2's Q4_1, whose q/k/v and gate/up inputs carry a few
 # channels far larger than the rest (a group of 32 that holds one rounds its other 31 coarsely).
-_HUGE_PAGES_MEASURED = "one-token steps 3-7 % faster on a Zen 5 host, SmolLM2 and Qwen2.5-Coder-1.5B alike"
 _Q8_MEASURED = "Q8_0 inputs cost Qwen2.5-Coder-1.5B's Q4_K_M +0.13 % perplexity, SmolLM2's Q4_1 +1.45 %"
 
 # GGML types stored on a 4-bit grid that int4 takes over (groups of 32, fp16 scale and minimum: Q4_1's
@@ -367,6 +366,11 @@ def _weights(choice: str | None, formats: dict[str, str] | None, on_cpu: bool, r
     reasons["weights"] = ("auto: " + (f"the file's linear weights are {'/'.join(sorted(stored))}, which int4 would "
                           "change" if stored else "a dense file") if on_cpu else "auto: quantization is CPU-only")
     return "as loaded"
+
+
+# Offline one-token steps, both placements alternated in one process (benchmarks/README.md, session 42): Zen 5
+# 1.03-1.07x (SmolLM2, Qwen2.5-Coder-1.5B), batch 8 1.01-1.04x, batch 32 1.00x; a lent Intel Xeon 0.97-1.04x.
+_HUGE_PAGES_MEASURED = "one-token steps 3-7 % faster on a Zen 5 host, SmolLM2 and Qwen2.5-Coder-1.5B alike"
 
 
 def _huge_pages(asked: bool | None, native_quantized: bool, reasons: dict[str, str]) -> bool:
