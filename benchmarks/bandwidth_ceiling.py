@@ -103,8 +103,9 @@ def main() -> None:
     engine = llm.engine
     model = engine.runner.model
     weights = step_weight_bytes(model)
-    print(engine.plan.describe() if hasattr(engine.plan, "describe") else engine.plan, flush=True)
-    timer = SplitTimer(model, [n for n in ("forward_fused", "forward", "compute_logits") if hasattr(model, n)])
+    plan = engine.plan.describe()
+    print(plan, flush=True)
+    timer = SplitTimer(model, ["forward_fused", "forward", "compute_logits"])
     vocab = engine.model_config.vocab_size
     prompt = torch.randint(3, vocab, (256,), generator=torch.Generator().manual_seed(0)).tolist()
     engine.add_request("probe", prompt, SamplingParams(temperature=0, max_tokens=3000, ignore_eos=True))
@@ -126,20 +127,19 @@ def main() -> None:
         for _ in range(args.steps):
             engine.step()
         step = (time.perf_counter() - start) / args.steps * 1e3
-        layers = sum(v for k, v in timer.seconds.items() if k != "compute_logits") / args.steps * 1e3
-        head = timer.seconds.get("compute_logits", 0.0) / args.steps * 1e3
+        head = timer.seconds["compute_logits"] / args.steps * 1e3
+        layers = (timer.seconds["forward_fused"] + timer.seconds["forward"]) / args.steps * 1e3
         ceiling = weights / rate / 1e6
-        row = {"gb_s": round(rate, 1), "ceiling_ms": round(ceiling, 3), "step_ms": round(step, 3),
-               "layers_ms": round(layers, 3), "head_ms": round(head, 3), "rest_ms": round(step - layers - head, 3),
-               "share": round(ceiling / step, 3)}
-        rows.append(row)
-        print(f"| {rate:.1f} | {ceiling:.2f} | {step:.2f} | {layers:.2f} | {head:.2f} | {step - layers - head:.2f} "
+        rest = step - layers - head
+        rows.append({"gb_s": round(rate, 1), "ceiling_ms": round(ceiling, 3), "step_ms": round(step, 3),
+                     "layers_ms": round(layers, 3), "head_ms": round(head, 3), "rest_ms": round(rest, 3),
+                     "share": round(ceiling / step, 3)})
+        print(f"| {rate:.1f} | {ceiling:.2f} | {step:.2f} | {layers:.2f} | {head:.2f} | {rest:.2f} "
               f"| {ceiling / step:.0%} |", flush=True)
     median = statistics.median(r["share"] for r in rows)
     print(f"median share of the ceiling: {median:.0%} ({weights / 1e6:.1f} MB a step)")
     if args.out:
-        args.out.write_text(json.dumps({"host": host, "plan": str(engine.plan.describe()) if hasattr(
-            engine.plan, "describe") else "", "rows": rows}, indent=1))
+        args.out.write_text(json.dumps({"host": host, "plan": plan, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -380,10 +380,10 @@ def _huge_pages(asked: bool | None, native_quantized: bool, reasons: dict[str, s
         if asked:
             raise ValueError("huge_pages places quantized weights on the native kernels, and this model has none")
         return False
-    mode = transparent_huge_pages()
     if asked is False:
         reasons["weight memory"] = "as asked"
         return False
+    mode = transparent_huge_pages()
     if mode not in ("always", "madvise"):
         if asked:
             raise ValueError(f"huge_pages needs Linux's transparent huge pages, and they are {mode or 'absent'} here "

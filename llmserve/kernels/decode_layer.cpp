@@ -23,7 +23,6 @@
 
 #include "attention_common.h"
 
-#include <array>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -126,10 +125,9 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
   const at::Tensor qk = ops.rotary.call(view_of(qkv, 0, {tokens, q_and_k, head_dim}, {row, head_dim, 1}), cos,
                                         signed_sin);
   const at::Tensor v = view_of(qkv, q_and_k * head_dim, {tokens, num_kv_heads, head_dim}, {row, head_dim, 1});
-  const std::array<int64_t, 3> qk_strides{qk.stride(0), qk.stride(1), qk.stride(2)};
-  ops.write_kv.call(view_of(qk, num_heads * qk.stride(1), {tokens, num_kv_heads, head_dim}, qk_strides), v,
+  ops.write_kv.call(view_of(qk, num_heads * qk.stride(1), {tokens, num_kv_heads, head_dim}, qk.strides()), v,
                     w.k_cache, w.v_cache, slots);
-  const at::Tensor attended = ops.attention.call(view_of(qk, 0, {tokens, num_heads, head_dim}, qk_strides),
+  const at::Tensor attended = ops.attention.call(view_of(qk, 0, {tokens, num_heads, head_dim}, qk.strides()),
                                                  w.k_cache, w.v_cache, block_table, context_lens, scale);
   TORCH_CHECK(attended.is_contiguous(), "decode_layer: the attention's output must be contiguous");
   const at::Tensor o = w.o(ops, view_of(attended, 0, {tokens, num_heads * head_dim}, {num_heads * head_dim, 1}));
