@@ -9,6 +9,8 @@ layers' products and the output head; not the embedding table, of which it reads
 process's threads read memory at: a 1 GiB float32 `sum`, measured beside every timed stretch because a shared
 host's rate moves. Stretches of steps alternate with those reads; per stretch: the step, its split (the decoder
 layers, the output head, the rest: scheduling, inputs, sampling), and the step as a share of the ceiling.
+Then, where the layers run as one native call, stretches with that call timed piece by piece (`run_timed`): each
+piece of a layer in us, its share of the step, and for the products the rate they read their weights at.
 
 `--shape` builds the model from a registered shape with random weights (a lent machine has no GGUF file; a
 step's time does not depend on the weights' values) and quantizes it as the registered file is served (int4
@@ -75,6 +77,59 @@ class SplitTimer:
         self.seconds = dict.fromkeys(self.seconds, 0.0)
 
 
+class TimedStack:
+    """Stands in for the runner's fused decode stack: the same call, each piece of a layer timed into `seconds`."""
+
+    def __init__(self, stack) -> None:
+        self.stack = stack
+        self.pieces = torch.classes.llmserve.DecodeStack.pieces()
+        self.seconds = torch.zeros(len(self.pieces), dtype=torch.float64)
+
+    def run(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.stack.run_timed(*args, self.seconds)
+
+
+# the pieces of a layer that are products, and the linear each reads
+PRODUCTS = {"q/k/v": "self_attn.qkv_proj", "o": "self_attn.o_proj", "gate/up": "mlp.gate_up_proj",
+            "down": "mlp.down_proj"}
+
+
+def piece_split(engine, steps: int, repeats: int) -> list[dict]:
+    """Per piece of a decoder layer: us a layer and share of the step, the best of `repeats` stretches (by step
+    time) of `steps` steps with the fused stack timed; a product's row also its weights' read rate."""
+    runner, model = engine.runner, engine.runner.model
+    layers = len(model.layers)
+    weight_bytes = {piece: step_weight_bytes(model.layers[0].get_submodule(name)) for piece, name in PRODUCTS.items()}
+    plain = runner.fused_stack
+    best = None
+    try:
+        for _ in range(repeats):
+            runner.fused_stack = timed = TimedStack(plain)
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            step = (time.perf_counter() - start) / steps
+            if best is None or step < best[0]:
+                best = (step, timed)
+    finally:
+        runner.fused_stack = plain
+    step, timed = best
+    rows = []
+    for name, seconds in zip(timed.pieces, timed.seconds.tolist(), strict=True):
+        layer_s = seconds / steps / layers
+        row = {"piece": name, "us_a_layer": round(layer_s * 1e6, 2), "share_of_step": round(layer_s * layers / step, 3)}
+        if name in weight_bytes:
+            row["gb_s"] = round(weight_bytes[name] / layer_s / 1e9, 1)
+        rows.append(row)
+    print(f"\nthe decoder layers piece by piece (best of {repeats} timed stretches: {step * 1e3:.2f} ms a step)")
+    print("| piece | us a layer | of the step | weights read at |")
+    print("|---|---:|---:|---:|")
+    for row in rows:
+        rate = f"{row['gb_s']:.1f} GB/s" if "gb_s" in row else ""
+        print(f"| {row['piece']} | {row['us_a_layer']:.2f} | {row['share_of_step']:.1%} | {rate} |")
+    return rows
+
+
 def build_shape(shape: str, folder: Path) -> str:
     from benchmarks.device_throughput import build
 
@@ -138,8 +193,9 @@ def main() -> None:
               f"| {ceiling / step:.0%} |", flush=True)
     median = statistics.median(r["share"] for r in rows)
     print(f"median share of the ceiling: {median:.0%} ({weights / 1e6:.1f} MB a step)")
+    pieces = piece_split(engine, args.steps, args.repeats) if engine.runner.fused_stack is not None else []
     if args.out:
-        args.out.write_text(json.dumps({"host": host, "plan": plan, "rows": rows}, indent=1))
+        args.out.write_text(json.dumps({"host": host, "plan": plan, "rows": rows, "pieces": pieces}, indent=1))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,9 @@
 
 #include "attention_common.h"
 
+#include <array>
+#include <chrono>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -111,29 +114,70 @@ struct LayerWeights {
   at::Tensor k_cache, v_cache;
 };
 
+// A layer's pieces, in the order it runs them: where a step's time goes, per piece, is what `run_timed` reports
+// (benchmarks/bandwidth_ceiling.py), to say what holds a small model's step back from its memory-bandwidth floor.
+enum Piece { kInputNorm, kQkv, kRotary, kWriteKv, kAttention, kO, kPostNorm, kGateUp, kGate, kDown, kResidual, kPieces };
+const std::array<const char*, kPieces> kPieceNames = {"input norm", "q/k/v",     "rotary", "write K/V",
+                                                      "attention",  "o",         "post norm", "gate/up",
+                                                      "gate",       "down",      "residual"};
+
+// The plain call's timer: nothing, compiled away
+struct NoTimer {
+  void mark(Piece) {}
+};
+
+// Adds the wall time since the last mark to the piece just finished
+struct WallTimer {
+  using Clock = std::chrono::steady_clock;
+  double* seconds;  // [kPieces]
+  Clock::time_point last = Clock::now();
+
+  void mark(Piece piece) {
+    const auto now = Clock::now();
+    seconds[piece] += std::chrono::duration<double>(now - last).count();
+    last = now;
+  }
+};
+
+template <typename Timer>
 at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin,
                         LayerWeights& w, const at::Tensor& slots, const at::Tensor& block_table,
-                        const at::Tensor& context_lens, int64_t num_heads, double eps, double scale) {
+                        const at::Tensor& context_lens, int64_t num_heads, double eps, double scale, Timer& timer) {
   const auto& ops = layer_ops();
   const int64_t tokens = x.size(0);
   const int64_t num_kv_heads = w.k_cache.size(1), head_dim = llmserve::attention::cache_head_dim(w.k_cache);
   const int64_t q_and_k = num_heads + num_kv_heads;
-  at::Tensor qkv = w.qkv(ops, ops.rms_norm.call(x, w.input_norm, eps));  // contiguous: a product's, or their cat
+  const at::Tensor h = ops.rms_norm.call(x, w.input_norm, eps);
+  timer.mark(kInputNorm);
+  at::Tensor qkv = w.qkv(ops, h);  // contiguous: a product's, or their cat
   if (w.qkv_bias.defined()) qkv.add_(w.qkv_bias);  // the product's own output: no copy
+  timer.mark(kQkv);
   TORCH_CHECK(qkv.is_contiguous(), "decode_layer: the q/k/v product's output must be contiguous");
   const int64_t row = qkv.size(1);
   const at::Tensor qk = ops.rotary.call(view_of(qkv, 0, {tokens, q_and_k, head_dim}, {row, head_dim, 1}), cos,
                                         signed_sin);
   const at::Tensor v = view_of(qkv, q_and_k * head_dim, {tokens, num_kv_heads, head_dim}, {row, head_dim, 1});
+  timer.mark(kRotary);
   ops.write_kv.call(view_of(qk, num_heads * qk.stride(1), {tokens, num_kv_heads, head_dim}, qk.strides()), v,
                     w.k_cache, w.v_cache, slots);
+  timer.mark(kWriteKv);
   const at::Tensor attended = ops.attention.call(view_of(qk, 0, {tokens, num_heads, head_dim}, qk.strides()),
                                                  w.k_cache, w.v_cache, block_table, context_lens, scale);
+  timer.mark(kAttention);
   TORCH_CHECK(attended.is_contiguous(), "decode_layer: the attention's output must be contiguous");
   const at::Tensor o = w.o(ops, view_of(attended, 0, {tokens, num_heads * head_dim}, {num_heads * head_dim, 1}));
+  timer.mark(kO);
   auto [residual, normed] = ops.add_rms_norm.call(x, o, w.post_norm, eps);
-  const at::Tensor gated = ops.silu_and_mul.call(w.gate_up(ops, normed));
-  return residual.add_(w.down(ops, gated));
+  timer.mark(kPostNorm);
+  const at::Tensor gate_up = w.gate_up(ops, normed);
+  timer.mark(kGateUp);
+  const at::Tensor gated = ops.silu_and_mul.call(gate_up);
+  timer.mark(kGate);
+  const at::Tensor down = w.down(ops, gated);
+  timer.mark(kDown);
+  residual.add_(down);
+  timer.mark(kResidual);
+  return residual;
 }
 
 // The decoder layers, built once from the model's tensors (shared, not copied) and its KV caches, so a
@@ -184,16 +228,37 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   // x [tokens, hidden] (the embedded tokens) -> the last layer's output; writes each layer's K/V
-  at::Tensor run(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& signed_sin, const at::Tensor& slots,
+  at::Tensor run(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin, const at::Tensor& slots,
                  const at::Tensor& block_table, const at::Tensor& context_lens) {
+    NoTimer timer;
+    return run_layers(x, cos, signed_sin, slots, block_table, context_lens, timer);
+  }
+
+  // The same, adding each piece's wall time (summed over the layers) to `seconds` [pieces()], float64
+  at::Tensor run_timed(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin,
+                       const at::Tensor& slots, const at::Tensor& block_table, const at::Tensor& context_lens,
+                       const at::Tensor& seconds) {
+    TORCH_CHECK(seconds.scalar_type() == at::kDouble && seconds.is_contiguous() && seconds.numel() == kPieces,
+                "DecodeStack.run_timed: seconds must be a contiguous float64 tensor of ", kPieces, " elements");
+    WallTimer timer{seconds.data_ptr<double>()};
+    return run_layers(x, cos, signed_sin, slots, block_table, context_lens, timer);
+  }
+
+  // The names of the pieces `run_timed` times, in its order
+  static std::vector<std::string> pieces() { return {kPieceNames.begin(), kPieceNames.end()}; }
+
+ private:
+  template <typename Timer>
+  at::Tensor run_layers(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& signed_sin,
+                        const at::Tensor& slots, const at::Tensor& block_table, const at::Tensor& context_lens,
+                        Timer& timer) {
     TORCH_CHECK(x_in.dim() == 2, "DecodeStack.run: x must be [tokens, hidden]");
     at::Tensor x = x_in;
     for (auto& layer : layers_)
-      x = decode_layer(x, cos, signed_sin, layer, slots, block_table, context_lens, num_heads_, eps_, scale_);
+      x = decode_layer(x, cos, signed_sin, layer, slots, block_table, context_lens, num_heads_, eps_, scale_, timer);
     return x;
   }
 
- private:
   std::vector<LayerWeights> layers_;
   int64_t num_heads_;
   double eps_, scale_;
@@ -207,5 +272,7 @@ TORCH_LIBRARY_FRAGMENT(llmserve, m) {
                        std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, int64_t, int64_t, double, double, std::vector<int64_t>,
                        std::vector<int64_t>, std::vector<int64_t>>())
-      .def("run", &DecodeStack::run);
+      .def("run", &DecodeStack::run)
+      .def("run_timed", &DecodeStack::run_timed)
+      .def_static("pieces", &DecodeStack::pieces);
 }

@@ -148,3 +148,42 @@ def test_the_stack_refuses_mismatched_layers():
         stack(rows=(14 * 64, 16, 2 * 1536, 16))
     with pytest.raises(RuntimeError, match="caches must be"):
         stack(v_cache=torch.zeros(4, 3, 16))
+
+
+def test_the_timed_call_computes_the_same_and_times_every_piece(prompt_token_ids):
+    """`run_timed` (the step's split by piece, benchmarks/bandwidth_ceiling.py) is `run` with a clock around each
+    piece: the same output and K/V, and a time for every piece of every layer."""
+    llm = LLM(dtype="bfloat16", quantization="int4", kernels="native", kv_cache_memory_gb=0.25, max_model_len=2048)
+    runner, model = llm.engine.runner, llm.engine.runner.model
+    captured = []
+    forward_fused = model.forward_fused
+
+    def capture(stack, input_ids, positions, meta):
+        x = model.embed_tokens(input_ids)
+        cos, sin = model.rotary.lookup(positions, x.dtype)
+        captured.append((x, cos, sin, meta.write_slots, meta.decodes.block_table, meta.decodes.context_lens))
+        return forward_fused(stack, input_ids, positions, meta)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model, "forward_fused", capture)
+        llm.generate(prompt_token_ids[:2], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                     use_tqdm=False)
+    assert captured and captured[-1][0].shape[0] == 2  # the last step decodes both prompts
+    step = captured[-1]
+    pieces = torch.classes.llmserve.DecodeStack.pieces()
+    assert pieces[:2] == ["input norm", "q/k/v"] and "attention" in pieces and pieces[-1] == "residual"
+    plain = runner.fused_stack.run(*step)
+    caches = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    seconds = torch.zeros(len(pieces), dtype=torch.float64)
+    timed = runner.fused_stack.run_timed(*step, seconds)
+    assert torch.equal(timed, plain)
+    assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(runner.kv_caches, caches,
+                                                                                    strict=True))
+    assert (seconds > 0).all()
+    again = seconds.clone()
+    runner.fused_stack.run_timed(*step, seconds)  # adds to what is there
+    assert (seconds > again).all()
+    with pytest.raises(RuntimeError, match="float64 tensor of 11 elements"):
+        runner.fused_stack.run_timed(*step, torch.zeros(len(pieces), dtype=torch.float32))
+    with pytest.raises(RuntimeError, match="float64 tensor of 11 elements"):
+        runner.fused_stack.run_timed(*step, torch.zeros(3, dtype=torch.float64))
