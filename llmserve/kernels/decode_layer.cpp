@@ -117,9 +117,8 @@ struct LayerWeights {
 // A layer's pieces, in the order it runs them: where a step's time goes, per piece, is what `run_timed` reports
 // (benchmarks/bandwidth_ceiling.py), to say what holds a small model's step back from its memory-bandwidth floor.
 enum Piece { kInputNorm, kQkv, kRotary, kWriteKv, kAttention, kO, kPostNorm, kGateUp, kGate, kDown, kResidual, kPieces };
-const std::array<const char*, kPieces> kPieceNames = {"input norm", "q/k/v",     "rotary", "write K/V",
-                                                      "attention",  "o",         "post norm", "gate/up",
-                                                      "gate",       "down",      "residual"};
+const std::array<const char*, kPieces> kPieceNames = {"input norm", "q/k/v", "rotary", "write K/V", "attention", "o",
+                                                      "post norm", "gate/up", "gate", "down", "residual"};
 
 // The plain call's timer: nothing, compiled away
 struct NoTimer {
