@@ -62,8 +62,9 @@ inline ExpSum exp_shifted(float* s, int64_t n) {
 // (no division per token). Cache layout [num_blocks, num_kv_heads, block_size, head_dim].
 // Each block holds a (block, head)'s rows contiguously (2 KiB for SmolLM2), but consecutive blocks lie
 // anywhere in the cache, so the hardware prefetcher stops at every block edge: the walker prefetches the
-// blocks ahead itself. (A modest gain: at batch 32 with every block distinct, 8.2 -> 8.8 GB/s; the kernel is
-// mostly bound by its instructions, see benchmarks/README.md.)
+// blocks ahead itself. Until session 43 the compiler deleted those prefetches (see `prefetch`), and the gain once
+// recorded for them (batch 32, 8.2 -> 8.8 GB/s) was noise; emitted, SmolLM2's one-request step over ~1650 tokens of
+// context, which has left the cache, 4.4-4.9 -> 3.6 ms (attention 56-59 -> 30 us a layer; benchmarks/README.md).
 template <typename T>
 class RowWalker {
  public:
@@ -88,7 +89,9 @@ class RowWalker {
   }
 
  private:
-  void prefetch(const int32_t* block) const {
+  // always inlined: as a function of its own, its body only prefetches, so GCC's pure-const analysis found it
+  // free of effects and deleted every call (GCC 12, -O1 and up: until session 43 no prefetch was ever emitted)
+  __attribute__((always_inline)) void prefetch(const int32_t* block) const {
     if (block >= end_) return;
     const char* rows = reinterpret_cast<const char*>(
         cache_ + (static_cast<int64_t>(*block) * num_kv_heads_ + head_) * block_size_ * head_dim_);
