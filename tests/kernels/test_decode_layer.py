@@ -150,24 +150,28 @@ def test_the_stack_refuses_mismatched_layers():
         stack(v_cache=torch.zeros(4, 3, 16))
 
 
+class _RecordingStack:
+    """The runner's fused stack, keeping each call's arguments."""
+
+    def __init__(self, stack) -> None:
+        self.stack, self.calls = stack, []
+
+    def run(self, *args: torch.Tensor) -> torch.Tensor:
+        self.calls.append(args)
+        return self.stack.run(*args)
+
+
 def test_the_timed_call_computes_the_same_and_times_every_piece(prompt_token_ids):
     """`run_timed` (the step's split by piece, benchmarks/bandwidth_ceiling.py) is `run` with a clock around each
     piece: the same output and K/V, and a time for every piece of every layer."""
     llm = LLM(dtype="bfloat16", quantization="int4", kernels="native", kv_cache_memory_gb=0.25, max_model_len=2048)
-    runner, model = llm.engine.runner, llm.engine.runner.model
-    captured = []
-    forward_fused = model.forward_fused
-
-    def capture(stack, input_ids, positions, meta):
-        x = model.embed_tokens(input_ids)
-        cos, sin = model.rotary.lookup(positions, x.dtype)
-        captured.append((x, cos, sin, meta.write_slots, meta.decodes.block_table, meta.decodes.context_lens))
-        return forward_fused(stack, input_ids, positions, meta)
-
+    runner = llm.engine.runner
+    recording = _RecordingStack(runner.fused_stack)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(model, "forward_fused", capture)
+        patch.setattr(runner, "fused_stack", recording)
         llm.generate(prompt_token_ids[:2], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
                      use_tqdm=False)
+    captured = recording.calls
     assert captured and captured[-1][0].shape[0] == 2  # the last step decodes both prompts
     step = captured[-1]
     pieces = torch.classes.llmserve.DecodeStack.pieces()
