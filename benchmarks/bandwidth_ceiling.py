@@ -101,19 +101,17 @@ def piece_split(engine, steps: int, repeats: int) -> list[dict]:
     layers = len(model.layers)
     weight_bytes = {piece: step_weight_bytes(model.layers[0].get_submodule(name)) for piece, name in PRODUCTS.items()}
     plain = runner.fused_stack
-    best = None
+    stretches = []  # (seconds a step, its timed stack)
     try:
         for _ in range(repeats):
             runner.fused_stack = timed = TimedStack(plain)
             start = time.perf_counter()
             for _ in range(steps):
                 engine.step()
-            step = (time.perf_counter() - start) / steps
-            if best is None or step < best[0]:
-                best = (step, timed)
+            stretches.append(((time.perf_counter() - start) / steps, timed))
     finally:
         runner.fused_stack = plain
-    step, timed = best
+    step, timed = min(stretches, key=lambda stretch: stretch[0])
     rows = []
     for name, seconds in zip(timed.pieces, timed.seconds.tolist(), strict=True):
         layer_s = seconds / steps / layers

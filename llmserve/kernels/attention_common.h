@@ -62,9 +62,9 @@ inline ExpSum exp_shifted(float* s, int64_t n) {
 // (no division per token). Cache layout [num_blocks, num_kv_heads, block_size, head_dim].
 // Each block holds a (block, head)'s rows contiguously (2 KiB for SmolLM2), but consecutive blocks lie
 // anywhere in the cache, so the hardware prefetcher stops at every block edge: the walker prefetches the
-// blocks ahead itself. Until session 43 the compiler deleted those prefetches (see `prefetch`), and the gain once
-// recorded for them (batch 32, 8.2 -> 8.8 GB/s) was noise; emitted, SmolLM2's one-request step over ~1650 tokens of
-// context, which has left the cache, 4.4-4.9 -> 3.6 ms (attention 56-59 -> 30 us a layer; benchmarks/README.md).
+// blocks ahead itself: SmolLM2's one-request step over ~1650 tokens of context, which has left the cache, 4.4-4.9
+// -> 3.6 ms (attention 56-59 -> 30 us a layer; benchmarks/README.md, session 43, where `prefetch` was made to
+// survive the compiler).
 template <typename T>
 class RowWalker {
  public:
