@@ -3,10 +3,11 @@
 // Why: at batch 1 the step reads ~95 MB of weights, ~3 ms at this machine's memory rate, yet a compiled
 // step took ~4.3 ms. About 1 ms was the calls themselves: per layer four int4 products, K/V write, attention
 // and five of Inductor's elementwise loops, each entered from Inductor's Python wrapper (argument checks,
-// the dispatcher's boxed path for custom ops, an OpenMP fork). Here the whole stack is one call from Python,
-// and each layer's eleven pieces are the same native ops, called through the dispatcher's C++ path: the same
-// kernels and the same arithmetic as an eager step on the native kernels (each op in float32 inside,
-// rounded once), with the Python between them gone.
+// the dispatcher's boxed path for custom ops, an OpenMP fork). Here the whole stack is one call from Python:
+// the products and the attention are our ops, called through the dispatcher's C++ path; the norms, rotary, the
+// K/V write and the gate run in place on the step's own buffers through the rows the eager ops use
+// (elementwise.h), a layer's residual add joined to the next layer's norm. The same kernels and the same
+// arithmetic as an eager step on the native kernels (each piece in float32 inside, rounded once), bit for bit.
 //
 //   h = rms_norm(x); qkv = h Wqkv (+ b); q, k = rotary(q, k); cache <- k, v; o = attention(q)
 //   x = x + o Wo; h = rms_norm(x); x = x + (silu(h Wgate) * h Wup) Wdown
@@ -22,9 +23,11 @@
 #include <torch/library.h>
 
 #include "attention_common.h"
+#include "elementwise.h"
 
 #include <array>
 #include <chrono>
+#include <cstring>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -47,16 +50,11 @@ struct Op<Return(Args...)> {
 using Tensor = at::Tensor;
 
 struct LayerOps {
-  Op<Tensor(const Tensor&, const Tensor&, double)> rms_norm{"llmserve::rms_norm"};
-  Op<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double)> add_rms_norm{
-      "llmserve::add_rms_norm"};
   Op<Tensor(const Tensor&, const Tensor&, int64_t, int64_t)> int4_gemv{"llmserve::int4_gemv"};
   Op<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t)> int8_gemv{"llmserve::int8_gemv"};
-  Op<Tensor(const Tensor&, const Tensor&, const Tensor&)> rotary{"llmserve::rotary"};
   Op<void(const Tensor&, const Tensor&, Tensor&, Tensor&, const Tensor&)> write_kv{"llmserve::write_kv"};
   Op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double)> attention{
       "llmserve::paged_decode_attention"};
-  Op<Tensor(const Tensor&)> silu_and_mul{"llmserve::silu_and_mul"};
 };
 
 const LayerOps& layer_ops() {
@@ -95,15 +93,15 @@ struct Linear {
 };
 
 // A view of `base`'s memory from element `offset`, made without the dispatcher: a narrow + view pair costs ~0.7 us
-// (two dispatched ops, two tensors), this ~0.07, and a layer takes five. `base` must outlive the view: each one here
-// views a tensor the layer's call holds.
+// (two dispatched ops, two tensors), this ~0.07. `base` must outlive the view: each one here views a tensor the
+// layer's call holds.
 Tensor view_of(const Tensor& base, int64_t offset, at::IntArrayRef sizes, at::IntArrayRef strides) {
   return at::from_blob(static_cast<char*>(base.data_ptr()) + offset * base.element_size(), sizes, strides,
                        base.options());
 }
 
-// x [tokens, hidden]; cos, signed_sin [tokens, 1, head_dim]; caches [blocks, kv_heads, block_size, head_dim],
-// written at `slots` (one per token and KV head, as write_kv); qkv_bias undefined where q/k/v have none.
+// caches [blocks, kv_heads, block_size, head_dim], written at a step's `slots` (one per token and KV head, as
+// write_kv); qkv_bias undefined where q/k/v have none.
 struct LayerWeights {
   at::Tensor input_norm;
   Linear qkv;
@@ -116,8 +114,9 @@ struct LayerWeights {
 
 // A layer's pieces, in the order it runs them: where a step's time goes, per piece, is what `run_timed` reports
 // (benchmarks/bandwidth_ceiling.py), to say what holds a small model's step back from its memory-bandwidth floor.
-enum Piece { kInputNorm, kQkv, kRotary, kWriteKv, kAttention, kO, kPostNorm, kGateUp, kGate, kDown, kResidual, kPieces };
-const std::array<const char*, kPieces> kPieceNames = {"input norm", "q/k/v", "rotary", "write K/V", "attention", "o",
+// A layer's input norm takes the residual add of the layer before it; the last layer's add is "residual".
+enum Piece { kInputNorm, kQkv, kRotary, kAttention, kO, kPostNorm, kGateUp, kGate, kDown, kResidual, kPieces };
+const std::array<const char*, kPieces> kPieceNames = {"input norm", "q/k/v", "rotary, K/V write", "attention", "o",
                                                       "post norm", "gate/up", "gate", "down", "residual"};
 
 // The plain call's timer: nothing, compiled away
@@ -138,45 +137,115 @@ struct WallTimer {
   }
 };
 
-template <typename Timer>
-at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin,
-                        LayerWeights& w, const at::Tensor& slots, const at::Tensor& block_table,
-                        const at::Tensor& context_lens, int64_t num_heads, double eps, double scale, Timer& timer) {
+// A step's own tensors, checked once for all its layers, and the buffers its elementwise pieces write into: one
+// allocation a step. The norms, rotary, the K/V write and the gate run in place on these through the rows of
+// elementwise.h (the eager ops' own code, so the same bits): dispatched, each allocated its output and cost ~1-2 us
+// a layer (benchmarks/README.md, session 44).
+template <typename T>
+struct Step {
+  int64_t tokens, hidden, intermediate, num_heads, num_kv_heads, head_dim;
+  const T *cos, *sin;  // [tokens, head_dim]
+  const int64_t* slots;  // [tokens * num_kv_heads]
+  bool plain_slots;  // the caches hold the model's dtype: the K/V write is a copy per slot
+  at::Tensor slots_tensor, block_table, context_lens;
+  at::Tensor buffers;
+  T *residual, *normed, *qk, *gated;  // [tokens, hidden] x 2, [tokens, q + k heads, head_dim], [tokens, intermediate]
+
+  int64_t q_and_k() const { return num_heads + num_kv_heads; }
+};
+
+// rms_norm of `rows` rows of `a` (+ `b`, the sum kept in `sum_out`: the residual stream) into `out`
+template <typename T>
+void norm_rows(const T* a, const T* b, const at::Tensor& weight, T* out, T* sum_out, int64_t rows, int64_t n,
+               double eps) {
+  auto each = [&](const auto* w) {
+    for (int64_t r = 0; r < rows; ++r)
+      llmserve::elementwise::rms_norm_row(a + r * n, b ? b + r * n : nullptr, w, out + r * n,
+                                          sum_out ? sum_out + r * n : nullptr, n, static_cast<float>(eps));
+  };
+  if (weight.scalar_type() == at::kFloat)
+    each(weight.data_ptr<float>());
+  else
+    each(weight.data_ptr<at::BFloat16>());
+}
+
+// Asks for a small tensor's lines ahead of the piece that reads it (a norm's weights: the products' weight streams
+// between two uses have evicted them)
+inline void prefetch_tensor(const at::Tensor& t) {
+  const char* p = static_cast<const char*>(t.data_ptr());
+  for (int64_t line = 0; line < t.nbytes(); line += 64) __builtin_prefetch(p + line, 0, 3);
+}
+
+// A tensor over a step's buffer (not owning it: the step holds it for the whole call)
+template <typename T>
+Tensor rows_of(const Step<T>& step, T* data, int64_t width) {
+  return at::from_blob(data, {step.tokens, width}, step.buffers.options());
+}
+
+// One layer. `x`: the residual stream so far; `delta`: what the layer before adds to it (its down product), or
+// undefined for the first layer. Returns the layer's (residual, down): the next layer adds them. The residual stream
+// is updated in place in `residual_out` (which `x` may be).
+template <typename T, typename Timer>
+std::pair<const T*, Tensor> decode_layer(const T* x, const Tensor& delta, LayerWeights& w, const LayerWeights* next,
+                                         const Step<T>& step, T* residual_out, double eps, double scale,
+                                         Timer& timer) {
   const auto& ops = layer_ops();
-  const int64_t tokens = x.size(0);
-  const int64_t num_kv_heads = w.k_cache.size(1), head_dim = llmserve::attention::cache_head_dim(w.k_cache);
-  const int64_t q_and_k = num_heads + num_kv_heads;
-  const at::Tensor h = ops.rms_norm.call(x, w.input_norm, eps);
+  const int64_t tokens = step.tokens, hidden = step.hidden, head_dim = step.head_dim;
+  const int64_t num_heads = step.num_heads, num_kv_heads = step.num_kv_heads, q_and_k = step.q_and_k();
+  if (delta.defined()) {  // the layer before's residual add, and this layer's norm, in one pass
+    norm_rows(x, delta.data_ptr<T>(), w.input_norm, step.normed, residual_out, tokens, hidden, eps);
+    x = residual_out;
+  } else {
+    norm_rows<T>(x, nullptr, w.input_norm, step.normed, nullptr, tokens, hidden, eps);
+  }
   timer.mark(kInputNorm);
-  at::Tensor qkv = w.qkv(ops, h);  // contiguous: a product's, or their cat
+  at::Tensor qkv = w.qkv(ops, rows_of(step, step.normed, hidden));  // contiguous: a product's, or their cat
   if (w.qkv_bias.defined()) qkv.add_(w.qkv_bias);  // the product's own output: no copy
   timer.mark(kQkv);
   TORCH_CHECK(qkv.is_contiguous(), "decode_layer: the q/k/v product's output must be contiguous");
   const int64_t row = qkv.size(1);
-  const at::Tensor qk = ops.rotary.call(view_of(qkv, 0, {tokens, q_and_k, head_dim}, {row, head_dim, 1}), cos,
-                                        signed_sin);
-  const at::Tensor v = view_of(qkv, q_and_k * head_dim, {tokens, num_kv_heads, head_dim}, {row, head_dim, 1});
+  const T* qkv_data = qkv.data_ptr<T>();
+  llmserve::elementwise::rotary_rows(qkv_data, step.cos, step.sin, step.qk, tokens, q_and_k, head_dim, row);
+  const T* v_data = qkv_data + q_and_k * head_dim;
+  if (step.plain_slots) {  // k and v [token, kv head] rows to their slots
+    auto* k_cache = w.k_cache.data_ptr<T>();
+    auto* v_cache = w.v_cache.data_ptr<T>();
+    const size_t bytes = head_dim * sizeof(T);
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const int64_t slot = step.slots[t * num_kv_heads + h];
+        std::memcpy(k_cache + slot * head_dim, step.qk + (t * q_and_k + num_heads + h) * head_dim, bytes);
+        std::memcpy(v_cache + slot * head_dim, v_data + t * row + h * head_dim, bytes);
+      }
+  } else {  // a 1-byte cache quantizes its rows: the op
+    ops.write_kv.call(at::from_blob(step.qk + num_heads * head_dim, {tokens, num_kv_heads, head_dim},
+                                    {q_and_k * head_dim, head_dim, 1}, qkv.options()),
+                      view_of(qkv, q_and_k * head_dim, {tokens, num_kv_heads, head_dim}, {row, head_dim, 1}),
+                      w.k_cache, w.v_cache, step.slots_tensor);
+  }
   timer.mark(kRotary);
-  ops.write_kv.call(view_of(qk, num_heads * qk.stride(1), {tokens, num_kv_heads, head_dim}, qk.strides()), v,
-                    w.k_cache, w.v_cache, slots);
-  timer.mark(kWriteKv);
-  const at::Tensor attended = ops.attention.call(view_of(qk, 0, {tokens, num_heads, head_dim}, qk.strides()),
-                                                 w.k_cache, w.v_cache, block_table, context_lens, scale);
+  const at::Tensor attended = ops.attention.call(
+      at::from_blob(step.qk, {tokens, num_heads, head_dim}, {q_and_k * head_dim, head_dim, 1}, qkv.options()),
+      w.k_cache, w.v_cache, step.block_table, step.context_lens, scale);
   timer.mark(kAttention);
   TORCH_CHECK(attended.is_contiguous(), "decode_layer: the attention's output must be contiguous");
+  prefetch_tensor(w.post_norm);
   const at::Tensor o = w.o(ops, view_of(attended, 0, {tokens, num_heads * head_dim}, {num_heads * head_dim, 1}));
   timer.mark(kO);
-  auto [residual, normed] = ops.add_rms_norm.call(x, o, w.post_norm, eps);
+  TORCH_CHECK(o.is_contiguous(), "decode_layer: the o product's output must be contiguous");
+  norm_rows(x, o.data_ptr<T>(), w.post_norm, step.normed, residual_out, tokens, hidden, eps);
   timer.mark(kPostNorm);
-  const at::Tensor gate_up = w.gate_up(ops, normed);
+  const at::Tensor gate_up = w.gate_up(ops, rows_of(step, step.normed, hidden));
   timer.mark(kGateUp);
-  const at::Tensor gated = ops.silu_and_mul.call(gate_up);
+  TORCH_CHECK(gate_up.is_contiguous(), "decode_layer: the gate/up product's output must be contiguous");
+  llmserve::elementwise::silu_and_mul_rows(gate_up.data_ptr<T>(), step.gated, tokens, step.intermediate,
+                                           2 * step.intermediate);
   timer.mark(kGate);
-  const at::Tensor down = w.down(ops, gated);
+  if (next != nullptr) prefetch_tensor(next->input_norm);
+  at::Tensor down = w.down(ops, rows_of(step, step.gated, step.intermediate));
   timer.mark(kDown);
-  residual.add_(down);
-  timer.mark(kResidual);
-  return residual;
+  TORCH_CHECK(down.is_contiguous(), "decode_layer: the down product's output must be contiguous");
+  return {residual_out, std::move(down)};
 }
 
 // The decoder layers, built once from the model's tensors (shared, not copied) and its KV caches, so a
@@ -191,14 +260,14 @@ class DecodeStack : public torch::CustomClassHolder {
               std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, int64_t num_heads,
               int64_t intermediate_size, double eps, double scale, std::vector<int64_t> activation_parts,
               std::vector<int64_t> linear_parts, std::vector<int64_t> part_rows)
-      : num_heads_(num_heads), eps_(eps), scale_(scale) {
+      : num_heads_(num_heads), intermediate_size_(intermediate_size), eps_(eps), scale_(scale) {
     const size_t n = input_norms.size();
     size_t total_parts = 0;
     for (int64_t count : linear_parts) {
       TORCH_CHECK(count >= 1, "DecodeStack: a linear has one part or more");
       total_parts += count;
     }
-    TORCH_CHECK(post_norms.size() == n && linear_parts.size() == 4 * n && linears.size() == total_parts &&
+    TORCH_CHECK(n >= 1 && post_norms.size() == n && linear_parts.size() == 4 * n && linears.size() == total_parts &&
                     linear_scales.size() == total_parts && activation_parts.size() == total_parts &&
                     part_rows.size() == total_parts && qkv_biases.size() == n && k_caches.size() == n &&
                     v_caches.size() == n,
@@ -212,8 +281,19 @@ class DecodeStack : public torch::CustomClassHolder {
       return made;
     };
     for (size_t i = 0; i < n; ++i) {
-      TORCH_CHECK(k_caches[i].dim() == 4 && k_caches[i].sizes() == v_caches[i].sizes(),
-                  "DecodeStack: caches must be [blocks, kv_heads, block_size, head_dim]");
+      TORCH_CHECK(k_caches[i].dim() == 4 && k_caches[i].sizes() == v_caches[i].sizes() &&
+                      k_caches[i].is_contiguous() && v_caches[i].is_contiguous(),
+                  "DecodeStack: caches must be contiguous [blocks, kv_heads, block_size, head_dim]");
+      // a step's shapes, dtypes and slots are read from the first layer's and hold for all
+      TORCH_CHECK(k_caches[i].sizes() == k_caches[0].sizes() &&
+                      k_caches[i].scalar_type() == k_caches[0].scalar_type() &&
+                      v_caches[i].scalar_type() == k_caches[0].scalar_type(),
+                  "DecodeStack: every layer's caches must have the first layer's shape and dtype");
+      for (const at::Tensor* norm : {&input_norms[i], &post_norms[i]})
+        TORCH_CHECK(norm->is_contiguous() && norm->numel() == input_norms[0].numel() &&
+                        norm->scalar_type() == input_norms[0].scalar_type() &&
+                        (norm->scalar_type() == at::kFloat || norm->scalar_type() == at::kBFloat16),
+                    "DecodeStack: norm weights must be contiguous float32 or bfloat16, one per feature, alike");
       LayerWeights layer{input_norms[i], linear(4 * i), qkv_biases[i].numel() ? qkv_biases[i] : at::Tensor(),
                          linear(4 * i + 1), post_norms[i], linear(4 * i + 2), linear(4 * i + 3), k_caches[i],
                          v_caches[i]};
@@ -251,15 +331,71 @@ class DecodeStack : public torch::CustomClassHolder {
   at::Tensor run_layers(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& signed_sin,
                         const at::Tensor& slots, const at::Tensor& block_table, const at::Tensor& context_lens,
                         Timer& timer) {
-    TORCH_CHECK(x_in.dim() == 2, "DecodeStack.run: x must be [tokens, hidden]");
-    at::Tensor x = x_in;
-    for (auto& layer : layers_)
-      x = decode_layer(x, cos, signed_sin, layer, slots, block_table, context_lens, num_heads_, eps_, scale_, timer);
-    return x;
+    TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == layers_[0].input_norm.numel(),
+                "DecodeStack.run: x must be [tokens, hidden]");
+    if (x_in.scalar_type() == at::kFloat) return run_typed<float>(x_in, cos, signed_sin, slots, block_table,
+                                                                  context_lens, timer);
+    TORCH_CHECK(x_in.scalar_type() == at::kBFloat16, "DecodeStack.run: x must be float32 or bfloat16");
+    return run_typed<at::BFloat16>(x_in, cos, signed_sin, slots, block_table, context_lens, timer);
+  }
+
+  template <typename T, typename Timer>
+  at::Tensor run_typed(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                       const at::Tensor& slots_in, const at::Tensor& block_table, const at::Tensor& context_lens,
+                       Timer& timer) {
+    const at::Tensor x = x_in.contiguous();
+    const at::ScalarType dtype = x.scalar_type();
+    TORCH_CHECK(dtype == at::kBFloat16 || layers_[0].input_norm.scalar_type() == at::kFloat,
+                "DecodeStack.run: a float32 x needs float32 norm weights");
+    const LayerWeights& first = layers_[0];
+    Step<T> step;
+    step.tokens = x.size(0);
+    step.hidden = x.size(1);
+    step.intermediate = intermediate_size_;
+    step.num_heads = num_heads_;
+    step.num_kv_heads = first.k_cache.size(1);
+    step.head_dim = llmserve::attention::cache_head_dim(first.k_cache);
+    // rotary's tables in the step's dtype, as the rotary op takes them
+    const at::Tensor cos = cos_in.to(dtype).contiguous(), sin = sin_in.to(dtype).contiguous();
+    TORCH_CHECK(cos.numel() == step.tokens * step.head_dim && sin.numel() == cos.numel(),
+                "DecodeStack.run: one cos and sin row per token");
+    step.cos = cos.data_ptr<T>();
+    step.sin = sin.data_ptr<T>();
+    // the slots, checked once for every layer's K/V write (as write_kv checks them)
+    const at::Tensor slots = slots_in.contiguous();
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == step.tokens * step.num_kv_heads,
+                "DecodeStack.run: slots: one int64 per (token, kv head)");
+    step.slots_tensor = slots;
+    step.slots = slots.data_ptr<int64_t>();
+    const int64_t num_slots = first.k_cache.numel() / first.k_cache.size(3);
+    for (int64_t r = 0; r < slots.numel(); ++r)
+      TORCH_CHECK(step.slots[r] >= 0 && step.slots[r] < num_slots, "KV slot out of range");
+    step.plain_slots = first.k_cache.scalar_type() == dtype;
+    TORCH_CHECK(step.plain_slots || llmserve::attention::is_quantized_cache(first.k_cache),
+                "DecodeStack.run: the caches must hold x's dtype or be quantized");
+    step.block_table = block_table;
+    step.context_lens = context_lens;
+    const int64_t rows = step.tokens, qk_width = step.q_and_k() * step.head_dim;
+    const at::Tensor buffers = at::empty({rows * (2 * step.hidden + qk_width + step.intermediate)}, x.options());
+    step.buffers = buffers;
+    step.residual = buffers.data_ptr<T>();
+    step.normed = step.residual + rows * step.hidden;
+    step.qk = step.normed + rows * step.hidden;
+    step.gated = step.qk + rows * qk_width;
+
+    const T* residual = x.data_ptr<T>();
+    at::Tensor delta;
+    for (size_t i = 0; i < layers_.size(); ++i)
+      std::tie(residual, delta) = decode_layer(residual, delta, layers_[i],
+                                               i + 1 < layers_.size() ? &layers_[i + 1] : nullptr, step,
+                                               step.residual, eps_, scale_, timer);
+    at::Tensor out = at::add(rows_of(step, step.residual, step.hidden), delta);
+    timer.mark(kResidual);
+    return out;
   }
 
   std::vector<LayerWeights> layers_;
-  int64_t num_heads_;
+  int64_t num_heads_, intermediate_size_;
   double eps_, scale_;
 };
 

@@ -35,9 +35,12 @@ def _generate_recording_path(llm: LLM, prompts: list[list[int]], params: Samplin
         return llm.generate(prompts, params, use_tqdm=False), taken
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_fused_decode_equals_the_layer_by_layer_native_ops(dtype, prompt_token_ids):
-    llm = LLM(dtype=dtype, quantization="int4", kernels="native", kv_cache_memory_gb=0.25, max_model_len=2048)
+@pytest.mark.parametrize(("dtype", "kv_cache_dtype"), [("bfloat16", "auto"), ("float32", "auto"),
+                                                     ("bfloat16", "int8"), ("float32", "fp8_e4m3")])
+def test_fused_decode_equals_the_layer_by_layer_native_ops(dtype, kv_cache_dtype, prompt_token_ids):
+    """Model-dtype caches take the stack's own K/V copy, 1-byte ones the quantizing write_kv op."""
+    llm = LLM(dtype=dtype, quantization="int4", kernels="native", kv_cache_dtype=kv_cache_dtype,
+              kv_cache_memory_gb=0.25, max_model_len=2048)
     runner = llm.engine.runner
     assert runner.fused_stack is not None and runner.plan.fused_decode_max_tokens == 16
     _assert_fused_equals_layer_by_layer(llm, prompt_token_ids[:3], SamplingParams(
@@ -187,7 +190,7 @@ def test_the_timed_call_computes_the_same_and_times_every_piece(prompt_token_ids
     again = seconds.clone()
     runner.fused_stack.run_timed(*step, seconds)  # adds to what is there
     assert (seconds > again).all()
-    with pytest.raises(RuntimeError, match="float64 tensor of 11 elements"):
+    with pytest.raises(RuntimeError, match=f"float64 tensor of {len(pieces)} elements"):
         runner.fused_stack.run_timed(*step, torch.zeros(len(pieces), dtype=torch.float32))
-    with pytest.raises(RuntimeError, match="float64 tensor of 11 elements"):
+    with pytest.raises(RuntimeError, match=f"float64 tensor of {len(pieces)} elements"):
         runner.fused_stack.run_timed(*step, torch.zeros(3, dtype=torch.float64))
