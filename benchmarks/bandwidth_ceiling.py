@@ -20,12 +20,16 @@ layers, int8 head). Speculation is off: one token a step is what the ceiling des
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import platform
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -55,6 +59,93 @@ def read_rate(buffer: torch.Tensor) -> float:
         buffer.sum()
         best = min(best, time.perf_counter() - start)
     return buffer.numel() * buffer.element_size() / best / 1e9
+
+
+# Two threads on two CPUs hand a cache line back and forth: the time of a round trip says whether this process's
+# two cores share an L3 (~100 ns on the Zen 5 host) or sit on different dies (~400 ns), a state that a shared host
+# changes by turns, and that moves every piece of a step that passes data between threads (benchmarks/README.md,
+# session 44). C, not Python: a Python loop's own ~50 ns a check would hide it.
+_ROUND_TRIP_C = r"""
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <time.h>
+static _Alignas(128) atomic_long flag;
+static long rounds;
+static int cpus[2];
+static double elapsed;
+static void pin(int cpu) {
+  cpu_set_t set; CPU_ZERO(&set); CPU_SET(cpu, &set); pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+}
+static void* answer(void* unused) {
+  pin(cpus[1]);
+  for (long i = 0; i < rounds; i++) {
+    while (atomic_load_explicit(&flag, memory_order_acquire) != 2 * i + 1) {}
+    atomic_store_explicit(&flag, 2 * i + 2, memory_order_release);
+  }
+  return unused;
+}
+static void* ask(void* unused) {
+  pin(cpus[0]);
+  struct timespec a, b;
+  clock_gettime(CLOCK_MONOTONIC, &a);
+  for (long i = 0; i < rounds; i++) {
+    atomic_store_explicit(&flag, 2 * i + 1, memory_order_release);
+    while (atomic_load_explicit(&flag, memory_order_acquire) != 2 * i + 2) {}
+  }
+  clock_gettime(CLOCK_MONOTONIC, &b);
+  elapsed = (b.tv_sec - a.tv_sec) * 1e9 + (b.tv_nsec - a.tv_nsec);
+  return unused;
+}
+double round_trip_ns(long n) {  /* the first two CPUs this process may use; -1 with fewer */
+  cpu_set_t set; sched_getaffinity(0, sizeof set, &set);
+  int found = 0;
+  for (int c = 0; c < CPU_SETSIZE && found < 2; c++) if (CPU_ISSET(c, &set)) cpus[found++] = c;
+  if (found < 2) return -1;
+  double best = 1e30;
+  for (int r = 0; r < 3; r++) {
+    atomic_store(&flag, 0); rounds = n;
+    pthread_t t1, t2;
+    pthread_create(&t2, 0, answer, 0); pthread_create(&t1, 0, ask, 0);
+    pthread_join(t1, 0); pthread_join(t2, 0);
+    if (elapsed / n < best) best = elapsed / n;
+  }
+  return best;
+}
+"""
+
+
+def core_round_trip() -> Callable[[], float | None]:
+    """A probe of the round trip between this process's first two CPUs, in ns (None where it cannot run: one CPU,
+    no C compiler)."""
+    folder = Path(tempfile.mkdtemp())
+    source, library = folder / "round_trip.c", folder / "round_trip.so"
+    source.write_text(_ROUND_TRIP_C)
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-pthread", str(source), "-o",
+                                           str(library)], capture_output=True).returncode != 0:
+        return lambda: None
+    probe = ctypes.CDLL(str(library)).round_trip_ns
+    probe.restype, probe.argtypes = ctypes.c_double, [ctypes.c_long]
+
+    def measure() -> float | None:
+        ns = probe(20000)
+        return round(ns) if ns > 0 else None
+    return measure
+
+
+def python_loop_us() -> float:
+    """us of a fixed Python loop (best of three): how fast this core runs the interpreter now, a part of a step that a
+    shared host's load on the same physical cores slows (the step's Python rest moves with it)."""
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        total = 0
+        for i in range(20000):
+            total += i & 7
+        best = min(best, time.perf_counter() - start)
+    return best * 1e6
 
 
 class SplitTimer:
@@ -170,11 +261,13 @@ def main() -> None:
     host = {"cpu": cpu_model() or platform.machine(), "threads": torch.get_num_threads(),
             "weights_mb": round(weights / 1e6, 1)}
     print(json.dumps(host), flush=True)
-    print("| GB/s | ceiling ms | step ms | layers ms | head ms | rest ms | of the ceiling |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    round_trip = core_round_trip()
+    print("| GB/s | core round trip ns | Python loop us | ceiling ms | step ms | layers ms | head ms | rest ms "
+          "| of the ceiling |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows = []
     for _ in range(args.repeats):
-        rate = read_rate(buffer)
+        rate, trip, loop = read_rate(buffer), round_trip(), python_loop_us()
         timer.reset()
         start = time.perf_counter()
         for _ in range(args.steps):
@@ -184,14 +277,19 @@ def main() -> None:
         layers = (timer.seconds["forward_fused"] + timer.seconds["forward"]) / args.steps * 1e3
         ceiling = weights / rate / 1e6
         rest = step - layers - head
-        rows.append({"gb_s": round(rate, 1), "ceiling_ms": round(ceiling, 3), "step_ms": round(step, 3),
-                     "layers_ms": round(layers, 3), "head_ms": round(head, 3), "rest_ms": round(rest, 3),
-                     "share": round(ceiling / step, 3)})
-        print(f"| {rate:.1f} | {ceiling:.2f} | {step:.2f} | {layers:.2f} | {head:.2f} | {rest:.2f} "
-              f"| {ceiling / step:.0%} |", flush=True)
+        rows.append({"gb_s": round(rate, 1), "round_trip_ns": trip, "python_loop_us": round(loop),
+                     "ceiling_ms": round(ceiling, 3),
+                     "step_ms": round(step, 3), "layers_ms": round(layers, 3), "head_ms": round(head, 3),
+                     "rest_ms": round(rest, 3), "share": round(ceiling / step, 3)})
+        print(f"| {rate:.1f} | {trip or '-'} | {loop:.0f} | {ceiling:.2f} | {step:.2f} | {layers:.2f} | {head:.2f} "
+              f"| {rest:.2f} | {ceiling / step:.0%} |", flush=True)
     median = statistics.median(r["share"] for r in rows)
     print(f"median share of the ceiling: {median:.0%} ({weights / 1e6:.1f} MB a step)")
-    pieces = piece_split(engine, args.steps, args.repeats) if engine.runner.fused_stack is not None else []
+    pieces = []
+    if engine.runner.fused_stack is not None:
+        trip = round_trip()
+        print(f"\nbefore the timed stretches: core round trip {trip or '-'} ns, Python loop {python_loop_us():.0f} us")
+        pieces = piece_split(engine, args.steps, args.repeats)
     if args.out:
         args.out.write_text(json.dumps({"host": host, "plan": plan, "rows": rows, "pieces": pieces}, indent=1))
 

@@ -251,7 +251,7 @@ class ModelRunner:
             row_of_token = torch.repeat_interleave(torch.arange(num_rows), counts_t)
             first_token = torch.cumsum(counts_t, 0) - counts_t
             positions = torch.arange(len(token_ids)) - first_token[row_of_token] + starts_t[row_of_token]
-        meta = attention_metadata(self.attention, block_table, row_of_token, positions, counts, starts,
+        meta = attention_metadata(self.attention, block_table, tables, row_of_token, positions, counts, starts,
                                   first_token.tolist(), self.block_size, self.config.num_kv_heads,
                                   self.config.num_heads, self.plan.dtype, dev)
         input_ids, positions = torch.tensor(token_ids, device=dev), positions.to(dev)

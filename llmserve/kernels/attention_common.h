@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 namespace llmserve {
@@ -105,14 +106,32 @@ class RowWalker {
   int64_t head_, num_kv_heads_, block_size_, head_dim_, offset_;
 };
 
-// Runs the (sequence, KV head) tasks on torch's threads, each thread taking the next task from a shared
-// counter: contexts differ in length, and a static split leaves one thread waiting for the other.
+// Runs the tasks on torch's threads. Dynamic (`interleaved` false): each thread takes the next task from a shared
+// counter: contexts differ in length, and a static split leaves one thread waiting for the other. Interleaved:
+// thread t runs tasks t, t + threads, ... with no shared counter: where every context is split into a multiple of
+// the threads' count of parts (`split_contexts`), each thread gets its share of every context, balanced as it is,
+// and a claim is no longer a cache line passed between cores (~0.1 us a task on this host where its two cores
+// share an L3, ~0.4 where they do not: benchmarks/README.md, session 44).
 // `worker(next_task)` runs once per thread (so it can keep scratch buffers); next_task() returns -1 when
 // none is left.
 template <typename Worker>
-void run_tasks(int64_t num_tasks, const Worker& worker) {
+void run_tasks(int64_t num_tasks, const Worker& worker, bool interleaved = false) {
+  const int64_t threads = at::get_num_threads();
+  if (interleaved) {
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {  // one index a thread, or more if fewer ran
+      int64_t lane = begin, task = begin;
+      worker([&] {
+        if (task >= num_tasks && ++lane < end) task = lane;
+        if (task >= num_tasks) return int64_t{-1};
+        const int64_t claimed = task;
+        task += threads;
+        return claimed;
+      });
+    });
+    return;
+  }
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     worker([&] {
       const int64_t task = next++;
       return task < num_tasks ? task : int64_t{-1};
@@ -183,17 +202,23 @@ void decode_portable(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 
 // Too few (sequence, KV head) tasks to keep every thread busy (a step of one or two requests): each context is
 // split into `parts` of `part_len` tokens (a multiple of 16) whose softmax statistics are merged at the end
-// (flash-decoding).
+// (flash-decoding). Parts come in a multiple of the threads' count where contexts are long enough, and then the tasks
+// run interleaved (`run_tasks`).
 struct ContextSplit {
   int64_t parts, part_len;
+  bool interleaved;
 };
 
 inline ContextSplit split_contexts(int64_t pairs, const int32_t* lens, int64_t batch) {
+  const int64_t threads = at::get_num_threads();
   const int64_t max_ctx = *std::max_element(lens, lens + batch);
-  const int64_t parts = pairs >= 2 * at::get_num_threads()
-      ? 1
-      : std::max<int64_t>(1, std::min((4 * at::get_num_threads() + pairs - 1) / pairs, (max_ctx + 63) / 64));
-  return {parts, ((max_ctx + parts - 1) / parts + 15) / 16 * 16};
+  int64_t parts = 1;
+  if (pairs < 2 * threads) {
+    const int64_t most = std::max<int64_t>(1, (max_ctx + 63) / 64);  // parts of 64 tokens at least
+    parts = std::min(((4 * threads + pairs - 1) / pairs + threads - 1) / threads * threads, most);
+    if (parts > threads) parts = parts / threads * threads;
+  }
+  return {parts, ((max_ctx + parts - 1) / parts + 15) / 16 * 16, parts > 1 && parts % threads == 0};
 }
 
 #if defined(__AVX512F__)

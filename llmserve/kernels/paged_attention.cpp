@@ -179,10 +179,11 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
   static const PairLaneOrder lanes;  // acc lanes -> head_dim order (see the V loop)
   const __m512i perm_a = lanes.a, perm_b = lanes.b;
   const int64_t pairs = batch * num_kv_heads;
-  const auto [parts, part_len] = split_contexts(pairs, lens, batch);
+  const auto [parts, part_len, interleaved] = split_contexts(pairs, lens, batch);
   // per task and query head: the scores' max, the sum of their exponentials, the unnormalised V sum
   constexpr int64_t stride = head_dim + 2;
-  std::vector<float> partial(pairs * parts * G * stride);
+  // not zeroed: every task writes its own (and a zeroing here passed each line written on another core twice)
+  std::unique_ptr<float[]> partial(new float[pairs * parts * G * stride]);
 
 #if LLMSERVE_ATTENTION_AMX
   // Scores on AMX where a 16-token chunk never crosses a block (its K rows are one tile; parts start at
@@ -212,7 +213,7 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
       const int64_t first = task % parts * part_len;
       const int64_t ctx = std::max<int64_t>(0, std::min<int64_t>(lens[b] - first, part_len));
       const int64_t ctx2 = amx_values ? (ctx + 31) & ~int64_t(31) : (ctx + 1) & ~int64_t(1);
-      float* result = partial.data() + task * G * stride;
+      float* result = partial.get() + task * G * stride;
       if (ctx == 0) {  // a short context's later parts
         for (int g = 0; g < G; ++g) result[g * stride] = -INFINITY, result[g * stride + 1] = 0.f;
         continue;
@@ -327,13 +328,13 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
 #if LLMSERVE_ATTENTION_AMX
     if (amx) _tile_release();
 #endif
-  });
+  }, interleaved);
 
   // merge each query head's parts: weights exp(max_p - max) on their sums and V sums
   for (int64_t pair = 0; pair < pairs; ++pair) {
     const int64_t b = pair / num_kv_heads, h = pair % num_kv_heads;
     for (int g = 0; g < G; ++g) {
-      const float* first = partial.data() + (pair * parts * G + g) * stride;
+      const float* first = partial.get() + (pair * parts * G + g) * stride;
       float mx = -INFINITY;
       for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, first[p * G * stride]);
       __m512 sum[2 * C];

@@ -104,9 +104,10 @@ void decode_int8_vnni(const at::Tensor& q, const at::Tensor& k_cache, const at::
   static const PairLaneOrder lanes;  // value-sum lanes -> head_dim order
   const __m512i perm_a = lanes.a, perm_b = lanes.b;
   const int64_t pairs = batch * num_kv_heads;
-  const auto [parts, part_len] = split_contexts(pairs, lens, batch);
+  const auto [parts, part_len, interleaved] = split_contexts(pairs, lens, batch);
   constexpr int64_t stride = head_dim + 2;  // max, sum, then the unnormalised V sum
-  std::vector<float> partial(pairs * parts * G * stride);
+  // not zeroed: every task writes its own (and a zeroing here passed each line written on another core twice)
+  std::unique_ptr<float[]> partial(new float[pairs * parts * G * stride]);
 
   run_tasks(pairs * parts, [&](auto next_task) {
     std::vector<float> scores, vscales;
@@ -118,7 +119,7 @@ void decode_int8_vnni(const at::Tensor& q, const at::Tensor& k_cache, const at::
       const int64_t first = task % parts * part_len;
       const int64_t ctx = std::max<int64_t>(0, std::min<int64_t>(lens[b] - first, part_len));
       const int64_t ctx2 = (ctx + 1) & ~int64_t(1);
-      float* result = partial.data() + task * G * stride;
+      float* result = partial.get() + task * G * stride;
       if (ctx == 0) {
         for (int g = 0; g < G; ++g) result[g * stride] = -INFINITY, result[g * stride + 1] = 0.f;
         continue;
@@ -208,13 +209,13 @@ void decode_int8_vnni(const at::Tensor& q, const at::Tensor& k_cache, const at::
         }
       }
     }
-  });
+  }, interleaved);
 
   // merge each query head's parts: weights exp(max_p - max) on their sums and V sums
   for (int64_t pair = 0; pair < pairs; ++pair) {
     const int64_t b = pair / num_kv_heads, h = pair % num_kv_heads;
     for (int g = 0; g < G; ++g) {
-      const float* first = partial.data() + (pair * parts * G + g) * stride;
+      const float* first = partial.get() + (pair * parts * G + g) * stride;
       float mx = -INFINITY;
       for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, first[p * G * stride]);
       float total = 0.f, sum[head_dim] = {};

@@ -91,6 +91,29 @@ def test_few_long_contexts_split_across_threads_stay_as_close(batch, block_size)
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("context_len", [70, 150, 600])
+def test_one_context_split_into_parts_is_as_close_on_any_thread_count(threads, context_len):
+    # one request's context in 2-6 parts of >= 64 tokens, as many as a multiple of the threads where it is long
+    # enough (then run interleaved: thread t takes parts t, t + threads, ...), else claimed one by one. The parts'
+    # results are not zeroed first: one never computed would show as garbage here.
+    q, k_cache, v_cache, _, _ = _paged_case(1, 9, 3, 64, 16, torch.bfloat16, seed=context_len, max_blocks=40)
+    gen = torch.Generator().manual_seed(context_len)
+    table = torch.randperm(k_cache.shape[0], generator=gen)[: -(-context_len // 16)].to(torch.int32).unsqueeze(0)
+    context = torch.tensor([context_len], dtype=torch.int32)
+    scale = 64**-0.5
+    exact = torch.ops.llmserve.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), table, context,
+                                                     scale)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ours = torch.ops.llmserve.paged_decode_attention(q, k_cache, v_cache, table, context, scale).float()
+    finally:
+        torch.set_num_threads(before)
+    theirs = _torch_path(q, k_cache, v_cache, table, context, scale).float()
+    assert (ours - exact).abs().max() <= max(2 * (theirs - exact).abs().max(), 1e-2)
+
+
 def test_write_kv_equals_index_copy():
     gen = torch.Generator().manual_seed(1)
     cache = torch.randn(10, 3, 4, 8, generator=gen)
