@@ -61,15 +61,17 @@ def read_rate(buffer: torch.Tensor) -> float:
     return buffer.numel() * buffer.element_size() / best / 1e9
 
 
-# Two threads on two CPUs hand a cache line back and forth: the time of a round trip says whether this process's
-# two cores share an L3 (~100 ns on the Zen 5 host) or sit on different dies (~400 ns), a state that a shared host
-# changes by turns, and that moves every piece of a step that passes data between threads (benchmarks/README.md,
-# session 44). C, not Python: a Python loop's own ~50 ns a check would hide it.
-_ROUND_TRIP_C = r"""
+# The state of a shared host's two CPUs, which it changes by turns and which moves a step's latency-bound pieces
+# (benchmarks/README.md, session 44): two threads hand a cache line back and forth, and the round trip says whether
+# the two cores share an L3 (~100 ns on the Zen 5 host) or sit on different dies (~400 ns); a fixed loop on each CPU
+# says whether one runs slower (its physical core shared); a pointer chase, how long a load from DRAM takes. C, not
+# Python: a Python loop's own ~50 ns a check would hide them.
+_CORE_PROBES_C = r"""
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <stdlib.h>
 #include <time.h>
 static _Alignas(128) atomic_long flag;
 static long rounds;
@@ -98,11 +100,63 @@ static void* ask(void* unused) {
   elapsed = (b.tv_sec - a.tv_sec) * 1e9 + (b.tv_nsec - a.tv_nsec);
   return unused;
 }
-double round_trip_ns(long n) {  /* the first two CPUs this process may use; -1 with fewer */
+static int find_cpus(void) {  /* the first two CPUs this process may use */
   cpu_set_t set; sched_getaffinity(0, sizeof set, &set);
   int found = 0;
   for (int c = 0; c < CPU_SETSIZE && found < 2; c++) if (CPU_ISSET(c, &set)) cpus[found++] = c;
-  if (found < 2) return -1;
+  return found;
+}
+static double spun;
+static void* spin(void* which) {  /* a fixed loop of dependent multiply-adds on one CPU */
+  pin(cpus[*(int*)which]);
+  struct timespec a, b;
+  volatile unsigned long sink;
+  double best = 1e30;
+  for (int r = 0; r < 5; r++) {
+    unsigned long x = 1;
+    clock_gettime(CLOCK_MONOTONIC, &a);
+    for (long i = 0; i < 200000; i++) x = x * 6364136223846793005UL + (x >> 7);
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    sink = x;
+    double ns = (b.tv_sec - a.tv_sec) * 1e9 + (b.tv_nsec - a.tv_nsec);
+    if (ns < best) best = ns;
+  }
+  (void)sink;
+  spun = best / 1e3;
+  return 0;
+}
+double loop_us(int which) {  /* on the first (0) or second (1) CPU; -1 without it */
+  if (find_cpus() <= which) return -1;
+  pthread_t t;
+  pthread_create(&t, 0, spin, &which);
+  pthread_join(t, 0);
+  return spun;
+}
+static long* ring;  /* 256 MB of one random cycle of indices, one per 64-byte line */
+enum { kRingLines = 1 << 22, kStride = 8 };
+double chase_ns(long hops) {  /* ns a hop of a pointer chase through memory: the latency of a load from DRAM */
+  if (!ring) {
+    ring = malloc(sizeof(long) * kStride * kRingLines);
+    if (!ring) return -1;
+    long* order = malloc(sizeof(long) * kRingLines);
+    unsigned long seed = 88172645463325252UL;
+    for (long i = 0; i < kRingLines; i++) order[i] = i;
+    for (long i = kRingLines - 1; i > 0; i--) {  /* Sattolo: one cycle through every line */
+      seed ^= seed << 13; seed ^= seed >> 7; seed ^= seed << 17;
+      long j = seed % i, t = order[i]; order[i] = order[j]; order[j] = t;
+    }
+    for (long i = 0; i < kRingLines; i++) ring[order[i] * kStride] = order[(i + 1) % kRingLines] * kStride;
+    free(order);
+  }
+  static long at = 0;  /* each call goes on round the cycle: lines no call has read lately */
+  struct timespec a, b;
+  clock_gettime(CLOCK_MONOTONIC, &a);
+  for (long i = 0; i < hops; i++) at = ring[at];
+  clock_gettime(CLOCK_MONOTONIC, &b);
+  return ((b.tv_sec - a.tv_sec) * 1e9 + (b.tv_nsec - a.tv_nsec)) / hops;
+}
+double round_trip_ns(long n) {  /* between the first two CPUs; -1 with fewer */
+  if (find_cpus() < 2) return -1;
   double best = 1e30;
   for (int r = 0; r < 3; r++) {
     atomic_store(&flag, 0); rounds = n;
@@ -116,36 +170,27 @@ double round_trip_ns(long n) {  /* the first two CPUs this process may use; -1 w
 """
 
 
-def core_round_trip() -> Callable[[], float | None]:
-    """A probe of the round trip between this process's first two CPUs, in ns (None where it cannot run: one CPU,
-    no C compiler)."""
+def core_probes() -> Callable[[], tuple[int, float, float, float] | None]:
+    """A probe of this process's first two CPUs: the round trip between them in ns, a fixed loop's us on each (a CPU
+    whose physical core another tenant shares runs it slower), and a load's latency from DRAM in ns (a pointer chase
+    through 256 MB). None where it cannot run: one CPU, no compiler."""
     folder = Path(tempfile.mkdtemp())
     source, library = folder / "round_trip.c", folder / "round_trip.so"
-    source.write_text(_ROUND_TRIP_C)
+    source.write_text(_CORE_PROBES_C)
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None or subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-pthread", str(source), "-o",
                                            str(library)], capture_output=True).returncode != 0:
         return lambda: None
-    probe = ctypes.CDLL(str(library)).round_trip_ns
-    probe.restype, probe.argtypes = ctypes.c_double, [ctypes.c_long]
+    probes = ctypes.CDLL(str(library))
+    probes.round_trip_ns.restype, probes.round_trip_ns.argtypes = ctypes.c_double, [ctypes.c_long]
+    probes.loop_us.restype, probes.loop_us.argtypes = ctypes.c_double, [ctypes.c_int]
+    probes.chase_ns.restype, probes.chase_ns.argtypes = ctypes.c_double, [ctypes.c_long]
+    probes.chase_ns(100000)  # builds the ring; the first pass after that reads fast
 
-    def measure() -> float | None:
-        ns = probe(20000)
-        return round(ns) if ns > 0 else None
+    def measure() -> tuple[int, float, float, float] | None:
+        ns = probes.round_trip_ns(20000)
+        return (round(ns), probes.loop_us(0), probes.loop_us(1), probes.chase_ns(100000)) if ns > 0 else None
     return measure
-
-
-def python_loop_us() -> float:
-    """us of a fixed Python loop (best of three): how fast this core runs the interpreter now, a part of a step that a
-    shared host's load on the same physical cores slows (the step's Python rest moves with it)."""
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        total = 0
-        for i in range(20000):
-            total += i & 7
-        best = min(best, time.perf_counter() - start)
-    return best * 1e6
 
 
 class SplitTimer:
@@ -261,13 +306,15 @@ def main() -> None:
     host = {"cpu": cpu_model() or platform.machine(), "threads": torch.get_num_threads(),
             "weights_mb": round(weights / 1e6, 1)}
     print(json.dumps(host), flush=True)
-    round_trip = core_round_trip()
-    print("| GB/s | core round trip ns | Python loop us | ceiling ms | step ms | layers ms | head ms | rest ms "
-          "| of the ceiling |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    cores = core_probes()
+    print("| GB/s | core round trip ns | loop us, CPU 0 / 1 | DRAM load ns | ceiling ms | step ms | layers ms "
+          "| head ms | rest ms | of the ceiling |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows = []
     for _ in range(args.repeats):
-        rate, trip, loop = read_rate(buffer), round_trip(), python_loop_us()
+        rate, probed = read_rate(buffer), cores()
+        trip, loops, load = ((f"{probed[0]}", f"{probed[1]:.0f} / {probed[2]:.0f}", f"{probed[3]:.0f}") if probed
+                             else ("-", "-", "-"))
         timer.reset()
         start = time.perf_counter()
         for _ in range(args.steps):
@@ -277,18 +324,17 @@ def main() -> None:
         layers = (timer.seconds["forward_fused"] + timer.seconds["forward"]) / args.steps * 1e3
         ceiling = weights / rate / 1e6
         rest = step - layers - head
-        rows.append({"gb_s": round(rate, 1), "round_trip_ns": trip, "python_loop_us": round(loop),
+        rows.append({"gb_s": round(rate, 1), "cores": probed,
                      "ceiling_ms": round(ceiling, 3),
                      "step_ms": round(step, 3), "layers_ms": round(layers, 3), "head_ms": round(head, 3),
                      "rest_ms": round(rest, 3), "share": round(ceiling / step, 3)})
-        print(f"| {rate:.1f} | {trip or '-'} | {loop:.0f} | {ceiling:.2f} | {step:.2f} | {layers:.2f} | {head:.2f} "
+        print(f"| {rate:.1f} | {trip} | {loops} | {load} | {ceiling:.2f} | {step:.2f} | {layers:.2f} | {head:.2f} "
               f"| {rest:.2f} | {ceiling / step:.0%} |", flush=True)
     median = statistics.median(r["share"] for r in rows)
     print(f"median share of the ceiling: {median:.0%} ({weights / 1e6:.1f} MB a step)")
     pieces = []
     if engine.runner.fused_stack is not None:
-        trip = round_trip()
-        print(f"\nbefore the timed stretches: core round trip {trip or '-'} ns, Python loop {python_loop_us():.0f} us")
+        print(f"\nbefore the timed stretches: core round trip ns, loop us on CPU 0 / 1, DRAM load ns: {cores()}")
         pieces = piece_split(engine, args.steps, args.repeats)
     if args.out:
         args.out.write_text(json.dumps({"host": host, "plan": plan, "rows": rows, "pieces": pieces}, indent=1))
