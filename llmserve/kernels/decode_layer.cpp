@@ -29,7 +29,6 @@
 #include <chrono>
 #include <cstring>
 #include <string>
-#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -182,19 +181,18 @@ Tensor rows_of(const Step<T>& step, T* data, int64_t width) {
   return at::from_blob(data, {step.tokens, width}, step.buffers.options());
 }
 
-// One layer. `x`: the residual stream so far; `delta`: what the layer before adds to it (its down product), or
-// undefined for the first layer. Returns the layer's (residual, down): the next layer adds them. The residual stream
-// is updated in place in `residual_out` (which `x` may be).
+// One layer. `x`: the residual stream so far (the step's `residual` buffer, or the embedded tokens for the first
+// layer); `delta`: what the layer before adds to it (its down product), undefined for the first layer. Keeps the
+// residual stream in `step.residual` and returns this layer's down product: the next layer adds it.
 template <typename T, typename Timer>
-std::pair<const T*, Tensor> decode_layer(const T* x, const Tensor& delta, LayerWeights& w, const LayerWeights* next,
-                                         const Step<T>& step, T* residual_out, double eps, double scale,
-                                         Timer& timer) {
+Tensor decode_layer(const T* x, const Tensor& delta, LayerWeights& w, const LayerWeights* next, const Step<T>& step,
+                    double eps, double scale, Timer& timer) {
   const auto& ops = layer_ops();
   const int64_t tokens = step.tokens, hidden = step.hidden, head_dim = step.head_dim;
   const int64_t num_heads = step.num_heads, num_kv_heads = step.num_kv_heads, q_and_k = step.q_and_k();
   if (delta.defined()) {  // the layer before's residual add, and this layer's norm, in one pass
-    norm_rows(x, delta.data_ptr<T>(), w.input_norm, step.normed, residual_out, tokens, hidden, eps);
-    x = residual_out;
+    norm_rows(x, delta.data_ptr<T>(), w.input_norm, step.normed, step.residual, tokens, hidden, eps);
+    x = step.residual;
   } else {
     norm_rows<T>(x, nullptr, w.input_norm, step.normed, nullptr, tokens, hidden, eps);
   }
@@ -233,7 +231,7 @@ std::pair<const T*, Tensor> decode_layer(const T* x, const Tensor& delta, LayerW
   const at::Tensor o = w.o(ops, view_of(attended, 0, {tokens, num_heads * head_dim}, {num_heads * head_dim, 1}));
   timer.mark(kO);
   TORCH_CHECK(o.is_contiguous(), "decode_layer: the o product's output must be contiguous");
-  norm_rows(x, o.data_ptr<T>(), w.post_norm, step.normed, residual_out, tokens, hidden, eps);
+  norm_rows(x, o.data_ptr<T>(), w.post_norm, step.normed, step.residual, tokens, hidden, eps);
   timer.mark(kPostNorm);
   const at::Tensor gate_up = w.gate_up(ops, rows_of(step, step.normed, hidden));
   timer.mark(kGateUp);
@@ -245,7 +243,7 @@ std::pair<const T*, Tensor> decode_layer(const T* x, const Tensor& delta, LayerW
   at::Tensor down = w.down(ops, rows_of(step, step.gated, step.intermediate));
   timer.mark(kDown);
   TORCH_CHECK(down.is_contiguous(), "decode_layer: the down product's output must be contiguous");
-  return {residual_out, std::move(down)};
+  return down;
 }
 
 // The decoder layers, built once from the model's tensors (shared, not copied) and its KV caches, so a
@@ -383,12 +381,10 @@ class DecodeStack : public torch::CustomClassHolder {
     step.qk = step.normed + rows * step.hidden;
     step.gated = step.qk + rows * qk_width;
 
-    const T* residual = x.data_ptr<T>();
     at::Tensor delta;
     for (size_t i = 0; i < layers_.size(); ++i)
-      std::tie(residual, delta) = decode_layer(residual, delta, layers_[i],
-                                               i + 1 < layers_.size() ? &layers_[i + 1] : nullptr, step,
-                                               step.residual, eps_, scale_, timer);
+      delta = decode_layer(i == 0 ? x.data_ptr<T>() : step.residual, delta, layers_[i],
+                           i + 1 < layers_.size() ? &layers_[i + 1] : nullptr, step, eps_, scale_, timer);
     at::Tensor out = at::add(rows_of(step, step.residual, step.hidden), delta);
     timer.mark(kResidual);
     return out;
