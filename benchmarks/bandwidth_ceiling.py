@@ -174,14 +174,16 @@ def core_probes() -> Callable[[], tuple[int, float, float, float] | None]:
     """A probe of this process's first two CPUs: the round trip between them in ns, a fixed loop's us on each (a CPU
     whose physical core another tenant shares runs it slower), and a load's latency from DRAM in ns (a pointer chase
     through 256 MB). None where it cannot run: one CPU, no compiler."""
-    folder = Path(tempfile.mkdtemp())
-    source, library = folder / "round_trip.c", folder / "round_trip.so"
-    source.write_text(_CORE_PROBES_C)
     compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None or subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-pthread", str(source), "-o",
-                                           str(library)], capture_output=True).returncode != 0:
+    if compiler is None:
         return lambda: None
-    probes = ctypes.CDLL(str(library))
+    with tempfile.TemporaryDirectory() as tmp:  # the loaded library outlives its file
+        source, library = Path(tmp) / "core_probes.c", Path(tmp) / "core_probes.so"
+        source.write_text(_CORE_PROBES_C)
+        if subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-pthread", str(source), "-o", str(library)],
+                          capture_output=True).returncode != 0:
+            return lambda: None
+        probes = ctypes.CDLL(str(library))
     probes.round_trip_ns.restype, probes.round_trip_ns.argtypes = ctypes.c_double, [ctypes.c_long]
     probes.loop_us.restype, probes.loop_us.argtypes = ctypes.c_double, [ctypes.c_int]
     probes.chase_ns.restype, probes.chase_ns.argtypes = ctypes.c_double, [ctypes.c_long]
