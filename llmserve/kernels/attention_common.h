@@ -79,9 +79,18 @@ class RowWalker {
     for (int64_t i = 0; i < kBlocksAhead; ++i) prefetch(block_ + i);
   }
 
-  const T* next() {
+  const T* next() { return take(1); }
+
+  // The first of the next n rows where all n lie in the current block (each row head_dim after the one before), so
+  // a loop over them computes no address per row; nullptr, the walk unmoved, where they cross a block's end. The
+  // kernels take 16 tokens at a time this way (a part starts at a multiple of 16): SmolLM2's shape, 1024 tokens on
+  // one thread, K/V in cache, Zen 5: bf16 18.8-19.7 -> 17.3-18.0 us, int8 22.1-22.5 -> 20.8-21.1 (session 45).
+  const T* run(int64_t n) { return offset_ + n <= block_size_ ? take(n) : nullptr; }
+
+ private:
+  const T* take(int64_t n) {
     const T* row = cache_ + ((static_cast<int64_t>(*block_) * num_kv_heads_ + head_) * block_size_ + offset_) * head_dim_;
-    if (++offset_ == block_size_) {
+    if ((offset_ += n) == block_size_) {
       offset_ = 0;
       ++block_;
       prefetch(block_ + kBlocksAhead - 1);
@@ -89,7 +98,6 @@ class RowWalker {
     return row;
   }
 
- private:
   // always inlined: as a function of its own, its body only prefetches, so GCC's pure-const analysis found it
   // free of effects and deleted every call (GCC 12, -O1 and up: until session 43 no prefetch was ever emitted)
   __attribute__((always_inline)) void prefetch(const int32_t* block) const {

@@ -246,7 +246,11 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
         for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
           const int64_t n = std::min<int64_t>(16, ctx - t0);
           const uint16_t* krow[16];
-          for (int t = 0; t < 16; ++t) krow[t] = t < n ? k_rows.next() : zero_row;
+          if (const uint16_t* first_row = n == 16 ? k_rows.run(16) : nullptr) {  // a whole chunk in one block
+            for (int t = 0; t < 16; ++t) krow[t] = first_row + t * head_dim;
+          } else {
+            for (int t = 0; t < 16; ++t) krow[t] = t < n ? k_rows.next() : zero_row;
+          }
           const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
           for (int g = 0; g < G; ++g) {  // one head at a time: 16 partial sums fit in registers
             __m512 part[16];
@@ -299,9 +303,11 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
       __m512 acc[G][2 * C];
       for (int g = 0; g < G; ++g)
         for (int c = 0; c < 2 * C; ++c) acc[g][c] = _mm512_setzero_ps();
+      const uint16_t* chunk = nullptr;  // the current 16 tokens' rows where they lie in one block
       for (int64_t t = 0; t < ctx; t += 2) {
-        const uint16_t* v0 = v_rows.next();
-        const uint16_t* v1 = t + 1 < ctx ? v_rows.next() : zero_row;
+        if (t % 16 == 0) chunk = ctx - t >= 16 ? v_rows.run(16) : nullptr;
+        const uint16_t* v0 = chunk ? chunk + (t % 16) * head_dim : v_rows.next();
+        const uint16_t* v1 = chunk ? v0 + head_dim : t + 1 < ctx ? v_rows.next() : zero_row;
         __m512bh pp[G];
         for (int g = 0; g < G; ++g) {
           uint32_t pair;

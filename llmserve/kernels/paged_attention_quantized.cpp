@@ -139,8 +139,9 @@ void decode_int8_vnni(const at::Tensor& q, const at::Tensor& k_cache, const at::
       for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
         const int64_t n = std::min<int64_t>(16, ctx - t0);
         const uint8_t* krow[16];
+        const uint8_t* first_row = n == 16 ? k_rows.run(16) : nullptr;  // a whole chunk in one block
         for (int t = 0; t < 16; ++t) {
-          krow[t] = t < n ? k_rows.next() : zero_row;
+          krow[t] = first_row ? first_row + t * width : t < n ? k_rows.next() : zero_row;
           kscale[t] = row_scale(krow[t], head_dim);
         }
         const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
@@ -179,9 +180,11 @@ void decode_int8_vnni(const at::Tensor& q, const at::Tensor& k_cache, const at::
         for (int g = 0; g < G; ++g)
           for (int c = 0; c < 2 * C; ++c) acc[g][c] = _mm512_setzero_si512();
         const int64_t end = std::min(ctx, t1 + kFlushTokens);
+        const uint8_t* chunk = nullptr;  // the current 16 tokens' rows where they lie in one block
         for (int64_t t = t1; t < end; t += 2) {
-          const uint8_t* v0 = v_rows.next();
-          const uint8_t* v1 = t + 1 < ctx ? v_rows.next() : zero_row;
+          if (t % 16 == 0) chunk = ctx - t >= 16 ? v_rows.run(16) : nullptr;
+          const uint8_t* v0 = chunk ? chunk + (t % 16) * width : v_rows.next();
+          const uint8_t* v1 = chunk ? v0 + width : t + 1 < ctx ? v_rows.next() : zero_row;
           __m512i pp[G];
           for (int g = 0; g < G; ++g) {
             int32_t pair;

@@ -114,6 +114,43 @@ def test_one_context_split_into_parts_is_as_close_on_any_thread_count(threads, c
     assert (ours - exact).abs().max() <= max(2 * (theirs - exact).abs().max(), 1e-2)
 
 
+def _laid_out(k, v, block_size, cache_dtype, gen):
+    """k, v [tokens, kv_heads, head_dim] in caches of `block_size`-token blocks at shuffled block ids (written by
+    write_kv, which quantizes for a 1-byte cache), and the block table that reads them back in order"""
+    from llmserve.kv_cache.kv_quant import row_width
+
+    tokens, kv_heads, head_dim = k.shape
+    blocks = -(-tokens // block_size)
+    ids = torch.randperm(blocks + 8, generator=gen)[:blocks]
+    k_cache = torch.zeros(blocks + 8, kv_heads, block_size, row_width(head_dim, cache_dtype), dtype=cache_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    position = torch.arange(tokens)
+    slots = ((ids[position // block_size] * kv_heads).view(-1, 1) + torch.arange(kv_heads)) * block_size
+    torch.ops.llmserve.write_kv(k, v, k_cache, v_cache, (slots + (position % block_size).view(-1, 1)).flatten())
+    return k_cache, v_cache, ids.to(torch.int32).unsqueeze(0)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("context_len", [7, 70, 600])
+def test_a_context_gives_the_same_bits_in_blocks_of_any_size(cache_dtype, threads, context_len):
+    # 16 tokens inside one block are read as one run of rows (RowWalker.run: blocks of 16 or 32), else row by row
+    # through the table (blocks of 5): the same values in the same order either way, so the same bits
+    gen = torch.Generator().manual_seed(context_len)
+    k, v = (torch.randn(context_len, 3, 64, generator=gen).bfloat16() for _ in range(2))
+    q = torch.randn(1, 9, 64, generator=gen).bfloat16()
+    lens = torch.tensor([context_len], dtype=torch.int32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        outs = [torch.ops.llmserve.paged_decode_attention(q, *_laid_out(k, v, size, cache_dtype, gen), lens, 0.125)
+                for size in (5, 16, 32)]
+    finally:
+        torch.set_num_threads(before)
+    assert outs[0].isfinite().all()
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 def test_write_kv_equals_index_copy():
     gen = torch.Generator().manual_seed(1)
     cache = torch.randn(10, 3, 4, 8, generator=gen)
