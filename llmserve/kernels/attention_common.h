@@ -28,6 +28,10 @@ bool is_quantized_cache(const at::Tensor& cache);
 int64_t cache_head_dim(const at::Tensor& cache);
 at::Tensor decode_quantized(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_table, const at::Tensor& context_lens, double scale);
+// `paged_decode_attention` into a caller's output (contiguous, q's shape and dtype): the op's checks and kernels
+// without the dispatcher's call and the output's allocation (the decode stack's step buffer, decode_layer.cpp)
+void decode_attention_out(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& block_table, const at::Tensor& context_lens, double scale, at::Tensor& out);
 // k, v [rows, head_dim] (contiguous) quantized into the caches' rows `slots` (checked by the caller)
 void write_quantized(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                      const int64_t* slots, int64_t rows);
@@ -59,13 +63,13 @@ inline ExpSum exp_shifted(float* s, int64_t n) {
   return {mx, sum};
 }
 
-// One (sequence, KV head)'s context rows [first_token, end_token), token by token through its block table
-// (no division per token). Cache layout [num_blocks, num_kv_heads, block_size, head_dim].
-// Each block holds a (block, head)'s rows contiguously (2 KiB for SmolLM2), but consecutive blocks lie
-// anywhere in the cache, so the hardware prefetcher stops at every block edge: the walker prefetches the
-// blocks ahead itself: SmolLM2's one-request step over ~1650 tokens of context, which has left the cache, 4.4-4.9
-// -> 3.6 ms (attention 56-59 -> 30 us a layer; benchmarks/README.md, session 43, where `prefetch` was made to
-// survive the compiler).
+// One (sequence, KV head)'s context rows [first_token, end_token), token by token through its block table (no
+// division per token), or a run of tokens at once where they lie in one block. Cache layout [num_blocks,
+// num_kv_heads, block_size, head_dim]. Each block holds a (block, head)'s rows contiguously (2 KiB for SmolLM2),
+// but consecutive blocks lie anywhere in the cache, so the hardware prefetcher stops at every block edge: the walker
+// prefetches the blocks ahead itself: SmolLM2's one-request step over ~1650 tokens of context, which has left the
+// cache, 4.4-4.9 -> 3.6 ms (attention 56-59 -> 30 us a layer; benchmarks/README.md, session 43, where `prefetch`
+// was made to survive the compiler).
 template <typename T>
 class RowWalker {
  public:
@@ -84,7 +88,7 @@ class RowWalker {
   // The first of the next n rows where all n lie in the current block (each row head_dim after the one before), so
   // a loop over them computes no address per row; nullptr, the walk unmoved, where they cross a block's end. The
   // kernels take 16 tokens at a time this way (a part starts at a multiple of 16): SmolLM2's shape, 1024 tokens on
-  // one thread, K/V in cache, Zen 5: bf16 18.8-19.7 -> 17.3-18.0 us, int8 22.1-22.5 -> 20.8-21.1 (session 45).
+  // one thread, K/V in cache, Zen 5: bf16 18.7-19.7 -> 17.4-17.8 us, int8 22.1-22.5 -> 20.8-21.1 (session 45).
   const T* run(int64_t n) { return offset_ + n <= block_size_ ? take(n) : nullptr; }
 
  private:

@@ -4,10 +4,11 @@
 // step took ~4.3 ms. About 1 ms was the calls themselves: per layer four int4 products, K/V write, attention
 // and five of Inductor's elementwise loops, each entered from Inductor's Python wrapper (argument checks,
 // the dispatcher's boxed path for custom ops, an OpenMP fork). Here the whole stack is one call from Python:
-// the products and the attention are our ops, called through the dispatcher's C++ path; the norms, rotary, the
-// K/V write and the gate run in place on the step's own buffers through the rows the eager ops use
-// (elementwise.h), a layer's residual add joined to the next layer's norm. The same kernels and the same
-// arithmetic as an eager step on the native kernels (each piece in float32 inside, rounded once), bit for bit.
+// the products and the attention are our kernels, called through their C++ entry points into the step's buffers
+// (no dispatcher, no allocation); the norms, rotary, the K/V write and the gate run in place on those buffers
+// through the rows the eager ops use (elementwise.h), a layer's residual add joined to the next layer's norm. The
+// same kernels and the same arithmetic as an eager step on the native kernels (each piece in float32 inside, rounded
+// once), bit for bit.
 //
 //   h = rms_norm(x); qkv = h Wqkv (+ b); q, k = rotary(q, k); cache <- k, v; o = attention(q)
 //   x = x + o Wo; h = rms_norm(x); x = x + (silu(h Wgate) * h Wup) Wdown
@@ -32,6 +33,12 @@
 #include <utility>
 #include <vector>
 
+namespace llmserve::gemv {  // quantized_gemv.cpp: the products into a caller's output
+void int4_gemv_out(const at::Tensor& x, const at::Tensor& packed, int64_t activation_parts, at::Tensor& out);
+void int8_gemv_out(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t activation_parts,
+                   at::Tensor& out);
+}  // namespace llmserve::gemv
+
 namespace {
 
 // An op of ours called through the dispatcher's C++ path, its signature written once
@@ -49,11 +56,7 @@ struct Op<Return(Args...)> {
 using Tensor = at::Tensor;
 
 struct LayerOps {
-  Op<Tensor(const Tensor&, const Tensor&, int64_t, int64_t)> int4_gemv{"llmserve::int4_gemv"};
-  Op<Tensor(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t)> int8_gemv{"llmserve::int8_gemv"};
   Op<void(const Tensor&, const Tensor&, Tensor&, Tensor&, const Tensor&)> write_kv{"llmserve::write_kv"};
-  Op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double)> attention{
-      "llmserve::paged_decode_attention"};
 };
 
 const LayerOps& layer_ops() {
@@ -63,25 +66,32 @@ const LayerOps& layer_ops() {
 
 // A linear's small-step weights, one part or more (a `StackedLinear`'s runs of rows, each in its file's format), each
 // packed by `pack_int4` (no scales), by `pack_int8` with its row scales or by `pack_int6` (ones); its activations
-// split into `activation_parts` int8 parts.
+// split into `activation_parts` int8 parts. A product writes into the step's buffer (`out`, [tokens, out_features])
+// through the ops' own entry points, not the dispatcher: a dispatched product allocated its output, ~0.2 us of the
+// ~0.6 a call costs beside its weights (benchmarks/README.md, session 45).
 struct LinearPart {
   at::Tensor packed, scales;  // scales undefined: int4
   int64_t activation_parts, out_features;
 
-  at::Tensor operator()(const LayerOps& ops, const at::Tensor& x) const {
-    return scales.defined() ? ops.int8_gemv.call(x, packed, scales, out_features, activation_parts)
-                            : ops.int4_gemv.call(x, packed, out_features, activation_parts);
+  void operator()(const at::Tensor& x, at::Tensor& out) const {
+    if (scales.defined())
+      llmserve::gemv::int8_gemv_out(x, packed, scales, activation_parts, out);
+    else
+      llmserve::gemv::int4_gemv_out(x, packed, activation_parts, out);
   }
 };
 
 struct Linear {
   std::vector<LinearPart> parts;
 
-  at::Tensor operator()(const LayerOps& ops, const at::Tensor& x) const {
-    if (parts.size() == 1) return parts[0](ops, x);
-    std::vector<at::Tensor> outputs;
-    for (const auto& part : parts) outputs.push_back(part(ops, x));
-    return at::cat(outputs, 1);
+  void operator()(const at::Tensor& x, at::Tensor& out) const {
+    if (parts.size() == 1) return parts[0](x, out);
+    std::vector<at::Tensor> outputs;  // each part's rows of every token: side by side in out's rows
+    for (const auto& part : parts) {
+      outputs.push_back(at::empty({x.size(0), part.out_features}, x.options()));
+      part(x, outputs.back());
+    }
+    at::cat_out(out, outputs, 1);
   }
 
   int64_t out_features() const {
@@ -136,10 +146,10 @@ struct WallTimer {
   }
 };
 
-// A step's own tensors, checked once for all its layers, and the buffers its elementwise pieces write into: one
-// allocation a step. The norms, rotary, the K/V write and the gate run in place on these through the rows of
-// elementwise.h (the eager ops' own code, so the same bits): dispatched, each allocated its output and cost ~1-2 us
-// a layer (benchmarks/README.md, session 44).
+// A step's own tensors, checked once for all its layers, and the buffers every piece writes into: one allocation a
+// step, its tensors made once for all layers. The norms, rotary, the K/V write and the gate run in place on these
+// through the rows of elementwise.h (the eager ops' own code, so the same bits): dispatched, each allocated its output
+// and cost ~1-2 us a layer (benchmarks/README.md, session 44); the products and the attention write into theirs.
 template <typename T>
 struct Step {
   int64_t tokens, hidden, intermediate, num_heads, num_kv_heads, head_dim;
@@ -149,6 +159,8 @@ struct Step {
   at::Tensor slots_tensor, block_table, context_lens;
   at::Tensor buffers;
   T *residual, *normed, *qk, *gated;  // [tokens, hidden] x 2, [tokens, q + k heads, head_dim], [tokens, intermediate]
+  // over the buffers: the products' inputs and outputs, the attention's queries (rotated, in `qk`) and output
+  at::Tensor normed_rows, gated_rows, qkv, queries, attended, attended_rows, o, gate_up, down;
 
   int64_t q_and_k() const { return num_heads + num_kv_heads; }
 };
@@ -185,7 +197,7 @@ Tensor rows_of(const Step<T>& step, T* data, int64_t width) {
 // layer); `delta`: what the layer before adds to it (its down product), undefined for the first layer. Keeps the
 // residual stream in `step.residual` and returns this layer's down product: the next layer adds it.
 template <typename T, typename Timer>
-Tensor decode_layer(const T* x, const Tensor& delta, LayerWeights& w, const LayerWeights* next, const Step<T>& step,
+Tensor decode_layer(const T* x, const Tensor& delta, LayerWeights& w, const LayerWeights* next, Step<T>& step,
                     double eps, double scale, Timer& timer) {
   const auto& ops = layer_ops();
   const int64_t tokens = step.tokens, hidden = step.hidden, head_dim = step.head_dim;
@@ -197,10 +209,10 @@ Tensor decode_layer(const T* x, const Tensor& delta, LayerWeights& w, const Laye
     norm_rows<T>(x, nullptr, w.input_norm, step.normed, nullptr, tokens, hidden, eps);
   }
   timer.mark(kInputNorm);
-  at::Tensor qkv = w.qkv(ops, rows_of(step, step.normed, hidden));  // contiguous: a product's, or their cat
-  if (w.qkv_bias.defined()) qkv.add_(w.qkv_bias);  // the product's own output: no copy
+  at::Tensor& qkv = step.qkv;
+  w.qkv(step.normed_rows, qkv);
+  if (w.qkv_bias.defined()) qkv.add_(w.qkv_bias);
   timer.mark(kQkv);
-  TORCH_CHECK(qkv.is_contiguous(), "decode_layer: the q/k/v product's output must be contiguous");
   const int64_t row = qkv.size(1);
   const T* qkv_data = qkv.data_ptr<T>();
   llmserve::elementwise::rotary_rows(qkv_data, step.cos, step.sin, step.qk, tokens, q_and_k, head_dim, row);
@@ -222,28 +234,23 @@ Tensor decode_layer(const T* x, const Tensor& delta, LayerWeights& w, const Laye
                       w.k_cache, w.v_cache, step.slots_tensor);
   }
   timer.mark(kRotary);
-  const at::Tensor attended = ops.attention.call(
-      at::from_blob(step.qk, {tokens, num_heads, head_dim}, {q_and_k * head_dim, head_dim, 1}, qkv.options()),
-      w.k_cache, w.v_cache, step.block_table, step.context_lens, scale);
+  llmserve::attention::decode_attention_out(step.queries, w.k_cache, w.v_cache, step.block_table, step.context_lens,
+                                            scale, step.attended);
   timer.mark(kAttention);
-  TORCH_CHECK(attended.is_contiguous(), "decode_layer: the attention's output must be contiguous");
   prefetch_tensor(w.post_norm);
-  const at::Tensor o = w.o(ops, view_of(attended, 0, {tokens, num_heads * head_dim}, {num_heads * head_dim, 1}));
+  w.o(step.attended_rows, step.o);
   timer.mark(kO);
-  TORCH_CHECK(o.is_contiguous(), "decode_layer: the o product's output must be contiguous");
-  norm_rows(x, o.data_ptr<T>(), w.post_norm, step.normed, step.residual, tokens, hidden, eps);
+  norm_rows(x, static_cast<const T*>(step.o.data_ptr()), w.post_norm, step.normed, step.residual, tokens, hidden, eps);
   timer.mark(kPostNorm);
-  const at::Tensor gate_up = w.gate_up(ops, rows_of(step, step.normed, hidden));
+  w.gate_up(step.normed_rows, step.gate_up);
   timer.mark(kGateUp);
-  TORCH_CHECK(gate_up.is_contiguous(), "decode_layer: the gate/up product's output must be contiguous");
-  llmserve::elementwise::silu_and_mul_rows(gate_up.data_ptr<T>(), step.gated, tokens, step.intermediate,
+  llmserve::elementwise::silu_and_mul_rows(static_cast<const T*>(step.gate_up.data_ptr()), step.gated, tokens, step.intermediate,
                                            2 * step.intermediate);
   timer.mark(kGate);
   if (next != nullptr) prefetch_tensor(next->input_norm);
-  at::Tensor down = w.down(ops, rows_of(step, step.gated, step.intermediate));
+  w.down(step.gated_rows, step.down);
   timer.mark(kDown);
-  TORCH_CHECK(down.is_contiguous(), "decode_layer: the down product's output must be contiguous");
-  return down;
+  return step.down;
 }
 
 // The decoder layers, built once from the model's tensors (shared, not copied) and its KV caches, so a
@@ -373,13 +380,38 @@ class DecodeStack : public torch::CustomClassHolder {
                 "DecodeStack.run: the caches must hold x's dtype or be quantized");
     step.block_table = block_table;
     step.context_lens = context_lens;
-    const int64_t rows = step.tokens, qk_width = step.q_and_k() * step.head_dim;
-    const at::Tensor buffers = at::empty({rows * (2 * step.hidden + qk_width + step.intermediate)}, x.options());
-    step.buffers = buffers;
-    step.residual = buffers.data_ptr<T>();
-    step.normed = step.residual + rows * step.hidden;
-    step.qk = step.normed + rows * step.hidden;
-    step.gated = step.qk + rows * qk_width;
+    const int64_t rows = step.tokens, head_dim = step.head_dim, hidden = step.hidden, inter = step.intermediate;
+    const int64_t qk_width = step.q_and_k() * head_dim, attended_width = step.num_heads * head_dim;
+    const int64_t qkv_width = qk_width + step.num_kv_heads * head_dim;
+    // each buffer on a cache line of its own (64 bytes: 16 float32 or 32 bfloat16), in the order they are carved
+    const std::array<int64_t, 9> widths = {hidden, hidden, qk_width, inter, qkv_width, attended_width, hidden,
+                                           2 * inter, hidden};
+    const int64_t line = 64 / static_cast<int64_t>(sizeof(T));
+    int64_t total = 0;
+    for (int64_t width : widths) total += (rows * width + line - 1) / line * line;
+    step.buffers = at::empty({total}, x.options());
+    T* const base = static_cast<T*>(step.buffers.data_ptr());
+    T* next_free = base;
+    auto carve = [&](int64_t width) {
+      T* at = next_free;
+      next_free += (rows * width + line - 1) / line * line;
+      return at;
+    };
+    step.residual = carve(hidden);
+    step.normed = carve(hidden);
+    step.qk = carve(qk_width);
+    step.gated = carve(inter);
+    step.normed_rows = rows_of(step, step.normed, hidden);
+    step.gated_rows = rows_of(step, step.gated, inter);
+    step.qkv = rows_of(step, carve(qkv_width), qkv_width);
+    step.queries = at::from_blob(step.qk, {rows, step.num_heads, head_dim}, {qk_width, head_dim, 1}, x.options());
+    T* attended = carve(attended_width);
+    step.attended = at::from_blob(attended, {rows, step.num_heads, head_dim}, x.options());
+    step.attended_rows = rows_of(step, attended, attended_width);
+    step.o = rows_of(step, carve(hidden), hidden);
+    step.gate_up = rows_of(step, carve(2 * inter), 2 * inter);
+    step.down = rows_of(step, carve(hidden), hidden);
+    TORCH_CHECK(next_free == base + total, "DecodeStack.run: the buffers carved are not the buffers sized");
 
     at::Tensor delta;
     for (size_t i = 0; i < layers_.size(); ++i)

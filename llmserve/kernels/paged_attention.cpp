@@ -379,10 +379,13 @@ constexpr auto bf16_kernel_table(std::integer_sequence<int, Gs...>) {
 constexpr auto kBf16Kernels = bf16_kernel_table(std::make_integer_sequence<int, kMaxGroup>{});
 #endif  // __AVX512BF16__
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_table, const at::Tensor& context_lens, double scale) {
+void paged_decode_attention_into(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                 const at::Tensor& block_table, const at::Tensor& context_lens, double scale,
+                                 at::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "expected q [B, heads, head_dim] and caches [blocks, kv_heads, block_size, head_dim]");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
+              "paged_decode_attention: out must be contiguous, q's shape and dtype");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode_attention is a CPU kernel");
   const bool quantized = is_quantized_cache(k_cache);
   TORCH_CHECK((quantized || q.scalar_type() == k_cache.scalar_type()) && v_cache.scalar_type() == k_cache.scalar_type(),
@@ -404,17 +407,25 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     for (int64_t i = 0; i < (lp[b] + block_size - 1) / block_size; ++i)
       TORCH_CHECK(tp[b * width + i] >= 0 && tp[b * width + i] < num_blocks, "block id out of range");
   }
-  if (quantized) return decode_quantized(qc, k_cache, v_cache, table, lens, scale);
-  at::Tensor out = at::empty_like(qc);
+  if (quantized) {
+    out.copy_(decode_quantized(qc, k_cache, v_cache, table, lens, scale));
+    return;
+  }
 #if defined(__AVX512BF16__)
   if (qc.scalar_type() == at::kBFloat16 && bf16_fast_path_fits(qc.size(1) / k_cache.size(1), qc.size(2))) {
     kBf16Kernels[qc.size(1) / k_cache.size(1) - 1][qc.size(2) / 32 - 1](qc, k_cache, v_cache, table, lens, scale, out);
-    return out;
+    return;
   }
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     decode_portable<scalar_t, scalar_t>(qc, k_cache, v_cache, table, lens, scale, out, read_plain_row<scalar_t>);
   });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_table, const at::Tensor& context_lens, double scale) {
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  paged_decode_attention_into(q, k_cache, v_cache, block_table, context_lens, scale, out);
   return out;
 }
 
@@ -449,6 +460,16 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
 }
 
 }  // namespace
+
+namespace llmserve::attention {
+
+void decode_attention_out(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& block_table, const at::Tensor& context_lens, double scale,
+                          at::Tensor& out) {
+  paged_decode_attention_into(q, k_cache, v_cache, block_table, context_lens, scale, out);
+}
+
+}  // namespace llmserve::attention
 
 TORCH_LIBRARY(llmserve, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "

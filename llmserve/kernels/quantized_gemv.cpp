@@ -510,10 +510,19 @@ void int4_dispatch(const at::Tensor& x, const uint8_t* w, at::Tensor& out, int64
   }
 }
 
-at::Tensor int4_gemv_impl(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, int64_t activation_parts,
-                          bool portable) {
+// `out`: [tokens, n] in x's dtype, contiguous
+void check_output(const at::Tensor& x, const at::Tensor& out, int64_t n, const char* op) {
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == n && out.is_contiguous() &&
+                  out.scalar_type() == x.scalar_type(),
+              op, ": out must be a contiguous [tokens, ", n, "] tensor in x's dtype");
+}
+
+void int4_gemv_into(const at::Tensor& x_in, const at::Tensor& packed, int64_t activation_parts, at::Tensor& out,
+                    bool portable) {
   check_activations(x_in, "int4_gemv");
   TORCH_CHECK(activation_parts == 1 || activation_parts == 2, "int4_gemv: activation_parts must be 1 or 2");
+  const int64_t n = out.size(-1);
+  check_output(x_in, out, n, "int4_gemv");
   const at::Tensor x = x_in.contiguous();
   const int64_t k = x.size(1);
   TORCH_CHECK(k % kGroup == 0 && n % kRows == 0, "int4_gemv: in_features must be a multiple of 32 and "
@@ -524,10 +533,16 @@ at::Tensor int4_gemv_impl(const at::Tensor& x_in, const at::Tensor& packed, int6
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
               (super || packed.numel() == num_blocks * int4_block_bytes<false>(groups)),
               "int4_gemv: packed weight does not match [", n, ", ", k, "]");
-  at::Tensor out = at::empty({x.size(0), n}, x.options());
   const uint8_t* w = packed.data_ptr<uint8_t>();
   super ? int4_dispatch<true>(x, w, out, activation_parts, portable)
         : int4_dispatch<false>(x, w, out, activation_parts, portable);
+}
+
+at::Tensor int4_gemv_impl(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t activation_parts,
+                          bool portable) {
+  check_activations(x, "int4_gemv");
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  int4_gemv_into(x, packed, activation_parts, out, portable);
   return out;
 }
 
@@ -974,10 +989,12 @@ void int8_dispatch(const at::Tensor& x, const uint8_t* w, const float* s, at::Te
   }
 }
 
-at::Tensor int8_gemv_impl(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales, int64_t n,
-                          int64_t activation_parts, bool portable) {
+void int8_gemv_into(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales,
+                    int64_t activation_parts, at::Tensor& out, bool portable) {
   check_activations(x_in, "int8_gemv");
   TORCH_CHECK(activation_parts == 1 || activation_parts == 2, "int8_gemv: activation_parts must be 1 or 2");
+  const int64_t n = out.size(-1);
+  check_output(x_in, out, n, "int8_gemv");
   const at::Tensor x = x_in.contiguous();
   const int64_t k = x.size(1);
   TORCH_CHECK(k % kGroup == 0 && n % kRows == 0, "int8_gemv: in_features must be a multiple of 32 and "
@@ -988,11 +1005,17 @@ at::Tensor int8_gemv_impl(const at::Tensor& x_in, const at::Tensor& packed, cons
               "int8_gemv: packed weight does not match [", n, ", ", k, "]");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == n,
               "int8_gemv: scales must be [", n, "] float32");
-  at::Tensor out = at::empty({x.size(0), n}, x.options());
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
   six ? int8_dispatch<true>(x, w, s, out, activation_parts, portable)
       : int8_dispatch<false>(x, w, s, out, activation_parts, portable);
+}
+
+at::Tensor int8_gemv_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t n,
+                          int64_t activation_parts, bool portable) {
+  check_activations(x, "int8_gemv");
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  int8_gemv_into(x, packed, scales, activation_parts, out, portable);
   return out;
 }
 
@@ -1019,6 +1042,22 @@ bool quantized_gemv_vectorized() {
 }
 
 }  // namespace
+
+namespace llmserve::gemv {
+
+// The vector products into a caller's output (the decode stack's step buffers, decode_layer.cpp): the ops' own
+// checks and loops without the dispatcher's call and an allocation per product (~0.2 us each, benchmarks/README.md,
+// session 45). out: [tokens, out_features], contiguous, in x's dtype.
+void int4_gemv_out(const at::Tensor& x, const at::Tensor& packed, int64_t activation_parts, at::Tensor& out) {
+  int4_gemv_into(x, packed, activation_parts, out, false);
+}
+
+void int8_gemv_out(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t activation_parts,
+                   at::Tensor& out) {
+  int8_gemv_into(x, packed, scales, activation_parts, out, false);
+}
+
+}  // namespace llmserve::gemv
 
 TORCH_LIBRARY_FRAGMENT(llmserve, m) {
   m.def("quantized_gemv_vectorized() -> bool");
