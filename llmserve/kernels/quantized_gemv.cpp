@@ -510,19 +510,18 @@ void int4_dispatch(const at::Tensor& x, const uint8_t* w, at::Tensor& out, int64
   }
 }
 
-// `out`: [tokens, n] in x's dtype, contiguous
-void check_output(const at::Tensor& x, const at::Tensor& out, int64_t n, const char* op) {
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == n && out.is_contiguous() &&
-                  out.scalar_type() == x.scalar_type(),
-              op, ": out must be a contiguous [tokens, ", n, "] tensor in x's dtype");
+// `out`: [tokens, out_features] in x's dtype, contiguous (its width is the product's out_features)
+void check_output(const at::Tensor& x, const at::Tensor& out, const char* op) {
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.is_contiguous() && out.scalar_type() == x.scalar_type(),
+              op, ": out must be a contiguous [tokens, out_features] tensor in x's dtype");
 }
 
 void int4_gemv_into(const at::Tensor& x_in, const at::Tensor& packed, int64_t activation_parts, at::Tensor& out,
                     bool portable) {
   check_activations(x_in, "int4_gemv");
   TORCH_CHECK(activation_parts == 1 || activation_parts == 2, "int4_gemv: activation_parts must be 1 or 2");
-  const int64_t n = out.size(-1);
-  check_output(x_in, out, n, "int4_gemv");
+  check_output(x_in, out, "int4_gemv");
+  const int64_t n = out.size(1);
   const at::Tensor x = x_in.contiguous();
   const int64_t k = x.size(1);
   TORCH_CHECK(k % kGroup == 0 && n % kRows == 0, "int4_gemv: in_features must be a multiple of 32 and "
@@ -993,8 +992,8 @@ void int8_gemv_into(const at::Tensor& x_in, const at::Tensor& packed, const at::
                     int64_t activation_parts, at::Tensor& out, bool portable) {
   check_activations(x_in, "int8_gemv");
   TORCH_CHECK(activation_parts == 1 || activation_parts == 2, "int8_gemv: activation_parts must be 1 or 2");
-  const int64_t n = out.size(-1);
-  check_output(x_in, out, n, "int8_gemv");
+  check_output(x_in, out, "int8_gemv");
+  const int64_t n = out.size(1);
   const at::Tensor x = x_in.contiguous();
   const int64_t k = x.size(1);
   TORCH_CHECK(k % kGroup == 0 && n % kRows == 0, "int8_gemv: in_features must be a multiple of 32 and "
