@@ -379,53 +379,10 @@ constexpr auto bf16_kernel_table(std::integer_sequence<int, Gs...>) {
 constexpr auto kBf16Kernels = bf16_kernel_table(std::make_integer_sequence<int, kMaxGroup>{});
 #endif  // __AVX512BF16__
 
-void paged_decode_attention_into(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                 const at::Tensor& block_table, const at::Tensor& context_lens, double scale,
-                                 at::Tensor& out) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "expected q [B, heads, head_dim] and caches [blocks, kv_heads, block_size, head_dim]");
-  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
-              "paged_decode_attention: out must be contiguous, q's shape and dtype");
-  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode_attention is a CPU kernel");
-  const bool quantized = is_quantized_cache(k_cache);
-  TORCH_CHECK((quantized || q.scalar_type() == k_cache.scalar_type()) && v_cache.scalar_type() == k_cache.scalar_type(),
-              "the caches must share a dtype, q's unless they are quantized (int8, float8_e4m3fn)");
-  TORCH_CHECK(q.size(2) == cache_head_dim(k_cache) && q.size(1) % k_cache.size(1) == 0,
-              "head_dim must match and heads must be a multiple of kv_heads");
-  TORCH_CHECK(block_table.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
-              "block_table and context_lens must be int32");
-  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == q.size(0) && context_lens.numel() == q.size(0),
-              "one block-table row and one context length per query");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  const at::Tensor qc = q.contiguous(), table = block_table.contiguous(), lens = context_lens.contiguous();
-  // a bad index would read outside the cache: check them all (a few hundred ints) before any work
-  const int64_t width = table.size(1), block_size = k_cache.size(2), num_blocks = k_cache.size(0);
-  const int32_t* tp = table.data_ptr<int32_t>();
-  const int32_t* lp = lens.data_ptr<int32_t>();
-  for (int64_t b = 0; b < qc.size(0); ++b) {
-    TORCH_CHECK(lp[b] >= 1 && lp[b] <= width * block_size, "context length out of range for the block table");
-    for (int64_t i = 0; i < (lp[b] + block_size - 1) / block_size; ++i)
-      TORCH_CHECK(tp[b * width + i] >= 0 && tp[b * width + i] < num_blocks, "block id out of range");
-  }
-  if (quantized) {
-    out.copy_(decode_quantized(qc, k_cache, v_cache, table, lens, scale));
-    return;
-  }
-#if defined(__AVX512BF16__)
-  if (qc.scalar_type() == at::kBFloat16 && bf16_fast_path_fits(qc.size(1) / k_cache.size(1), qc.size(2))) {
-    kBf16Kernels[qc.size(1) / k_cache.size(1) - 1][qc.size(2) / 32 - 1](qc, k_cache, v_cache, table, lens, scale, out);
-    return;
-  }
-#endif
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    decode_portable<scalar_t, scalar_t>(qc, k_cache, v_cache, table, lens, scale, out, read_plain_row<scalar_t>);
-  });
-}
-
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_table, const at::Tensor& context_lens, double scale) {
   at::Tensor out = at::empty(q.sizes(), q.options());
-  paged_decode_attention_into(q, k_cache, v_cache, block_table, context_lens, scale, out);
+  llmserve::attention::decode_attention_out(q, k_cache, v_cache, block_table, context_lens, scale, out);
   return out;
 }
 
@@ -466,7 +423,44 @@ namespace llmserve::attention {
 void decode_attention_out(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& block_table, const at::Tensor& context_lens, double scale,
                           at::Tensor& out) {
-  paged_decode_attention_into(q, k_cache, v_cache, block_table, context_lens, scale, out);
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "expected q [B, heads, head_dim] and caches [blocks, kv_heads, block_size, head_dim]");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
+              "paged_decode_attention: out must be contiguous, q's shape and dtype");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode_attention is a CPU kernel");
+  const bool quantized = is_quantized_cache(k_cache);
+  TORCH_CHECK((quantized || q.scalar_type() == k_cache.scalar_type()) && v_cache.scalar_type() == k_cache.scalar_type(),
+              "the caches must share a dtype, q's unless they are quantized (int8, float8_e4m3fn)");
+  TORCH_CHECK(q.size(2) == cache_head_dim(k_cache) && q.size(1) % k_cache.size(1) == 0,
+              "head_dim must match and heads must be a multiple of kv_heads");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
+              "block_table and context_lens must be int32");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == q.size(0) && context_lens.numel() == q.size(0),
+              "one block-table row and one context length per query");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  const at::Tensor qc = q.contiguous(), table = block_table.contiguous(), lens = context_lens.contiguous();
+  // a bad index would read outside the cache: check them all (a few hundred ints) before any work
+  const int64_t width = table.size(1), block_size = k_cache.size(2), num_blocks = k_cache.size(0);
+  const int32_t* tp = table.data_ptr<int32_t>();
+  const int32_t* lp = lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < qc.size(0); ++b) {
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= width * block_size, "context length out of range for the block table");
+    for (int64_t i = 0; i < (lp[b] + block_size - 1) / block_size; ++i)
+      TORCH_CHECK(tp[b * width + i] >= 0 && tp[b * width + i] < num_blocks, "block id out of range");
+  }
+  if (quantized) {
+    out.copy_(decode_quantized(qc, k_cache, v_cache, table, lens, scale));
+    return;
+  }
+#if defined(__AVX512BF16__)
+  if (qc.scalar_type() == at::kBFloat16 && bf16_fast_path_fits(qc.size(1) / k_cache.size(1), qc.size(2))) {
+    kBf16Kernels[qc.size(1) / k_cache.size(1) - 1][qc.size(2) / 32 - 1](qc, k_cache, v_cache, table, lens, scale, out);
+    return;
+  }
+#endif
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    decode_portable<scalar_t, scalar_t>(qc, k_cache, v_cache, table, lens, scale, out, read_plain_row<scalar_t>);
+  });
 }
 
 }  // namespace llmserve::attention

@@ -1,5 +1,6 @@
 """The fused decode stack's fixed costs: a small Llama (30 layers, hidden 256, random weights, int4) whose weights
-stay in cache, one request, each piece of a layer timed (best of 8 stretches of 32 steps).
+stay in cache, one request, each piece of a layer timed (`bandwidth_ceiling.piece_split`: best of 8 stretches of
+32 steps).
 
     .venv/bin/python benchmarks/results/attention-runs-s45/stack_fixed_costs.py [--root CHECKOUT]
 """
@@ -9,7 +10,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 SHAPE = dict(kind="llama", vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=30,
@@ -23,8 +23,7 @@ def main() -> None:
     sys.path.insert(0, args.root)
     sys.path.insert(0, str(Path(args.root) / "benchmarks"))
     import device_throughput
-    import torch
-    from bandwidth_ceiling import TimedStack
+    from bandwidth_ceiling import piece_split
 
     from llmserve import LLM, SamplingParams
 
@@ -34,27 +33,14 @@ def main() -> None:
         llm = LLM(path, device="cpu", quantization="int4", speculative_config="off", kv_cache_memory_gb=0.2,
                   max_model_len=1024)
     engine = llm.engine
-    runner = engine.runner
-    plain = runner.fused_stack
-    assert plain is not None, "the fused stack must run this model's decode steps"
-    names = torch.classes.llmserve.DecodeStack.pieces()
+    assert engine.runner.fused_stack is not None, "the fused stack must run this model's decode steps"
     engine.add_request("r", list(range(3, 67)), SamplingParams(temperature=0, max_tokens=900, ignore_eos=True))
     while engine.requests["r"].num_computed_tokens < 64:
         engine.step()
     for _ in range(20):
         engine.step()
-    stretches = []
-    for _ in range(8):
-        runner.fused_stack = timed = TimedStack(plain)
-        start = time.perf_counter()
-        for _ in range(32):
-            engine.step()
-        stretches.append(((time.perf_counter() - start) / 32, timed.seconds.clone()))
-        runner.fused_stack = plain
-    step, seconds = min(stretches, key=lambda stretch: stretch[0])
-    us = {name: s / 32 / SHAPE["num_hidden_layers"] * 1e6 for name, s in zip(names, seconds.tolist(), strict=True)}
-    print(f"step {step * 1e3:.3f} ms; us a layer: " + ", ".join(f"{name} {v:.2f}" for name, v in us.items())
-          + f"; all pieces {sum(us.values()):.2f}")
+    rows = piece_split(engine, steps=32, repeats=8)
+    print(f"all pieces: {sum(row['us_a_layer'] for row in rows):.2f} us a layer")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The engine's one-request decode step with the fused stack timed piece by piece, at a few context lengths: us a
-layer for the attention and each product (best of 4 stretches of 16 steps).
+layer for each piece (`bandwidth_ceiling.piece_split`: best of 4 stretches of 16 steps).
 
     .venv/bin/python benchmarks/results/attention-runs-s45/stack_pieces.py --contexts 256,1024
 """
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 
@@ -20,15 +19,11 @@ def main() -> None:
     sys.path.insert(0, args.root)
     sys.path.insert(0, str(Path(args.root) / "benchmarks"))
     import torch
-    from bandwidth_ceiling import TimedStack
+    from bandwidth_ceiling import piece_split
 
     from llmserve import LLM, SamplingParams
 
     engine = LLM(None, speculative_config="off", kv_cache_memory_gb=0.5, max_model_len=4096).engine
-    runner = engine.runner
-    layers = len(runner.model.layers)
-    plain = runner.fused_stack
-    names = torch.classes.llmserve.DecodeStack.pieces()
     for context in (int(c) for c in args.contexts.split(",")):
         prompt = torch.randint(3, engine.model_config.vocab_size, (context,),
                                generator=torch.Generator().manual_seed(0)).tolist()
@@ -38,19 +33,8 @@ def main() -> None:
             engine.step()
         for _ in range(4):
             engine.step()
-        stretches = []
-        for _ in range(4):
-            runner.fused_stack = timed = TimedStack(plain)
-            start = time.perf_counter()
-            for _ in range(16):
-                engine.step()
-            stretches.append(((time.perf_counter() - start) / 16, timed.seconds.clone()))
-            runner.fused_stack = plain
-        step, seconds = min(stretches, key=lambda stretch: stretch[0])
-        us = {name: s / 16 / layers * 1e6 for name, s in zip(names, seconds.tolist(), strict=True)}
-        print(f"{context} tokens: step {step * 1e3:.2f} ms; us a layer: attention {us['attention']:.2f}, "
-              f"q/k/v {us['q/k/v']:.2f}, o {us['o']:.2f}, gate/up {us['gate/up']:.2f}, down {us['down']:.2f}",
-              flush=True)
+        print(f"\n{context} tokens of context:")
+        piece_split(engine, steps=16, repeats=4)
         engine.abort_request(rid)
 
 
