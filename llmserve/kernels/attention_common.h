@@ -103,13 +103,18 @@ class RowWalker {
   }
 
   // always inlined: as a function of its own, its body only prefetches, so GCC's pure-const analysis found it
-  // free of effects and deleted every call (GCC 12, -O1 and up: until session 43 no prefetch was ever emitted)
+  // free of effects and deleted every call (GCC 12, -O1 and up: until session 43 no prefetch was ever emitted).
+  // Into L2 (prefetcht1), not L1: measured, not derived; likely a prefetch into L1 waits for one of the core's few
+  // L1 miss buffers, so 32 of them a block stall the loads they run ahead of, where L2 tracks many more misses and
+  // a row's load from L2 costs little beside the arithmetic on it. Zen 4, K/V out of the cache, SmolLM2's shape at 1024
+  // tokens, 2 threads: 52-55 -> 41-43 us a call (prefetcht0 measured the same as no prefetch at all), in the
+  // engine's step 45-49 -> 30-36 us a layer; the lent Intel host within its noise (benchmarks/README.md, session 46).
   __attribute__((always_inline)) void prefetch(const int32_t* block) const {
     if (block >= end_) return;
     const char* rows = reinterpret_cast<const char*>(
         cache_ + (static_cast<int64_t>(*block) * num_kv_heads_ + head_) * block_size_ * head_dim_);
     for (int64_t line = 0; line < block_size_ * head_dim_ * static_cast<int64_t>(sizeof(T)); line += 64)
-      __builtin_prefetch(rows + line, 0, 3);
+      __builtin_prefetch(rows + line, 0, 2);
   }
 
   const T* cache_;
