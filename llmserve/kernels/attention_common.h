@@ -238,6 +238,35 @@ inline ContextSplit split_contexts(int64_t pairs, const int32_t* lens, int64_t b
   return {parts, ((max_ctx + parts - 1) / parts + 15) / 16 * 16, parts > 1 && parts % threads == 0};
 }
 
+// Merges each query head's parts (flash-decoding): `partial` holds, per (sequence, KV head) pair, part and query
+// head, the part's score max, the sum of its exponentials and its unnormalised V sum ([2 + head_dim] floats); the
+// parts are weighted by exp(max_p - max) and out (q's layout) gets sum / total, in float32, rounded once.
+template <typename T>
+void merge_parts(const float* partial, int64_t pairs, int64_t parts, int64_t group, int64_t head_dim,
+                 int64_t num_kv_heads, T* out) {
+  const int64_t stride = head_dim + 2, num_heads = num_kv_heads * group;
+  std::vector<float> sum(head_dim);
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    const int64_t b = pair / num_kv_heads, h = pair % num_kv_heads;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* first = partial + (pair * parts * group + g) * stride;
+      float mx = -INFINITY;
+      for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, first[p * group * stride]);
+      std::fill(sum.begin(), sum.end(), 0.f);
+      float total = 0.f;
+      for (int64_t p = 0; p < parts; ++p) {
+        const float* r = first + p * group * stride;
+        if (r[1] == 0.f) continue;
+        const float w = std::exp(r[0] - mx);
+        total += w * r[1];
+        for (int64_t d = 0; d < head_dim; ++d) sum[d] += w * r[2 + d];
+      }
+      T* dst = out + (b * num_heads + h * group + g) * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(sum[d] / total);
+    }
+  }
+}
+
 #if defined(__AVX512F__)
 // Value sums over two tokens' rows interleaved in 16-bit pairs (unpacklo/hi_epi16) land in lanes out of
 // head_dim order: permutex2var of a chunk's two sums with `a` and `b` gives its first and second 16 dims.

@@ -214,25 +214,7 @@ void decode_int8_vnni(const at::Tensor& q, const at::Tensor& k_cache, const at::
     }
   }, interleaved);
 
-  // merge each query head's parts: weights exp(max_p - max) on their sums and V sums
-  for (int64_t pair = 0; pair < pairs; ++pair) {
-    const int64_t b = pair / num_kv_heads, h = pair % num_kv_heads;
-    for (int g = 0; g < G; ++g) {
-      const float* first = partial.get() + (pair * parts * G + g) * stride;
-      float mx = -INFINITY;
-      for (int64_t p = 0; p < parts; ++p) mx = std::max(mx, first[p * G * stride]);
-      float total = 0.f, sum[head_dim] = {};
-      for (int64_t p = 0; p < parts; ++p) {
-        const float* r = first + p * G * stride;
-        if (r[1] == 0.f) continue;
-        const float w = std::exp(r[0] - mx);
-        total += w * r[1];
-        for (int64_t d = 0; d < head_dim; ++d) sum[d] += w * r[2 + d];
-      }
-      T* dst = out_ptr + (b * num_heads + h * G + g) * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<T>(sum[d] / total);
-    }
-  }
+  merge_parts(partial.get(), pairs, parts, G, head_dim, num_kv_heads, out_ptr);
 }
 
 using VnniKernel = void (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
