@@ -226,6 +226,23 @@ struct ContextSplit {
   bool interleaved;
 };
 
+// One task of a split: sequence b's KV head h over tokens [first, first + ctx). `ctx` is 0 for a short context's
+// later parts: such a task writes `empty` statistics, which `merge_parts` skips.
+struct PartTask {
+  int64_t b, h, first, ctx;
+
+  PartTask(int64_t task, const ContextSplit& split, int64_t num_kv_heads, const int32_t* lens)
+      : b(task / (num_kv_heads * split.parts)),
+        h(task / split.parts % num_kv_heads),
+        first(task % split.parts * split.part_len),
+        ctx(std::max<int64_t>(0, std::min<int64_t>(lens[b] - first, split.part_len))) {}
+
+  // the part's per-query-head statistics (max, sum; rows of `stride` floats) when it has no token
+  static void empty(float* result, int64_t group, int64_t stride) {
+    for (int64_t g = 0; g < group; ++g) result[g * stride] = -INFINITY, result[g * stride + 1] = 0.f;
+  }
+};
+
 inline ContextSplit split_contexts(int64_t pairs, const int32_t* lens, int64_t batch) {
   const int64_t threads = at::get_num_threads();
   const int64_t max_ctx = *std::max_element(lens, lens + batch);

@@ -179,7 +179,8 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
   static const PairLaneOrder lanes;  // acc lanes -> head_dim order (see the V loop)
   const __m512i perm_a = lanes.a, perm_b = lanes.b;
   const int64_t pairs = batch * num_kv_heads;
-  const auto [parts, part_len, interleaved] = split_contexts(pairs, lens, batch);
+  const ContextSplit split = split_contexts(pairs, lens, batch);
+  const int64_t parts = split.parts;
   // per task and query head: the scores' max, the sum of their exponentials, the unnormalised V sum
   constexpr int64_t stride = head_dim + 2;
   // not zeroed: every task writes its own (and a zeroing here passed each line written on another core twice)
@@ -209,13 +210,12 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
     alignas(64) uint16_t v_pairs[2 * C][16 * 32];
 #endif
     for (int64_t task; (task = next_task()) >= 0;) {
-      const int64_t b = task / (num_kv_heads * parts), h = task / parts % num_kv_heads;
-      const int64_t first = task % parts * part_len;
-      const int64_t ctx = std::max<int64_t>(0, std::min<int64_t>(lens[b] - first, part_len));
+      const PartTask part(task, split, num_kv_heads, lens);
+      const int64_t b = part.b, h = part.h, first = part.first, ctx = part.ctx;
       const int64_t ctx2 = amx_values ? (ctx + 31) & ~int64_t(31) : (ctx + 1) & ~int64_t(1);
       float* result = partial.get() + task * G * stride;
       if (ctx == 0) {  // a short context's later parts
-        for (int g = 0; g < G; ++g) result[g * stride] = -INFINITY, result[g * stride + 1] = 0.f;
+        PartTask::empty(result, G, stride);
         continue;
       }
       const int32_t* blocks = table + b * max_blocks;
@@ -334,7 +334,7 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
 #if LLMSERVE_ATTENTION_AMX
     if (amx) _tile_release();
 #endif
-  }, interleaved);
+  }, split.interleaved);
 
   // merge each query head's parts: weights exp(max_p - max) on their sums and V sums
   for (int64_t pair = 0; pair < pairs; ++pair) {
@@ -394,13 +394,6 @@ inline __m256 bf16x8_to_float(const uint16_t* p) {
       _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
 
-inline float bf16_bits_to_float(uint16_t bits) {
-  const uint32_t widened = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &widened, sizeof(f));
-  return f;
-}
-
 inline float sum8(__m256 v) {
   const __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 y = _mm_add_ps(x, _mm_movehl_ps(x, x));
@@ -421,24 +414,24 @@ void decode_kernel_bf16_avx2(const at::Tensor& q, const at::Tensor& k_cache, con
   auto* out_ptr = out.data_ptr<at::BFloat16>();
   const float fscale = static_cast<float>(scale);
   const int64_t pairs = batch * num_kv_heads;
-  const auto [parts, part_len, interleaved] = split_contexts(pairs, lens, batch);
+  const ContextSplit split = split_contexts(pairs, lens, batch);
+  const int64_t parts = split.parts;
   // per task and query head: the scores' max, the sum of their exponentials, the unnormalised V sum
   const int64_t stride = head_dim + 2;
   std::unique_ptr<float[]> partial(new float[pairs * parts * G * stride]);
   run_tasks(pairs * parts, [&](auto next_task) {
     std::vector<float> qf(G * head_dim), acc(G * head_dim), scores;
     for (int64_t task; (task = next_task()) >= 0;) {
-      const int64_t b = task / (num_kv_heads * parts), h = task / parts % num_kv_heads;
-      const int64_t first = task % parts * part_len;
-      const int64_t ctx = std::max<int64_t>(0, std::min<int64_t>(lens[b] - first, part_len));
+      const PartTask part(task, split, num_kv_heads, lens);
+      const int64_t b = part.b, h = part.h, first = part.first, ctx = part.ctx;
       float* result = partial.get() + task * G * stride;
       if (ctx == 0) {  // a short context's later parts
-        for (int g = 0; g < G; ++g) result[g * stride] = -INFINITY, result[g * stride + 1] = 0.f;
+        PartTask::empty(result, G, stride);
         continue;
       }
       const int32_t* blocks = table + b * max_blocks;
       for (int64_t i = 0; i < G * head_dim; ++i)
-        qf[i] = bf16_bits_to_float(q_ptr[(b * num_heads + h * G) * head_dim + i]) * fscale;
+        qf[i] = to_float(c10::BFloat16(q_ptr[(b * num_heads + h * G) * head_dim + i], c10::BFloat16::from_bits())) * fscale;
       RowWalker<uint16_t> k_rows(k_ptr, blocks, h, num_kv_heads, block_size, head_dim, first, first + ctx);
       RowWalker<uint16_t> v_rows(v_ptr, blocks, h, num_kv_heads, block_size, head_dim, first, first + ctx);
       scores.resize(G * ctx);
@@ -481,7 +474,7 @@ void decode_kernel_bf16_avx2(const at::Tensor& q, const at::Tensor& k_cache, con
       }
       for (int g = 0; g < G; ++g) std::copy_n(&acc[g * head_dim], head_dim, result + g * stride + 2);
     }
-  }, interleaved);
+  }, split.interleaved);
 
   merge_parts(partial.get(), pairs, parts, G, head_dim, num_kv_heads, out_ptr);
 }

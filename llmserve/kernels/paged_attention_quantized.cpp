@@ -104,7 +104,8 @@ void decode_int8_vnni(const at::Tensor& q, const at::Tensor& k_cache, const at::
   static const PairLaneOrder lanes;  // value-sum lanes -> head_dim order
   const __m512i perm_a = lanes.a, perm_b = lanes.b;
   const int64_t pairs = batch * num_kv_heads;
-  const auto [parts, part_len, interleaved] = split_contexts(pairs, lens, batch);
+  const ContextSplit split = split_contexts(pairs, lens, batch);
+  const int64_t parts = split.parts;
   constexpr int64_t stride = head_dim + 2;  // max, sum, then the unnormalised V sum
   // not zeroed: every task writes its own (and a zeroing here passed each line written on another core twice)
   std::unique_ptr<float[]> partial(new float[pairs * parts * G * stride]);
@@ -115,13 +116,12 @@ void decode_int8_vnni(const at::Tensor& q, const at::Tensor& k_cache, const at::
     alignas(64) int16_t q16[G][head_dim];
     alignas(64) float qf[head_dim], kscale[16];
     for (int64_t task; (task = next_task()) >= 0;) {
-      const int64_t b = task / (num_kv_heads * parts), h = task / parts % num_kv_heads;
-      const int64_t first = task % parts * part_len;
-      const int64_t ctx = std::max<int64_t>(0, std::min<int64_t>(lens[b] - first, part_len));
+      const PartTask part(task, split, num_kv_heads, lens);
+      const int64_t b = part.b, h = part.h, first = part.first, ctx = part.ctx;
       const int64_t ctx2 = (ctx + 1) & ~int64_t(1);
       float* result = partial.get() + task * G * stride;
       if (ctx == 0) {
-        for (int g = 0; g < G; ++g) result[g * stride] = -INFINITY, result[g * stride + 1] = 0.f;
+        PartTask::empty(result, G, stride);
         continue;
       }
       const int32_t* blocks = table + b * max_blocks;
@@ -212,7 +212,7 @@ void decode_int8_vnni(const at::Tensor& q, const at::Tensor& k_cache, const at::
         }
       }
     }
-  }, interleaved);
+  }, split.interleaved);
 
   merge_parts(partial.get(), pairs, parts, G, head_dim, num_kv_heads, out_ptr);
 }
