@@ -318,10 +318,11 @@ class LLMEngine:
         return Speculator(spec, DraftModelProposer(draft))
 
     def _reset_stats(self) -> None:
-        """Forget the counts of the engine's own requests (calibration, warm-up): nobody's traffic."""
+        """Forget the counts of the engine's own requests (calibration, warm-up), and what the speculator learned
+        from them: nobody's traffic."""
         self.kv_cache.reset_stats()
         if self.speculator:
-            self.speculator.stats = SpecDecodeStats()
+            self.speculator.reset()
 
     def _calibrate_int8_activations(self) -> None:
         """Measure each decoder linear's input range on the calibration prompts (run as requests, so

@@ -117,6 +117,17 @@ class Speculator:
         self._started: set[str] = set()
         self._late: set[str] = set()
 
+    def reset(self) -> None:
+        """Forget what the engine's own requests taught (calibration, the compile warm-up): their steps include
+        compiling each new shape (the warm-up's first 17-token step ~1 min), and a size's running mean keeps such a
+        time until that size runs again, which at c=1 it never does: with `--compile`, a served c=1 stream got no
+        proposal at all (Zen 4, session 47: 215 against 300-317 output tok/s without `--compile`)."""
+        self.cost = StepCost()
+        self.depth_cost = 0.0
+        self.stats = SpecDecodeStats()
+        for learned in (self._accepted, self._trials, self._started, self._late):
+            learned.clear()
+
     def acceptance(self, request_id: str) -> float:
         return self._accepted.get(request_id, PRIOR_ACCEPTED) / self._trials.get(request_id, PRIOR_TRIALS)
 

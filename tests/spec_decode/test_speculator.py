@@ -10,7 +10,7 @@ import pytest
 from llmserve.config import SpeculativeConfig, engine_config
 from llmserve.engine.step import ModelRunnerOutput, SchedulerOutput
 from llmserve.sampling_params import SamplingParams
-from llmserve.spec_decode.speculator import Speculator, StepCost
+from llmserve.spec_decode.speculator import SpecDecodeStats, Speculator, StepCost
 from tests.engine.test_scheduler import make_request
 
 REPEATING = [5, 6, 7, 8, 9, 10, 11, 12] * 3  # prompt lookup always finds what comes next
@@ -116,6 +116,29 @@ def test_an_unused_depth_cost_drifts_back_toward_trying():
         assert steps < 200
     assert steps > 10
     assert speculator.depth_cost < 0.01
+
+
+def test_reset_forgets_what_the_engines_own_requests_taught():
+    """The compile warm-up's steps include compiling: its first 17-token step takes ~a minute, and that size's
+    mean holds proposals off for good at c=1 (no 17-token step runs again to move it). The engine resets the
+    speculator after its own requests; speculation then starts over as a fresh one does."""
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4))
+    req = decoding("a")
+    plain_step(speculator, 1, 0.010)
+    plain_step(speculator, 5, 0.011)
+    verified(speculator, "a", [5, 6, 7, 8], accepted=0, seconds=0.011)
+    plain_step(speculator, 17, 60.0)  # compiled on its first call
+    assert speculator.propose([req]) == {}
+    assert speculator.stats.num_drafts == 1 and speculator.acceptance("a") < Speculator(
+        SpeculativeConfig()).acceptance("a")
+    speculator.reset()
+    assert speculator.cost.line() is None and speculator.depth_cost == 0.0
+    assert speculator.stats == SpecDecodeStats()
+    assert speculator.acceptance("a") == Speculator(SpeculativeConfig()).acceptance("a")
+    assert speculator.propose([req]) == {}  # the first step is timed plain, as a fresh speculator's
+    plain_step(speculator, 1, 0.010)
+    plain_step(speculator, 5, 0.011)
+    assert speculator.propose([req]) == {"a": [5, 6, 7, 8]}
 
 
 def test_a_request_whose_proposals_fail_stops_and_later_tries_again():
