@@ -317,7 +317,7 @@ class LLMEngine:
                     draft.kv_cache.num_blocks)
         return Speculator(spec, DraftModelProposer(draft))
 
-    def _reset_stats(self) -> None:
+    def _forget_own_requests(self) -> None:
         """Forget the counts of the engine's own requests (calibration, warm-up), and what the speculator learned
         from them: nobody's traffic."""
         self.kv_cache.reset_stats()
@@ -338,7 +338,7 @@ class LLMEngine:
                 for i, text in enumerate(calibration_prompts())])
         for name, layer in layers.items():
             layer.use_int8_activations(absmax[name], amx=self.plan.int8_products == "amx")
-        self._reset_stats()
+        self._forget_own_requests()
         logger.info("int8 activations: %d layers calibrated in %.1fs", len(layers), time.perf_counter() - start)
 
     def _warm_up(self) -> None:
@@ -356,7 +356,7 @@ class LLMEngine:
         for batch in batches:
             self._run_to_completion([(f"warm-up-{len(batch)}-{i}", prompt, greedy, None)
                                      for i, prompt in enumerate(batch)])
-        self._reset_stats()  # the warm-up is nobody's traffic
+        self._forget_own_requests()  # the warm-up is nobody's traffic
         if self.runner.decode_graph:
             self.runner.decode_graph.freeze()
         logger.info("compiled and warmed up in %.1fs", time.perf_counter() - start)

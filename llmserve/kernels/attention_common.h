@@ -226,6 +226,11 @@ struct ContextSplit {
   bool interleaved;
 };
 
+// A decode kernel's entry (q, k_cache, v_cache, block_table, context_lens, scale, out): each vector kernel's
+// compile-time variants (query heads per KV head, head_dim chunks) sit in a table of these, picked at run time.
+using DecodeKernel = void (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, double, at::Tensor&);
+
 // One task of a split: sequence b's KV head h over tokens [first, first + ctx). `ctx` is 0 for a short context's
 // later parts: such a task writes `empty` statistics, which `merge_parts` skips.
 struct PartTask {

@@ -361,17 +361,14 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
   }
 }
 
-using Bf16Kernel = void (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, double, at::Tensor&);
-
 template <int G, int... Cs>
-constexpr std::array<Bf16Kernel, sizeof...(Cs)> kernels_for_group(std::integer_sequence<int, Cs...>) {
+constexpr std::array<DecodeKernel, sizeof...(Cs)> kernels_for_group(std::integer_sequence<int, Cs...>) {
   return {&decode_kernel_bf16<G, Cs + 1>...};
 }
 
 template <int... Gs>
 constexpr auto bf16_kernel_table(std::integer_sequence<int, Gs...>) {
-  return std::array<std::array<Bf16Kernel, kMaxChunks>, sizeof...(Gs)>{
+  return std::array<std::array<DecodeKernel, kMaxChunks>, sizeof...(Gs)>{
       kernels_for_group<Gs + 1>(std::make_integer_sequence<int, kMaxChunks>{})...};
 }
 
@@ -430,8 +427,9 @@ void decode_kernel_bf16_avx2(const at::Tensor& q, const at::Tensor& k_cache, con
         continue;
       }
       const int32_t* blocks = table + b * max_blocks;
+      const uint16_t* q_rows = q_ptr + (b * num_heads + h * G) * head_dim;
       for (int64_t i = 0; i < G * head_dim; ++i)
-        qf[i] = to_float(c10::BFloat16(q_ptr[(b * num_heads + h * G) * head_dim + i], c10::BFloat16::from_bits())) * fscale;
+        qf[i] = to_float(c10::BFloat16(q_rows[i], c10::BFloat16::from_bits())) * fscale;
       RowWalker<uint16_t> k_rows(k_ptr, blocks, h, num_kv_heads, block_size, head_dim, first, first + ctx);
       RowWalker<uint16_t> v_rows(v_ptr, blocks, h, num_kv_heads, block_size, head_dim, first, first + ctx);
       scores.resize(G * ctx);
@@ -479,11 +477,8 @@ void decode_kernel_bf16_avx2(const at::Tensor& q, const at::Tensor& k_cache, con
   merge_parts(partial.get(), pairs, parts, G, head_dim, num_kv_heads, out_ptr);
 }
 
-using Bf16Avx2Kernel = void (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                const at::Tensor&, double, at::Tensor&);
-
 template <int... Gs>
-constexpr std::array<Bf16Avx2Kernel, sizeof...(Gs)> bf16_avx2_kernels(std::integer_sequence<int, Gs...>) {
+constexpr std::array<DecodeKernel, sizeof...(Gs)> bf16_avx2_kernels(std::integer_sequence<int, Gs...>) {
   return {&decode_kernel_bf16_avx2<Gs + 1>...};
 }
 

@@ -217,17 +217,14 @@ void decode_int8_vnni(const at::Tensor& q, const at::Tensor& k_cache, const at::
   merge_parts(partial.get(), pairs, parts, G, head_dim, num_kv_heads, out_ptr);
 }
 
-using VnniKernel = void (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, double, at::Tensor&);
-
 template <typename T, int G, int... Cs>
-constexpr std::array<VnniKernel, sizeof...(Cs)> vnni_for_group(std::integer_sequence<int, Cs...>) {
+constexpr std::array<DecodeKernel, sizeof...(Cs)> vnni_for_group(std::integer_sequence<int, Cs...>) {
   return {&decode_int8_vnni<T, G, Cs + 1>...};
 }
 
 template <typename T, int... Gs>
 constexpr auto vnni_table(std::integer_sequence<int, Gs...>) {
-  return std::array<std::array<VnniKernel, kMaxChunks>, sizeof...(Gs)>{
+  return std::array<std::array<DecodeKernel, kMaxChunks>, sizeof...(Gs)>{
       vnni_for_group<T, Gs + 1>(std::make_integer_sequence<int, kMaxChunks>{})...};
 }
 

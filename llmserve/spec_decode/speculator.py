@@ -104,6 +104,14 @@ class Speculator:
         self.config = config
         self.proposer = proposer or NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                                   config.prompt_lookup_max)
+        self.reset()
+
+    def reset(self) -> None:
+        """Start from what nothing has taught yet. The engine calls it after its own requests (calibration, the
+        compile warm-up): their steps include compiling each new shape (the warm-up's first 17-token step ~1 min),
+        and a size's running mean keeps such a time until that size runs again, which at c=1 it never does: with
+        `--compile`, a served c=1 stream got no proposal at all (Zen 4, session 47: 215 against 300-317 output
+        tok/s without `--compile`)."""
         self.cost = StepCost()
         self.depth_cost = 0.0  # seconds the proposer takes per proposal depth (a running mean)
         self.stats = SpecDecodeStats()
@@ -116,17 +124,6 @@ class Speculator:
         # 0.92x of no speculation that way; benchmarks/README.md, session 40). Requests it has started on go on.
         self._started: set[str] = set()
         self._late: set[str] = set()
-
-    def reset(self) -> None:
-        """Forget what the engine's own requests taught (calibration, the compile warm-up): their steps include
-        compiling each new shape (the warm-up's first 17-token step ~1 min), and a size's running mean keeps such a
-        time until that size runs again, which at c=1 it never does: with `--compile`, a served c=1 stream got no
-        proposal at all (Zen 4, session 47: 215 against 300-317 output tok/s without `--compile`)."""
-        self.cost = StepCost()
-        self.depth_cost = 0.0
-        self.stats = SpecDecodeStats()
-        for learned in (self._accepted, self._trials, self._started, self._late):
-            learned.clear()
 
     def acceptance(self, request_id: str) -> float:
         return self._accepted.get(request_id, PRIOR_ACCEPTED) / self._trials.get(request_id, PRIOR_TRIALS)

@@ -145,5 +145,5 @@ def test_on_by_default_where_one_call_runs_the_decoder(prompt_token_ids):
     assert auto.engine.kv_cache.num_free_blocks == auto.engine.kv_cache.num_blocks and not auto.engine.requests
     # what the engine does after its own requests (calibration, the compile warm-up): their step times and counts
     # are nobody's traffic, and the speculator starts over
-    auto.engine._reset_stats()
+    auto.engine._forget_own_requests()
     assert auto.engine.speculator.cost.line() is None and auto.engine.stats().spec_decode.num_drafts == 0
