@@ -336,8 +336,7 @@ class LLMEngine:
                 (f"calibration-{i}", self.apply_chat_template([{"role": "user", "content": text}])
                  if self.chat_template else text, greedy, "int8-calibration")
                 for i, text in enumerate(calibration_prompts())])
-        for name, layer in layers.items():
-            layer.use_int8_activations(absmax[name], amx=self.plan.int8_products == "amx")
+        self.runner.use_int8_activations({name: absmax[name] for name in layers})
         self._forget_own_requests()
         logger.info("int8 activations: %d layers calibrated in %.1fs", len(layers), time.perf_counter() - start)
 

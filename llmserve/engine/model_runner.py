@@ -126,6 +126,16 @@ class ModelRunner:
                                       ) if plan.cuda_graph_max_tokens else None
         self._requests: dict[str, _RequestState] = {}
 
+    def use_int8_activations(self, absmax: dict[str, torch.Tensor]) -> None:
+        """Large steps int8 x int8 from now on (int8_activations.py), for each decoder linear named in `absmax`
+        (relative to `model.layers`) given the largest |input| it saw per channel; the one-call stack rebuilt
+        on them, for the decode steps past its small-step kernels."""
+        for name, layer in self.model.layers.named_modules():
+            if name in absmax:
+                layer.use_int8_activations(absmax[name], amx=self.plan.int8_products == "amx")
+        if self.fused_stack is not None:
+            self.fused_stack = fused_decode_stack(self.model, self.kv_caches)
+
     def shutdown(self) -> None:
         """Nothing runs beside this process (see distributed/executor.py for a runner that starts workers)."""
 

@@ -1,4 +1,4 @@
-// The decoder layers of a small decode step (int4 weights, native kernels throughout) as one call.
+// The decoder layers of a decode step (int4 weights, native kernels throughout) as one call.
 //
 // Why: at batch 1 the step reads ~95 MB of weights, ~3 ms at this machine's memory rate, yet a compiled
 // step took ~4.3 ms. About 1 ms was the calls themselves: per layer four int4 products, K/V write, attention
@@ -17,6 +17,10 @@
 // more bits, Q6_K's in its 6-bit layout), or runs of rows of each (a `StackedLinear`: Q4_K q/k beside a Q6_K v),
 // and q/k/v may carry a bias (Qwen2): the layer-by-layer path's kernels and arithmetic for each (a bias added to
 // the product in the model's dtype, as `WeightOnlyLinear` adds it).
+//
+// Larger decode steps (a busy server's batch) run here too where the layers' large-step products are int8 x int8
+// (`LargeStep`): past its small-step kernel's tokens each part quantizes the step's activations and multiplies
+// through the ops the layers call, so the same bits again; the rest of the layer is the same code at any size.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -64,17 +68,72 @@ const LayerOps& layer_ops() {
   return ops;
 }
 
-// A linear's small-step weights, one part or more (a `StackedLinear`'s runs of rows, each in its file's format), each
-// packed by `pack_int4` (no scales), by `pack_int8` with its row scales or by `pack_int6` (ones); its activations
-// split into `activation_parts` int8 parts. A product writes into the step's buffer (`out`, [tokens, out_features])
-// through the ops' own entry points, not the dispatcher: a dispatched product allocated its output, ~0.2 us of the
-// ~0.6 a call costs beside its weights (benchmarks/README.md, session 45).
-struct LinearPart {
-  at::Tensor packed, scales;  // scales undefined: int4
-  int64_t activation_parts, out_features;
+// The products of a large step's int8 activations (int8_activations.py), looked up at the first large step: a stack
+// without them never needs oneDNN's op registered
+struct LargeStepOps {
+  Op<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&)> quantize{"llmserve::quantize_activations_u8"};
+  // (its kernel's registered signature, by value, as the typed handle requires)
+  Op<Tensor(Tensor, double, int64_t, Tensor, Tensor, Tensor, std::optional<Tensor>, double, int64_t,
+            std::optional<at::ScalarType>, c10::string_view, c10::List<std::optional<at::Scalar>>, c10::string_view)>
+      qlinear{"onednn::qlinear_pointwise"};
+  Op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, at::ScalarType)> amx{
+      "llmserve::int8_gemm"};
+};
+
+const LargeStepOps& large_step_ops() {
+  static const LargeStepOps ops;
+  return ops;
+}
+
+// A part's product for steps past its small-step kernel: int8 activations (one scale a token, after SmoothQuant's
+// `smooth_inv`) times its smoothed int8 weight, as `WeightOnlyLinear.int8_forward` computes it, through the same ops
+// in the same order (so the same bits): oneDNN's (`weight` prepacked, `extra` its zero points) or our AMX kernel's
+// (`weight` in its layout, `extra` its compensation). Why here too: at 32 tokens a layer-by-layer step spent ~6 ms of
+// ~41 between its ops (SmolLM2, Zen 4), which the compiled graph saved only after a minute and a half of compiling.
+enum LargeStepKind : int64_t { kNoLargeStep = 0, kOneDnn = 1, kAmx = 2 };
+
+struct LargeStep {
+  int64_t kind = kNoLargeStep;
+  at::Tensor smooth_inv, weight, scales, extra;
 
   void operator()(const at::Tensor& x, at::Tensor& out) const {
-    if (scales.defined())
+    TORCH_CHECK(kind != kNoLargeStep, "DecodeStack.run: a step of ", x.size(0),
+                " tokens is past a linear's small-step kernel, and it has no int8 x int8 product");
+    const auto& ops = large_step_ops();
+    const auto [xu, row_scales] = ops.quantize.call(x, smooth_inv);
+    if (kind == kAmx) {
+      out.copy_(ops.amx.call(xu, row_scales, weight, scales, extra, x.scalar_type()));
+      return;
+    }
+    const at::Tensor y = ops.qlinear.call(xu, 1.0, 128, weight, scales, extra, std::nullopt, 1.0, 0, at::kFloat,
+                                          "none", c10::List<std::optional<at::Scalar>>(), "");
+    TORCH_CHECK(y.is_contiguous() && out.is_contiguous(), "DecodeStack.run: a product's rows must be contiguous");
+    AT_DISPATCH_SWITCH(out.scalar_type(), "DecodeStack.large_step",
+                       AT_DISPATCH_CASE(at::kFloat, [&] {
+                         llmserve::elementwise::scale_rows(y.data_ptr<float>(), row_scales.data_ptr<float>(),
+                                                           out.data_ptr<float>(), y.size(0), y.size(1));
+                       }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
+                         llmserve::elementwise::scale_rows(y.data_ptr<float>(), row_scales.data_ptr<float>(),
+                                                           out.data_ptr<at::BFloat16>(), y.size(0), y.size(1));
+                       }));
+  }
+};
+
+// A linear's weights, one part or more (a `StackedLinear`'s runs of rows, each in its file's format). Steps up to
+// `small_max_tokens` take the small-step kernel: weights packed by `pack_int4` (no scales), by `pack_int8` with its row
+// scales or by `pack_int6` (ones); activations split into `activation_parts` int8 parts. Larger steps take the
+// large-step product. A product writes into the step's buffer (`out`, [tokens, out_features]); the small-step
+// kernels through their own entry points, not the dispatcher: a dispatched product allocated its output, ~0.2 us of
+// the ~0.6 a call costs beside its weights (benchmarks/README.md, session 45).
+struct LinearPart {
+  at::Tensor packed, scales;  // scales undefined: int4
+  int64_t activation_parts, out_features, small_max_tokens;
+  LargeStep large;
+
+  void operator()(const at::Tensor& x, at::Tensor& out) const {
+    if (x.size(0) > small_max_tokens)
+      large(x, out);
+    else if (scales.defined())
       llmserve::gemv::int8_gemv_out(x, packed, scales, activation_parts, out);
     else
       llmserve::gemv::int4_gemv_out(x, packed, activation_parts, out);
@@ -257,14 +316,17 @@ Tensor decode_layer(const T* x, const Tensor& delta, LayerWeights& w, const Laye
 // step is one call with the step's own tensors only. Four linears per layer (q/k/v, o, gate/up, down), of
 // `linear_parts` parts each (one, or a `StackedLinear`'s); `linears`, `linear_scales`, `activation_parts` and
 // `part_rows` hold one entry per part (an empty scales tensor for int4; the products' arguments), `qkv_biases`
-// one per layer (empty: none).
+// one per layer (empty: none). Per part too: `small_max_tokens`, the largest step its small-step kernel takes, and its
+// large-step product, `large_kinds` (a `LargeStepKind`) with four `large_tensors` (smooth_inv, weight, scales, extra;
+// empty for none).
 class DecodeStack : public torch::CustomClassHolder {
  public:
   DecodeStack(std::vector<at::Tensor> input_norms, std::vector<at::Tensor> post_norms, std::vector<at::Tensor> linears,
               std::vector<at::Tensor> linear_scales, std::vector<at::Tensor> qkv_biases,
               std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, int64_t num_heads,
               int64_t intermediate_size, double eps, double scale, std::vector<int64_t> activation_parts,
-              std::vector<int64_t> linear_parts, std::vector<int64_t> part_rows)
+              std::vector<int64_t> linear_parts, std::vector<int64_t> part_rows, std::vector<int64_t> small_max_tokens,
+              std::vector<int64_t> large_kinds, std::vector<at::Tensor> large_tensors)
       : num_heads_(num_heads), intermediate_size_(intermediate_size), eps_(eps), scale_(scale) {
     const size_t n = input_norms.size();
     size_t total_parts = 0;
@@ -274,15 +336,21 @@ class DecodeStack : public torch::CustomClassHolder {
     }
     TORCH_CHECK(n >= 1 && post_norms.size() == n && linear_parts.size() == 4 * n && linears.size() == total_parts &&
                     linear_scales.size() == total_parts && activation_parts.size() == total_parts &&
-                    part_rows.size() == total_parts && qkv_biases.size() == n && k_caches.size() == n &&
-                    v_caches.size() == n,
+                    part_rows.size() == total_parts && small_max_tokens.size() == total_parts &&
+                    large_kinds.size() == total_parts && large_tensors.size() == 4 * total_parts &&
+                    qkv_biases.size() == n && k_caches.size() == n && v_caches.size() == n,
                 "DecodeStack: one of each tensor per layer (four linears), per linear part");
     size_t next = 0;
     auto linear = [&](size_t i) {
       Linear made;
-      for (int64_t p = 0; p < linear_parts[i]; ++p, ++next)
+      for (int64_t p = 0; p < linear_parts[i]; ++p, ++next) {
+        const int64_t kind = large_kinds[next];
+        TORCH_CHECK(kind == kNoLargeStep || kind == kOneDnn || kind == kAmx, "DecodeStack: unknown large step ", kind);
+        const at::Tensor* large = &large_tensors[4 * next];
         made.parts.push_back({linears[next], linear_scales[next].numel() ? linear_scales[next] : at::Tensor(),
-                              activation_parts[next], part_rows[next]});
+                              activation_parts[next], part_rows[next], small_max_tokens[next],
+                              LargeStep{kind, large[0], large[1], large[2], large[3]}});
+      }
       return made;
     };
     for (size_t i = 0; i < n; ++i) {
@@ -434,7 +502,8 @@ TORCH_LIBRARY_FRAGMENT(llmserve, m) {
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, int64_t, int64_t, double, double, std::vector<int64_t>,
-                       std::vector<int64_t>, std::vector<int64_t>>())
+                       std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
+                       std::vector<at::Tensor>>())
       .def("run", &DecodeStack::run)
       .def("run_timed", &DecodeStack::run_timed)
       .def_static("pieces", &DecodeStack::pieces);

@@ -1,7 +1,7 @@
-// The decoder layer's elementwise rows (RMSNorm with or without the residual add, rotary, the SwiGLU gate) as
-// templates on raw pointers: the ops of fused_elementwise.cpp (eager steps) and the fused decode stack
-// (decode_layer.cpp, which calls them in place on its own buffers, without a dispatch or an allocation) share them,
-// so both compute the same bits. kernels/__init__.py folds a header's text into the build flags.
+// The decoder layer's elementwise rows (RMSNorm with or without the residual add, rotary, the SwiGLU gate, an int8
+// product's row scales) as templates on raw pointers: the ops of fused_elementwise.cpp (eager steps) and the fused
+// decode stack (decode_layer.cpp, which calls them in place on its own buffers, without a dispatch or an
+// allocation) share them, so both compute the same bits. kernels/__init__.py folds a header's text into the build flags.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -16,6 +16,17 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+
+// Each row function is compiled once for the library, never inlined or cloned for a caller's constants: under
+// -ffast-math a body specialised into its caller may be reassociated there (a division by the row length turned
+// into a multiplication by a reciprocal hoisted out of the row loop, two products regrouped), so the eager op and
+// the fused decode stack could round one row differently (a SmolLM2 batch-33 step: one row's RMSNorm a last bit
+// apart). A template's out-of-line instances in every object file are one function after linking.
+#if defined(__clang__)
+#define LLMSERVE_ONE_BODY __attribute__((noinline))
+#else
+#define LLMSERVE_ONE_BODY __attribute__((noipa))
+#endif
 
 namespace llmserve {
 namespace elementwise {
@@ -46,7 +57,7 @@ using llmserve::exp16;  // simd_exp.h
 // One row of RMSNorm: out = w * x * rsqrt(mean(x^2) + eps); `sum_out`, when given, receives x itself
 // (the residual stream), x being `a + b` when `b` is given.
 template <typename T, typename W>
-void rms_norm_row(const T* a, const T* b, const W* w, T* out, T* sum_out, int64_t n, float eps) {
+LLMSERVE_ONE_BODY void rms_norm_row(const T* a, const T* b, const W* w, T* out, T* sum_out, int64_t n, float eps) {
 #if defined(__AVX512F__)
   __m512 acc = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += kLanes) {
@@ -84,7 +95,7 @@ void rms_norm_row(const T* a, const T* b, const W* w, T* out, T* sum_out, int64_
 // x: [tokens, heads, head_dim], rows of any stride, each head's head_dim values contiguous and heads
 // head_dim apart (q and k of the fused qkv projection); cos, signed_sin: [tokens, 1, head_dim] or [tokens, head_dim].
 template <typename T>
-void rotary_rows(const T* x, const T* cos, const T* sin, T* out, int64_t rows, int64_t heads, int64_t d,
+LLMSERVE_ONE_BODY void rotary_rows(const T* x, const T* cos, const T* sin, T* out, int64_t rows, int64_t heads, int64_t d,
                  int64_t ld) {
   const int64_t half = d / 2;
   at::parallel_for(0, rows, grain_rows(heads * d), [&](int64_t begin, int64_t end) {
@@ -115,7 +126,7 @@ void rotary_rows(const T* x, const T* cos, const T* sin, T* out, int64_t rows, i
 }
 
 template <typename T>
-void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t n, int64_t ld) {
+LLMSERVE_ONE_BODY void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t n, int64_t ld) {
   at::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T *gate = x + r * ld, *up = gate + n;
@@ -139,6 +150,27 @@ void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t n, int64_t ld) 
         // e^-g clamped as above: under -ffast-math (no infinities assumed) a vectorized exp's inf made NaN
         o[i] = static_cast<T>(g / (1.f + std::exp(std::min(-g, 88.f))) * static_cast<float>(up[i]));
       }
+#endif
+    }
+  });
+}
+
+// out[r, :] = T(y[r, :] * scales[r]): an int8 product's float32 sums times each token's activation scale, rounded
+// once to the model's dtype, as `(y * row_scales).to(dtype)` computes it (int8_activations.py) in one pass
+template <typename T>
+LLMSERVE_ONE_BODY void scale_rows(const float* y, const float* scales, T* out, int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* yr = y + r * n;
+      T* o = out + r * n;
+#if defined(__AVX512F__)
+      const __m512 s = _mm512_set1_ps(scales[r]);
+      for (int64_t i = 0; i < n; i += kLanes) {
+        const __mmask16 m = tail_mask(n - i);
+        store16(o + i, _mm512_mul_ps(load16(yr + i, m), s), m);
+      }
+#else
+      for (int64_t i = 0; i < n; ++i) o[i] = static_cast<T>(yr[i] * scales[r]);
 #endif
     }
   });

@@ -140,9 +140,10 @@ def use_native_elementwise(model: nn.Module, native: bool = True) -> None:
 
 
 def fused_decode_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
-    """The decoder layers as one native call for small decode-only steps (kernels/decode_layer.cpp): at
-    batch 1 the Python between a layer's ~11 kernels cost ~1 ms of a ~4.3 ms step (SmolLM2). Built from the
-    layers' native int4 or int8 weights (a `StackedLinear`'s parts each), q/k/v biases, norms and KV caches (shared,
+    """The decoder layers as one native call for decode-only steps (kernels/decode_layer.cpp): at batch 1 the
+    Python between a layer's ~11 kernels cost ~1 ms of a ~4.3 ms step (SmolLM2). Built from the layers' native
+    int4 or int8 weights (a `StackedLinear`'s parts each), their int8 x int8 large-step products where they have
+    them (steps past the small-step kernels; rebuild once they do), q/k/v biases, norms and KV caches (shared,
     not copied); it computes as the layers do on the native kernels, bit for bit. Raises ValueError where a layer's
     weights are not on the native kernels."""
     layers = list(model.layers)
@@ -166,7 +167,22 @@ def fused_decode_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, tor
         [k for k, _ in kv_caches], [v for _, v in kv_caches],
         cfg.num_heads, cfg.intermediate_size, cfg.rms_norm_eps, layers[0].self_attn.scale,
         [part.activation_parts for part in flat], [len(each) for each in parts], [part.out_features for part in flat],
+        [part.max_quantized_tokens for part in flat],
+        [_LARGE_STEP_KINDS[part.large_step_kernel] for part in flat],
+        [t if t is not None else none for part in flat for t in _large_step_tensors(part)],
     )
+
+
+# a part's large-step product, as the stack names it (decode_layer.cpp, `LargeStepKind`)
+_LARGE_STEP_KINDS = {"dense": 0, "onednn": 1, "amx": 2}
+
+
+def _large_step_tensors(part: WeightOnlyLinear) -> tuple[torch.Tensor | None, ...]:
+    """What the stack's large-step product reads: smooth_inv, the weight, its scales, and zero points (oneDNN's)
+    or compensation (the AMX kernel's)."""
+    if part.large_step_kernel == "amx":
+        return part.smooth_inv, part.int8_amx_packed, part.int8_scales, part.int8_compensation
+    return part.smooth_inv, part.int8_packed, part.int8_scales, part.int8_zeros
 
 
 def compile_layers(model: nn.Module) -> None:

@@ -157,6 +157,13 @@ class WeightOnlyLinear(nn.Module):
     def uses_int8_activations(self) -> bool:
         return self.int8_scales is not None
 
+    @property
+    def large_step_kernel(self) -> str:
+        """The large-step product: "dense" (the dequantized weight), or int8 x int8 on "onednn" or "amx"."""
+        if not self.uses_int8_activations:
+            return "dense"
+        return "amx" if self.int8_amx_packed is not None else "onednn"
+
     def int8_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The large-step product once `use_int8_activations` ran, whatever the number of tokens."""
         amx = (self.int8_amx_packed, self.int8_compensation) if self.int8_amx_packed is not None else None

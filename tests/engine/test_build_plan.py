@@ -57,6 +57,25 @@ def test_a_mostly_4_bit_k_quant_mix_runs_int4_and_int8():
     assert _plan(_formats("Q4_K", down="BF16")).weights == "as loaded"
 
 
+def test_every_decode_step_is_one_call_where_large_steps_multiply_int8():
+    """Past the small-step kernels, decode steps stay in the one call where their products are int8 x int8 (the
+    call makes them too); --compile then has nothing left to compile, and says so. Dense large steps (int8
+    activations off) run layer by layer."""
+    plan = _plan(_formats("Q4_1"))
+    if not (plan.fused_decode_max_tokens and plan.int8_activations):
+        pytest.skip("no one-call decode stack with int8 activations on this CPU")
+    assert plan.fused_large_steps
+    assert [plan.step_route(True, n, False) for n in (1, 16, 17, 256)] == ["fused"] * 4
+    assert plan.step_route(False, 17, False) == "eager"  # prompt tokens: layer by layer
+    assert "int8 x int8 products past 16 tokens" in plan.describe()
+    compiled = _plan(_formats("Q4_1"), compile=True)
+    assert compiled.compile == "off" and "nothing is left for --compile" in compiled.reasons["decode steps"]
+    dense = _plan(_formats("Q4_1"), int8_activations=False)
+    assert not dense.fused_large_steps and dense.fused_decode_max_tokens == 16
+    assert [dense.step_route(True, n, False) for n in (16, 17)] == ["fused", "eager"]
+    assert _plan(_formats("Q4_1"), int8_activations=False, compile=True).compile == "graph"
+
+
 @pytest.mark.parametrize("formats", [_formats("Q5_0", down="Q6_K"), _formats("Q8_0"), _formats("F16"), None])
 def test_any_other_file_keeps_its_weights(formats):
     plan = _plan(formats)

@@ -9,6 +9,7 @@ import torch
 
 from llmserve import LLM, SamplingParams
 from llmserve.engine.build_plan import BuildPlan
+from llmserve.host import cpu_has_vnni
 from llmserve.kernels import native_quantized_kernels
 from llmserve.loader.default_models import PARTED_MODELS, installed_path
 from llmserve.models.llama import fused_decode_stack
@@ -62,10 +63,11 @@ def _assert_fused_equals_layer_by_layer(llm: LLM, prompts: list[list[int]], para
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
 
 
-def test_steps_larger_than_the_int4_kernel_takes_run_layer_by_layer():
-    llm = LLM(dtype="bfloat16", quantization="int4", kv_cache_memory_gb=0.25, max_model_len=512, max_num_seqs=32)
+def test_steps_larger_than_the_int4_kernel_takes_run_layer_by_layer_on_dense_large_steps():
+    llm = LLM(dtype="bfloat16", quantization="int4", int8_activations=False, kv_cache_memory_gb=0.25,
+              max_model_len=512, max_num_seqs=32)
     limit = llm.engine.plan.fused_decode_max_tokens
-    assert limit == 16
+    assert limit == 16 and not llm.engine.plan.fused_large_steps
     prompts = [[1, 2, 3, 4 + i] for i in range(limit + 1)]
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     outs, taken = _generate_recording_path(llm, prompts, params)
@@ -73,6 +75,40 @@ def test_steps_larger_than_the_int4_kernel_takes_run_layer_by_layer():
     alone, taken = _generate_recording_path(llm, prompts[-1:], params)
     assert taken and all(taken)
     assert alone[0].outputs[0].token_ids == outs[-1].outputs[0].token_ids
+
+
+@pytest.mark.skipif(not cpu_has_vnni(), reason="int8 activations need VNNI (AVX512-VNNI, AVX-VNNI or AMX)")
+def test_larger_decode_steps_run_inside_the_one_call_on_int8_activations():
+    """Past the int4 kernel's 16 tokens a step's products are int8 x int8 (oneDNN's, or our AMX kernel's): the call
+    makes them through the same ops in the same order as the layers do, so the same bits. (Prefix caching off: a
+    second run would otherwise prefill after cached blocks, which rounds differently from a whole prompt.)"""
+    llm = LLM(dtype="bfloat16", quantization="int4", int8_activations=True, kv_cache_memory_gb=0.25,
+              max_model_len=512, max_num_seqs=32, enable_prefix_caching=False, speculative_config="off")
+    runner = llm.engine.runner
+    assert runner.plan.fused_large_steps and runner.plan.fused_decode_max_tokens == 16
+    prompts = [[1 + (7 * i + j) % 1000 for j in range(12 + i)] for i in range(24)]
+    recording = _RecordingStack(runner.fused_stack)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runner, "fused_stack", recording)
+        _assert_fused_equals_layer_by_layer(llm, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                                          logprobs=3))
+    assert max(call[0].shape[0] for call in recording.calls) == len(prompts)  # decode steps of 24 tokens
+
+
+def test_a_stack_without_int8_activations_refuses_a_larger_step():
+    llm = LLM(dtype="bfloat16", quantization="int4", int8_activations=False, kv_cache_memory_gb=0.05,
+              max_model_len=256)
+    runner = llm.engine.runner
+    cfg = runner.config
+
+    def step(rows: int) -> tuple[torch.Tensor, ...]:
+        return (torch.zeros(rows, cfg.hidden_size, dtype=torch.bfloat16), torch.ones(rows, cfg.head_dim),
+                torch.zeros(rows, cfg.head_dim), torch.arange(rows * cfg.num_kv_heads),
+                torch.zeros(rows, 2, dtype=torch.int32), torch.ones(rows, dtype=torch.int32))
+
+    with pytest.raises(RuntimeError, match="17 tokens is past a linear's small-step kernel, and it has no int8 x int8"):
+        runner.fused_stack.run(*step(17))
+    assert runner.fused_stack.run(*step(16)).shape == (16, cfg.hidden_size)  # its kernels' own size
 
 
 @pytest.mark.parametrize(("method", "q8"), [("int4", False), ("int4+int8", False), ("int4+int8", True)])
@@ -133,9 +169,10 @@ def test_the_stack_refuses_mismatched_layers():
     linears = weights * 4
 
     def stack(input_norms=weights, linears=linears, biases=weights, v_cache=cache, parts=(2,) * 4,
-              linear_parts=(1,) * 4, rows=(15 * 64, 16, 2 * 1536, 16)):
+              linear_parts=(1,) * 4, rows=(15 * 64, 16, 2 * 1536, 16), kinds=(0,) * 4, large=weights * 16):
         return torch.classes.llmserve.DecodeStack(input_norms, weights, linears, linears, biases, [cache], [v_cache],
-                                                  9, 1536, 1e-5, 0.125, list(parts), list(linear_parts), list(rows))
+                                                  9, 1536, 1e-5, 0.125, list(parts), list(linear_parts), list(rows),
+                                                  [16] * len(kinds), list(kinds), list(large))
 
     with pytest.raises(RuntimeError, match="one of each tensor per layer"):
         stack(biases=[])
@@ -145,6 +182,10 @@ def test_the_stack_refuses_mismatched_layers():
         stack(parts=[2])
     with pytest.raises(RuntimeError, match="one of each tensor per layer"):  # two parts for q/k/v: five in all
         stack(linear_parts=(2, 1, 1, 1))
+    with pytest.raises(RuntimeError, match="one of each tensor per layer"):  # four large-step tensors per part
+        stack(large=weights * 15)
+    with pytest.raises(RuntimeError, match="unknown large step 3"):
+        stack(kinds=(3, 0, 0, 0))
     with pytest.raises(RuntimeError, match="one part or more"):
         stack(linear_parts=(0, 1, 1, 1))
     with pytest.raises(RuntimeError, match="add up to its rows"):  # q/k/v: (9 + 2 x 3 heads) x 64
