@@ -67,7 +67,8 @@ def test_every_decode_step_is_one_call_where_large_steps_multiply_int8():
     assert plan.fused_large_steps
     assert [plan.step_route(True, n, False) for n in (1, 16, 17, 256)] == ["fused"] * 4
     assert plan.step_route(False, 17, False) == "eager"  # prompt tokens: layer by layer
-    assert "int8 x int8 products past 16 tokens" in plan.describe()
+    # (16 tokens; 8 where AMX takes the products from 9)
+    assert f"int8 x int8 products past {plan.fused_decode_max_tokens} tokens" in plan.describe()
     compiled = _plan(_formats("Q4_1"), compile=True)
     assert compiled.compile == "off" and "nothing is left for --compile" in compiled.reasons["decode steps"]
     dense = _plan(_formats("Q4_1"), int8_activations=False)

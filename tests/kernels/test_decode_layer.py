@@ -79,13 +79,13 @@ def test_steps_larger_than_the_int4_kernel_takes_run_layer_by_layer_on_dense_lar
 
 @pytest.mark.skipif(not cpu_has_vnni(), reason="int8 activations need VNNI (AVX512-VNNI, AVX-VNNI or AMX)")
 def test_larger_decode_steps_run_inside_the_one_call_on_int8_activations():
-    """Past the int4 kernel's 16 tokens a step's products are int8 x int8 (oneDNN's, or our AMX kernel's): the call
+    """Past the int4 kernel's tokens a step's products are int8 x int8 (oneDNN's, or our AMX kernel's): the call
     makes them through the same ops in the same order as the layers do, so the same bits. (Prefix caching off: a
     second run would otherwise prefill after cached blocks, which rounds differently from a whole prompt.)"""
     llm = LLM(dtype="bfloat16", quantization="int4", int8_activations=True, kv_cache_memory_gb=0.25,
               max_model_len=512, max_num_seqs=32, enable_prefix_caching=False, speculative_config="off")
     runner = llm.engine.runner
-    assert runner.plan.fused_large_steps and runner.plan.fused_decode_max_tokens == 16
+    assert runner.plan.fused_large_steps and runner.plan.fused_decode_max_tokens in (8, 16)  # 8 where AMX runs 9+
     prompts = [[1 + (7 * i + j) % 1000 for j in range(12 + i)] for i in range(24)]
     recording = _RecordingStack(runner.fused_stack)
     with pytest.MonkeyPatch.context() as patch:
