@@ -17,15 +17,19 @@
 #include <cmath>
 #include <cstdint>
 
-// Each row function is compiled once for the library, never inlined or cloned for a caller's constants: under
-// -ffast-math a body specialised into its caller may be reassociated there (a division by the row length turned
-// into a multiplication by a reciprocal hoisted out of the row loop, two products regrouped), so the eager op and
-// the fused decode stack could round one row differently (a SmolLM2 batch-33 step: one row's RMSNorm a last bit
-// apart). A template's out-of-line instances in every object file are one function after linking.
+// Each row function is compiled once for the library, never inlined or cloned for a caller's constants:
+// specialised into its caller under -ffast-math a body may be reassociated there (a division by the row length
+// turned into a multiplication by a reciprocal hoisted out of the row loop, products regrouped), so the eager op
+// and the fused decode stack could round one row differently (a SmolLM2 batch-33 step: one row's RMSNorm a last
+// bit apart). A template's out-of-line instances in every object file are one function after linking.
+// RMSNorm also keeps IEEE arithmetic (LLMSERVE_EXACT_MATH): its 1/sqrt exact rather than an estimate, which
+// decided a near tie against float32 (tests/engine/test_correctness.py); once a row, so it costs nothing.
 #if defined(__clang__)
 #define LLMSERVE_ONE_BODY __attribute__((noinline))
+#define LLMSERVE_EXACT_MATH
 #else
 #define LLMSERVE_ONE_BODY __attribute__((noipa))
+#define LLMSERVE_EXACT_MATH __attribute__((optimize("no-fast-math")))
 #endif
 
 namespace llmserve {
@@ -57,7 +61,8 @@ using llmserve::exp16;  // simd_exp.h
 // One row of RMSNorm: out = w * x * rsqrt(mean(x^2) + eps); `sum_out`, when given, receives x itself
 // (the residual stream), x being `a + b` when `b` is given.
 template <typename T, typename W>
-LLMSERVE_ONE_BODY void rms_norm_row(const T* a, const T* b, const W* w, T* out, T* sum_out, int64_t n, float eps) {
+LLMSERVE_ONE_BODY LLMSERVE_EXACT_MATH void rms_norm_row(const T* a, const T* b, const W* w, T* out, T* sum_out,
+                                                        int64_t n, float eps) {
 #if defined(__AVX512F__)
   __m512 acc = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += kLanes) {
@@ -77,15 +82,23 @@ LLMSERVE_ONE_BODY void rms_norm_row(const T* a, const T* b, const W* w, T* out, 
     store16(out + i, _mm512_mul_ps(load16(w + i, m), _mm512_mul_ps(load16(src + i, m), r)), m);
   }
 #else
-  float acc = 0.f;
-  for (int64_t i = 0; i < n; ++i) {
+  // eight running sums (one vector's lanes on AVX2): without fast-math one sum would be a serial chain
+  constexpr int64_t kSums = 8;
+  float sums[kSums] = {};
+  auto square = [&](int64_t i) {
     float x = static_cast<float>(a[i]);
     if (b != nullptr) {
       sum_out[i] = static_cast<T>(x + static_cast<float>(b[i]));
       x = static_cast<float>(sum_out[i]);
     }
-    acc += x * x;
-  }
+    return x * x;
+  };
+  int64_t j = 0;
+  for (; j + kSums <= n; j += kSums)
+    for (int64_t k = 0; k < kSums; ++k) sums[k] += square(j + k);
+  for (; j < n; ++j) sums[j % kSums] += square(j);
+  float acc = 0.f;
+  for (float sum : sums) acc += sum;
   const float r = 1.f / std::sqrt(acc / static_cast<float>(n) + eps);
   const T* src = b != nullptr ? sum_out : a;
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(static_cast<float>(w[i]) * (static_cast<float>(src[i]) * r));
