@@ -1,7 +1,8 @@
 // The decoder layer's elementwise rows (RMSNorm with or without the residual add, rotary, the SwiGLU gate, an int8
 // product's row scales) as templates on raw pointers: the ops of fused_elementwise.cpp (eager steps) and the fused
 // decode stack (decode_layer.cpp, which calls them in place on its own buffers, without a dispatch or an
-// allocation) share them, so both compute the same bits. kernels/__init__.py folds a header's text into the build flags.
+// allocation) share them, so both compute the same bits. kernels/__init__.py folds a header's text into the build
+// flags.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -108,8 +109,8 @@ LLMSERVE_ONE_BODY LLMSERVE_EXACT_MATH void rms_norm_row(const T* a, const T* b, 
 // x: [tokens, heads, head_dim], rows of any stride, each head's head_dim values contiguous and heads
 // head_dim apart (q and k of the fused qkv projection); cos, signed_sin: [tokens, 1, head_dim] or [tokens, head_dim].
 template <typename T>
-LLMSERVE_ONE_BODY void rotary_rows(const T* x, const T* cos, const T* sin, T* out, int64_t rows, int64_t heads, int64_t d,
-                 int64_t ld) {
+LLMSERVE_ONE_BODY void rotary_rows(const T* x, const T* cos, const T* sin, T* out, int64_t rows, int64_t heads,
+                                   int64_t d, int64_t ld) {
   const int64_t half = d / 2;
   at::parallel_for(0, rows, grain_rows(heads * d), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
