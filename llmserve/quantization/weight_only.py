@@ -166,7 +166,7 @@ class WeightOnlyLinear(nn.Module):
 
     def int8_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The large-step product once `use_int8_activations` ran, whatever the number of tokens."""
-        amx = (self.int8_amx_packed, self.int8_compensation) if self.int8_amx_packed is not None else None
+        amx = (self.int8_amx_packed, self.int8_compensation) if self.large_step_kernel == "amx" else None
         y = int8_linear(x, self.smooth_inv, self.int8_weight, self.int8_scales, self.int8_zeros,
                         self.int8_packed, native_quantize=self.native or amx is not None, amx=amx)
         return y if self.bias is None else y + self.bias
