@@ -72,7 +72,8 @@ class ModelConfig:
                                       "transparent huge pages (Linux); default: on where the host allows them on "
                                       "request", cli=False)
     compile: bool = _option(False, "torch.compile each decode-only step as one graph (native attention) or each "
-                            "decoder layer (PyTorch attention): faster steps for ~1-2 min more start-up")
+                            "decoder layer (PyTorch attention): faster steps for ~1-2 min more start-up; off "
+                            "where every decode step already runs as one native call (quantized weights)")
     enforce_eager: bool = _option(False, "on CUDA: run decode steps layer by layer instead of replaying captured "
                                   "CUDA graphs (to debug or compare)")
     kernels: str = _option("auto", "llmserve's native CPU kernels (paged decode attention, quantized products, "

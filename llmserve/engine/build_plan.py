@@ -65,8 +65,8 @@ class BuildPlan:
     elementwise: str  # the layers' norms, rotary and SwiGLU gate in eager steps: "native" | "torch"
     argmax: str  # greedy sampling: "native" | "torch"
     compile: str  # "graph" (each decode-only step one compiled graph) | "layers" | "off"
-    fused_decode_max_tokens: int  # decode-only steps up to this many tokens run as one native call (0: never)
-    fused_large_steps: bool  # and larger decode-only steps too, their products int8 x int8 inside the call
+    # decode-only steps run as one native call, up to this many tokens on the small-step kernels (0: never)
+    fused_decode_max_tokens: int
     kv_cache: KVCacheSpec
     num_kv_blocks: int
     max_model_len: int
@@ -81,8 +81,7 @@ class BuildPlan:
     def step_route(self, decode_only: bool, num_tokens: int, has_graph: bool) -> str:
         """How a step runs: "fused" (the decoder as one native call), "cuda graph" (a captured CUDA graph),
         "graph" (the compiled decode graph) or "eager" (layer by layer). The one place this is decided."""
-        if decode_only and self.fused_decode_max_tokens and (num_tokens <= self.fused_decode_max_tokens
-                                                             or self.fused_large_steps):
+        if decode_only and self.fused_decode_max_tokens:
             return "fused"
         if decode_only and num_tokens <= self.cuda_graph_max_tokens:
             return "cuda graph"
@@ -127,10 +126,9 @@ class BuildPlan:
 
     def _routes(self) -> str:
         parts = []
-        if self.fused_decode_max_tokens and self.fused_large_steps:
-            parts.append(f"one native call (int8 x int8 products past {self.fused_decode_max_tokens} tokens)")
-        elif self.fused_decode_max_tokens:
-            parts.append(f"one native call up to {self.fused_decode_max_tokens} tokens")
+        if self.fused_decode_max_tokens:
+            large = f"int8 x int8 ({self.int8_products})" if self.int8_activations else "dense"
+            parts.append(f"one native call ({large} products past {self.fused_decode_max_tokens} tokens)")
         if self.cuda_graph_max_tokens:
             parts.append(f"CUDA graphs up to {self.cuda_graph_max_tokens} tokens")
         if self.compile == "graph":
@@ -248,12 +246,12 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
     fused = (tp == 1 and weights != "as loaded" and small == "native" and elementwise == "native"
              and attention == "native" and all(int4_packs(*shape) for shape in _linear_shapes(model)))
     fused_max = min(small_step_cap(m, small_max, parts) for m in weights.split("+")) if fused else 0
-    # larger decode steps too where their products are int8 x int8 (ours or oneDNN's, called from the stack): at 32
-    # tokens layer by layer, ~6 ms of a ~41 ms SmolLM2 step went between the ops (Zen 4; benchmarks/README.md)
-    fused_large = fused and int8_activations
+    # at every size: past the small-step kernels the call makes the layers' large-step products itself (int8 x int8,
+    # or dense): at 32 tokens layer by layer, ~6 ms of a ~41 ms SmolLM2 step went between the ops (Zen 4;
+    # benchmarks/README.md, session 48)
     if fused:
         reasons["decode steps"] = "native quantized products, attention and elementwise ops: one call for all layers"
-    if fused_large and compile_mode != "off":
+    if fused and compile_mode != "off":
         compile_mode = "off"
         reasons["decode steps"] += "; every decode step runs as one call: nothing is left for --compile to compile"
 
@@ -281,7 +279,7 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
         device=device, dtype=dtype, weights=weights, small_step_kernels=small, small_step_max_tokens=small_max,
         int8_activations=int8_activations, int8_products=products, attention=attention,
         elementwise=elementwise, argmax=argmax, compile=compile_mode,
-        fused_decode_max_tokens=fused_max, fused_large_steps=fused_large, kv_cache=spec, num_kv_blocks=num_blocks,
+        fused_decode_max_tokens=fused_max, kv_cache=spec, num_kv_blocks=num_blocks,
         max_model_len=max_model_len, head=head, tensor_parallel_size=tp, activation_parts=parts,
         speculative=speculative, cuda_graph_max_tokens=cuda_graphs, huge_pages=huge_pages, reasons=reasons,
     )

@@ -18,9 +18,10 @@
 // and q/k/v may carry a bias (Qwen2): the layer-by-layer path's kernels and arithmetic for each (a bias added to
 // the product in the model's dtype, as `WeightOnlyLinear` adds it).
 //
-// Larger decode steps (a busy server's batch) run here too where the layers' large-step products are int8 x int8
-// (`LargeStep`): past its small-step kernel's tokens each part quantizes the step's activations and multiplies
-// through the ops the layers call, so the same bits again; the rest of the layer is the same code at any size.
+// Larger decode steps (a busy server's batch) run here too (`LargeStep`): past its small-step kernel's tokens each part
+// takes the layers' large-step product through the ops the layers call (int8 x int8 on the step's quantized
+// activations, or the dense product of the quantized values), so the same bits again; the rest of the layer is the
+// same code at any size.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -68,8 +69,8 @@ const LayerOps& layer_ops() {
   return ops;
 }
 
-// The products of a large step's int8 activations (int8_activations.py), looked up at the first large step: a stack
-// without them never needs oneDNN's op registered
+// The large steps' products (int8_activations.py, layers/linear.py), looked up at the first large step: a stack
+// without them never needs oneDNN's ops registered
 struct LargeStepOps {
   Op<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&)> quantize{"llmserve::quantize_activations_u8"};
   // (its kernel's registered signature, by value, as the typed handle requires)
@@ -78,6 +79,9 @@ struct LargeStepOps {
       qlinear{"onednn::qlinear_pointwise"};
   Op<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, at::ScalarType)> amx{
       "llmserve::int8_gemm"};
+  Op<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&, c10::string_view,
+            c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>
+      packed_dense{"mkldnn::_linear_pointwise"};
 };
 
 const LargeStepOps& large_step_ops() {
@@ -85,72 +89,93 @@ const LargeStepOps& large_step_ops() {
   return ops;
 }
 
-// A part's product for steps past its small-step kernel: int8 activations (one scale a token, after SmoothQuant's
-// `smooth_inv`) times its smoothed int8 weight, as `WeightOnlyLinear.int8_forward` computes it, through the same ops
-// in the same order (so the same bits): oneDNN's (`weight` prepacked, `extra` its zero points) or our AMX kernel's
-// (`weight` in its layout, `extra` its compensation). Why here too: at 32 tokens a layer-by-layer step spent ~6 ms of
-// ~41 between its ops (SmolLM2, Zen 4), which the compiled graph saved only after a minute and a half of compiling.
-enum LargeStepKind : int64_t { kNoLargeStep = 0, kOneDnn = 1, kAmx = 2 };
+// A part's product for steps past its small-step kernel, as the layer computes it, through the same ops in the same
+// order (so the same bits):
+// - kDense: the quantized values in the model's dtype (`weight`: oneDNN's packed copy, or the plain one where it has
+//   none), the bias inside the product, as `layers.linear.dense_linear` multiplies;
+// - kOneDnn, kAmx: int8 activations (one scale a token, after SmoothQuant's `smooth_inv`) times the smoothed int8
+//   weight, as `WeightOnlyLinear.int8_forward`: oneDNN's (`weight` prepacked, `extra` its zero points) or our AMX
+//   kernel's (`weight` in its layout, `extra` its compensation); the bias added after.
+// Why here too: at 32 tokens a layer-by-layer step spent ~6 ms of ~41 between its ops (SmolLM2, Zen 4), which the
+// compiled graph saved only after a minute and a half of compiling.
+// Returns the tensor that holds the product: `out`, or the op's own output where the op allocates one (copying it
+// into `out` would cost a pass over it; the layer reads whichever it gets).
+enum LargeStepKind : int64_t { kDense = 0, kOneDnn = 1, kAmx = 2 };
 
 struct LargeStep {
-  int64_t kind = kNoLargeStep;
+  int64_t kind = kDense;
   at::Tensor smooth_inv, weight, scales, extra;
 
-  void operator()(const at::Tensor& x, at::Tensor& out) const {
-    TORCH_CHECK(kind != kNoLargeStep, "DecodeStack.run: a step of ", x.size(0),
-                " tokens is past a linear's small-step kernel, and it has no int8 x int8 product");
+  at::Tensor operator()(const at::Tensor& x, const at::Tensor& bias, at::Tensor& out) const {
     const auto& ops = large_step_ops();
+    const std::optional<at::Tensor> maybe_bias = bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt;
+    if (kind == kDense)
+      return weight.is_mkldnn() ? ops.packed_dense.call(x, weight, maybe_bias, "none",
+                                                            c10::List<std::optional<at::Scalar>>(), "")
+                                : at::linear(x, weight, maybe_bias);
     const auto [xu, row_scales] = ops.quantize.call(x, smooth_inv);
+    at::Tensor y;
     if (kind == kAmx) {
-      out.copy_(ops.amx.call(xu, row_scales, weight, scales, extra, x.scalar_type()));
-      return;
+      y = ops.amx.call(xu, row_scales, weight, scales, extra, x.scalar_type());
+    } else {
+      const at::Tensor y32 = ops.qlinear.call(xu, 1.0, 128, weight, scales, extra, std::nullopt, 1.0, 0, at::kFloat,
+                                              "none", c10::List<std::optional<at::Scalar>>(), "");
+      TORCH_CHECK(y32.is_contiguous() && out.is_contiguous(), "DecodeStack.run: a product's rows must be contiguous");
+      AT_DISPATCH_SWITCH(out.scalar_type(), "DecodeStack.large_step",
+                         AT_DISPATCH_CASE(at::kFloat, [&] {
+                           llmserve::elementwise::scale_rows(y32.data_ptr<float>(), row_scales.data_ptr<float>(),
+                                                             out.data_ptr<float>(), y32.size(0), y32.size(1));
+                         }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
+                           llmserve::elementwise::scale_rows(y32.data_ptr<float>(), row_scales.data_ptr<float>(),
+                                                             out.data_ptr<at::BFloat16>(), y32.size(0), y32.size(1));
+                         }));
+      y = out;
     }
-    const at::Tensor y = ops.qlinear.call(xu, 1.0, 128, weight, scales, extra, std::nullopt, 1.0, 0, at::kFloat,
-                                          "none", c10::List<std::optional<at::Scalar>>(), "");
-    TORCH_CHECK(y.is_contiguous() && out.is_contiguous(), "DecodeStack.run: a product's rows must be contiguous");
-    AT_DISPATCH_SWITCH(out.scalar_type(), "DecodeStack.large_step",
-                       AT_DISPATCH_CASE(at::kFloat, [&] {
-                         llmserve::elementwise::scale_rows(y.data_ptr<float>(), row_scales.data_ptr<float>(),
-                                                           out.data_ptr<float>(), y.size(0), y.size(1));
-                       }) AT_DISPATCH_CASE(at::kBFloat16, [&] {
-                         llmserve::elementwise::scale_rows(y.data_ptr<float>(), row_scales.data_ptr<float>(),
-                                                           out.data_ptr<at::BFloat16>(), y.size(0), y.size(1));
-                       }));
+    if (bias.defined()) y.add_(bias);
+    return y;
   }
 };
 
-// A linear's weights, one part or more (a `StackedLinear`'s runs of rows, each in its file's format). Steps up to
-// `small_max_tokens` take the small-step kernel: weights packed by `pack_int4` (no scales), by `pack_int8` with its row
-// scales or by `pack_int6` (ones); activations split into `activation_parts` int8 parts. Larger steps take the
-// large-step product. A product writes into the step's buffer (`out`, [tokens, out_features]); the small-step
-// kernels through their own entry points, not the dispatcher: a dispatched product allocated its output, ~0.2 us of
-// the ~0.6 a call costs beside its weights (benchmarks/README.md, session 45).
+// A linear's weights, one part or more (a `StackedLinear`'s runs of rows, each in its file's format), each with its
+// rows of the bias (undefined: none). Steps up to `small_max_tokens` take the small-step kernel: weights packed by
+// `pack_int4` (no scales), by `pack_int8` with its row scales or by `pack_int6` (ones); activations split into
+// `activation_parts` int8 parts; the bias added after, as `WeightOnlyLinear` adds it. Larger steps take the
+// large-step product. The small-step kernels write into the step's buffer (`out`, [tokens, out_features]) through
+// their own entry points, not the dispatcher: a dispatched product allocated its output, ~0.2 us of the ~0.6 a call
+// costs beside its weights (benchmarks/README.md, session 45). Returns the tensor holding the product (see LargeStep).
 struct LinearPart {
-  at::Tensor packed, scales;  // scales undefined: int4
+  at::Tensor packed, scales, bias;  // scales undefined: int4
   int64_t activation_parts, out_features, small_max_tokens;
   LargeStep large;
 
-  void operator()(const at::Tensor& x, at::Tensor& out) const {
-    if (x.size(0) > small_max_tokens)
-      large(x, out);
-    else if (scales.defined())
+  at::Tensor operator()(const at::Tensor& x, at::Tensor& out) const {
+    if (x.size(0) > small_max_tokens) {
+      at::Tensor y = large(x, bias, out);
+      TORCH_CHECK(y.is_contiguous() && y.scalar_type() == out.scalar_type() && y.sizes() == out.sizes(),
+                  "DecodeStack.run: a large step's product must be contiguous [tokens, rows] in the step's dtype");
+      return y;
+    }
+    if (scales.defined())
       llmserve::gemv::int8_gemv_out(x, packed, scales, activation_parts, out);
     else
       llmserve::gemv::int4_gemv_out(x, packed, activation_parts, out);
+    if (bias.defined()) out.add_(bias);
+    return out;
   }
 };
 
 struct Linear {
   std::vector<LinearPart> parts;
 
-  void operator()(const at::Tensor& x, at::Tensor& out) const {
+  at::Tensor operator()(const at::Tensor& x, at::Tensor& out) const {
     if (parts.size() == 1) return parts[0](x, out);
     std::vector<at::Tensor> outputs;  // each part's rows of every token: side by side in out's rows
     for (const auto& part : parts) {
-      outputs.push_back(at::empty({x.size(0), part.out_features}, x.options()));
-      part(x, outputs.back());
+      at::Tensor own = at::empty({x.size(0), part.out_features}, x.options());
+      outputs.push_back(part(x, own));
     }
     at::cat_out(out, outputs, 1);
+    return out;
   }
 
   int64_t out_features() const {
@@ -169,11 +194,10 @@ Tensor view_of(const Tensor& base, int64_t offset, at::IntArrayRef sizes, at::In
 }
 
 // caches [blocks, kv_heads, block_size, head_dim], written at a step's `slots` (one per token and KV head, as
-// write_kv); qkv_bias undefined where q/k/v have none.
+// write_kv)
 struct LayerWeights {
   at::Tensor input_norm;
-  Linear qkv;
-  at::Tensor qkv_bias;
+  Linear qkv;  // with its bias, where q/k/v have one
   Linear o;
   at::Tensor post_norm;
   Linear gate_up, down;
@@ -268,9 +292,7 @@ Tensor decode_layer(const T* x, const Tensor& delta, LayerWeights& w, const Laye
     norm_rows<T>(x, nullptr, w.input_norm, step.normed, nullptr, tokens, hidden, eps);
   }
   timer.mark(kInputNorm);
-  at::Tensor& qkv = step.qkv;
-  w.qkv(step.normed_rows, qkv);
-  if (w.qkv_bias.defined()) qkv.add_(w.qkv_bias);
+  const at::Tensor qkv = w.qkv(step.normed_rows, step.qkv);
   timer.mark(kQkv);
   const int64_t row = qkv.size(1);
   const T* qkv_data = qkv.data_ptr<T>();
@@ -297,28 +319,28 @@ Tensor decode_layer(const T* x, const Tensor& delta, LayerWeights& w, const Laye
                                             scale, step.attended);
   timer.mark(kAttention);
   prefetch_tensor(w.post_norm);
-  w.o(step.attended_rows, step.o);
+  const at::Tensor o = w.o(step.attended_rows, step.o);
   timer.mark(kO);
-  norm_rows(x, static_cast<const T*>(step.o.data_ptr()), w.post_norm, step.normed, step.residual, tokens, hidden, eps);
+  norm_rows(x, static_cast<const T*>(o.data_ptr()), w.post_norm, step.normed, step.residual, tokens, hidden, eps);
   timer.mark(kPostNorm);
-  w.gate_up(step.normed_rows, step.gate_up);
+  const at::Tensor gate_up = w.gate_up(step.normed_rows, step.gate_up);
   timer.mark(kGateUp);
-  llmserve::elementwise::silu_and_mul_rows(static_cast<const T*>(step.gate_up.data_ptr()), step.gated, tokens, step.intermediate,
-                                           2 * step.intermediate);
+  llmserve::elementwise::silu_and_mul_rows(static_cast<const T*>(gate_up.data_ptr()), step.gated, tokens,
+                                           step.intermediate, 2 * step.intermediate);
   timer.mark(kGate);
   if (next != nullptr) prefetch_tensor(next->input_norm);
-  w.down(step.gated_rows, step.down);
+  at::Tensor down = w.down(step.gated_rows, step.down);
   timer.mark(kDown);
-  return step.down;
+  return down;
 }
 
 // The decoder layers, built once from the model's tensors (shared, not copied) and its KV caches, so a
 // step is one call with the step's own tensors only. Four linears per layer (q/k/v, o, gate/up, down), of
 // `linear_parts` parts each (one, or a `StackedLinear`'s); `linears`, `linear_scales`, `activation_parts` and
 // `part_rows` hold one entry per part (an empty scales tensor for int4; the products' arguments), `qkv_biases`
-// one per layer (empty: none). Per part too: `small_max_tokens`, the largest step its small-step kernel takes, and its
-// large-step product, `large_kinds` (a `LargeStepKind`) with four `large_tensors` (smooth_inv, weight, scales, extra;
-// empty for none).
+// one per layer (empty: none; each q/k/v part adds its rows of it). Per part too: `small_max_tokens`, the largest step
+// its small-step kernel takes, and its large-step product, `large_kinds` (a `LargeStepKind`) with four
+// `large_tensors` (smooth_inv, weight, scales, extra; empty where the kind reads none).
 class DecodeStack : public torch::CustomClassHolder {
  public:
   DecodeStack(std::vector<at::Tensor> input_norms, std::vector<at::Tensor> post_norms, std::vector<at::Tensor> linears,
@@ -341,18 +363,27 @@ class DecodeStack : public torch::CustomClassHolder {
                     qkv_biases.size() == n && k_caches.size() == n && v_caches.size() == n,
                 "DecodeStack: one of each tensor per layer (four linears), per linear part");
     size_t next = 0;
-    auto linear = [&](size_t i) {
+    auto linear = [&](size_t i, const at::Tensor& bias) {
       Linear made;
+      int64_t first_row = 0;
       for (int64_t p = 0; p < linear_parts[i]; ++p, ++next) {
         const int64_t kind = large_kinds[next];
-        TORCH_CHECK(kind == kNoLargeStep || kind == kOneDnn || kind == kAmx, "DecodeStack: unknown large step ", kind);
+        TORCH_CHECK(kind == kDense || kind == kOneDnn || kind == kAmx, "DecodeStack: unknown large step ", kind);
         const at::Tensor* large = &large_tensors[4 * next];
+        TORCH_CHECK(large[1].defined() && (large[1].is_mkldnn() || large[1].numel()),
+                    "DecodeStack: every part needs its large-step weight");
+        TORCH_CHECK(!bias.defined() || first_row + part_rows[next] <= bias.numel(),
+                    "DecodeStack: a q/k/v bias has one value per row");
         made.parts.push_back({linears[next], linear_scales[next].numel() ? linear_scales[next] : at::Tensor(),
+                              bias.defined() ? bias.narrow(0, first_row, part_rows[next]) : at::Tensor(),
                               activation_parts[next], part_rows[next], small_max_tokens[next],
                               LargeStep{kind, large[0], large[1], large[2], large[3]}});
+        first_row += part_rows[next];
       }
+      TORCH_CHECK(!bias.defined() || first_row == bias.numel(), "DecodeStack: a q/k/v bias has one value per row");
       return made;
     };
+    const at::Tensor no_bias;
     for (size_t i = 0; i < n; ++i) {
       TORCH_CHECK(k_caches[i].dim() == 4 && k_caches[i].sizes() == v_caches[i].sizes() &&
                       k_caches[i].is_contiguous() && v_caches[i].is_contiguous(),
@@ -367,9 +398,9 @@ class DecodeStack : public torch::CustomClassHolder {
                         norm->scalar_type() == input_norms[0].scalar_type() &&
                         (norm->scalar_type() == at::kFloat || norm->scalar_type() == at::kBFloat16),
                     "DecodeStack: norm weights must be contiguous float32 or bfloat16, one per feature, alike");
-      LayerWeights layer{input_norms[i], linear(4 * i), qkv_biases[i].numel() ? qkv_biases[i] : at::Tensor(),
-                         linear(4 * i + 1), post_norms[i], linear(4 * i + 2), linear(4 * i + 3), k_caches[i],
-                         v_caches[i]};
+      LayerWeights layer{input_norms[i], linear(4 * i, qkv_biases[i].numel() ? qkv_biases[i] : no_bias),
+                         linear(4 * i + 1, no_bias), post_norms[i], linear(4 * i + 2, no_bias),
+                         linear(4 * i + 3, no_bias), k_caches[i], v_caches[i]};
       const int64_t hidden = input_norms[i].numel(), head_dim = llmserve::attention::cache_head_dim(k_caches[i]);
       TORCH_CHECK(layer.qkv.out_features() == (num_heads + 2 * k_caches[i].size(1)) * head_dim &&
                       layer.o.out_features() == hidden && layer.gate_up.out_features() == 2 * intermediate_size &&

@@ -5,6 +5,11 @@ sizes that reorder is a large part of the matmul (measured here, SmolLM2's shape
 tokens 1.2-1.4x faster prepacked; the same at 256 tokens). The packed product is bit-identical to
 `F.linear`. A compiled graph does not need this: Inductor's freezing packs its weights itself (see
 engine/decode_graph.py), so while compiling the layers trace the plain `F.linear`.
+
+In float32 `F.linear` is MKL's sgemm, which on AMD hosts ran 1.2-2.2x slower than oneDNN's packed product at 17-64
+tokens (2-3x on SmolLM2's output head; 1.2-2.3x with oneDNN held to AVX2; benchmarks/README.md, session 49): a quantized
+layer's large-step weight is packed in float32 too. Its rounding is oneDNN's, as its small steps' are already the
+int4 kernels'. A dense float32 model keeps `F.linear`, transformers' own product, which its greedy output is held to.
 """
 
 from __future__ import annotations
@@ -13,15 +18,19 @@ import torch
 from torch import nn
 
 
-def packs(weight: torch.Tensor) -> bool:
-    """Whether the weight has a packed form here (bf16 on a CPU that oneDNN runs bf16 on)."""
-    on_cpu_in_bf16 = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-    return on_cpu_in_bf16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+def packs(weight: torch.Tensor, quantized: bool = False) -> bool:
+    """Whether the weight has a packed form here: bf16 on a CPU that oneDNN runs bf16 on; float32 too for a
+    quantized layer's large-step weight (`quantized`)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return quantized and weight.dtype == torch.float32
 
 
-def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+def prepack_weight(weight: torch.Tensor, quantized: bool = False) -> torch.Tensor | None:
     """oneDNN's packed copy of a [out, in] weight, or None where the plain matmul is the one to use."""
-    if not packs(weight):
+    if not packs(weight, quantized):
         return None
     with torch.no_grad():
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)  # 32: the batch size to tune for
@@ -60,7 +69,7 @@ def prepack_linears(model: nn.Module) -> int:
                 setattr(module, name, PackedLinear(child))
                 packed += 1
             elif getattr(child, "packed", False) is None:
-                child.packed = prepack_weight(child.weight)
+                child.packed = prepack_weight(child.weight, quantized=True)
                 packed += child.packed is not None
     return packed
 

@@ -142,10 +142,11 @@ def use_native_elementwise(model: nn.Module, native: bool = True) -> None:
 def fused_decode_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
     """The decoder layers as one native call for decode-only steps (kernels/decode_layer.cpp): at batch 1 the
     Python between a layer's ~11 kernels cost ~1 ms of a ~4.3 ms step (SmolLM2). Built from the layers' native
-    int4 or int8 weights (a `StackedLinear`'s parts each), their int8 x int8 large-step products where they have
-    them (steps past the small-step kernels; rebuild once they do), q/k/v biases, norms and KV caches (shared,
-    not copied); it computes as the layers do on the native kernels, bit for bit. Raises ValueError where a layer's
-    weights are not on the native kernels."""
+    int4 or int8 weights (a `StackedLinear`'s parts each), their large-step products for steps past the small-step
+    kernels (int8 x int8, or dense on the quantized values: build it after `prepack_linears`, and again once
+    calibration gives the layers int8 weights), q/k/v biases, norms and KV caches (shared, not copied); it
+    computes as the layers do, bit for bit, at any decode step's size. Raises ValueError where a layer's weights
+    are not on the native kernels."""
     layers = list(model.layers)
     linears = [lin for layer in layers for lin in (
         layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
@@ -179,10 +180,13 @@ _LARGE_STEP_KINDS = {"dense": 0, "onednn": 1, "amx": 2}
 
 def _large_step_tensors(part: WeightOnlyLinear) -> tuple[torch.Tensor | None, ...]:
     """What the stack's large-step product reads: smooth_inv, the weight, its scales, and zero points (oneDNN's)
-    or compensation (the AMX kernel's)."""
+    or compensation (the AMX kernel's); for the dense product only the weight, oneDNN's packed copy where it has one
+    (the plain one may be released)."""
     if part.large_step_kernel == "amx":
         return part.smooth_inv, part.int8_amx_packed, part.int8_scales, part.int8_compensation
-    return part.smooth_inv, part.int8_packed, part.int8_scales, part.int8_zeros
+    if part.large_step_kernel == "onednn":
+        return part.smooth_inv, part.int8_packed, part.int8_scales, part.int8_zeros
+    return None, part.packed if part.packed is not None else part.weight, None, None
 
 
 def compile_layers(model: nn.Module) -> None:

@@ -57,24 +57,25 @@ def test_a_mostly_4_bit_k_quant_mix_runs_int4_and_int8():
     assert _plan(_formats("Q4_K", down="BF16")).weights == "as loaded"
 
 
-def test_every_decode_step_is_one_call_where_large_steps_multiply_int8():
-    """Past the small-step kernels, decode steps stay in the one call where their products are int8 x int8 (the
-    call makes them too); --compile then has nothing left to compile, and says so. Dense large steps (int8
-    activations off) run layer by layer."""
+def test_every_decode_step_is_one_call_where_the_stack_runs():
+    """Past the small-step kernels, decode steps stay in the one call: it makes the layers' large-step products too,
+    int8 x int8 or dense; --compile then has nothing left to compile, and says so."""
     plan = _plan(_formats("Q4_1"))
-    if not (plan.fused_decode_max_tokens and plan.int8_activations):
-        pytest.skip("no one-call decode stack with int8 activations on this CPU")
-    assert plan.fused_large_steps
+    if not plan.fused_decode_max_tokens:
+        pytest.skip("no one-call decode stack on this CPU")
     assert [plan.step_route(True, n, False) for n in (1, 16, 17, 256)] == ["fused"] * 4
     assert plan.step_route(False, 17, False) == "eager"  # prompt tokens: layer by layer
     # (16 tokens; 8 where AMX takes the products from 9)
-    assert f"int8 x int8 products past {plan.fused_decode_max_tokens} tokens" in plan.describe()
+    large = f"int8 x int8 ({plan.int8_products})" if plan.int8_activations else "dense"
+    assert f"one native call ({large} products past {plan.fused_decode_max_tokens} tokens)" in plan.describe()
     compiled = _plan(_formats("Q4_1"), compile=True)
     assert compiled.compile == "off" and "nothing is left for --compile" in compiled.reasons["decode steps"]
-    dense = _plan(_formats("Q4_1"), int8_activations=False)
-    assert not dense.fused_large_steps and dense.fused_decode_max_tokens == 16
-    assert [dense.step_route(True, n, False) for n in (16, 17)] == ["fused", "eager"]
-    assert _plan(_formats("Q4_1"), int8_activations=False, compile=True).compile == "graph"
+    dense = _plan(_formats("Q4_1"), int8_activations=False, compile=True)
+    assert dense.fused_decode_max_tokens == 16 and dense.compile == "off"
+    assert [dense.step_route(True, n, False) for n in (16, 17)] == ["fused", "fused"]
+    assert "one native call (dense products past 16 tokens)" in dense.describe()
+    # without the stack (PyTorch's kernels) --compile still compiles the decode steps
+    assert _plan(_formats("Q4_1"), kernels="torch", compile=True).compile == "layers"
 
 
 @pytest.mark.parametrize("formats", [_formats("Q5_0", down="Q6_K"), _formats("Q8_0"), _formats("F16"), None])

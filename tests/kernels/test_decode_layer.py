@@ -63,29 +63,19 @@ def _assert_fused_equals_layer_by_layer(llm: LLM, prompts: list[list[int]], para
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
 
 
-def test_steps_larger_than_the_int4_kernel_takes_run_layer_by_layer_on_dense_large_steps():
-    llm = LLM(dtype="bfloat16", quantization="int4", int8_activations=False, kv_cache_memory_gb=0.25,
-              max_model_len=512, max_num_seqs=32)
-    limit = llm.engine.plan.fused_decode_max_tokens
-    assert limit == 16 and not llm.engine.plan.fused_large_steps
-    prompts = [[1, 2, 3, 4 + i] for i in range(limit + 1)]
-    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    outs, taken = _generate_recording_path(llm, prompts, params)
-    assert taken and not any(taken)  # 17 decodes a step: past the limit
-    alone, taken = _generate_recording_path(llm, prompts[-1:], params)
-    assert taken and all(taken)
-    assert alone[0].outputs[0].token_ids == outs[-1].outputs[0].token_ids
-
-
-@pytest.mark.skipif(not cpu_has_vnni(), reason="int8 activations need VNNI (AVX512-VNNI, AVX-VNNI or AMX)")
-def test_larger_decode_steps_run_inside_the_one_call_on_int8_activations():
-    """Past the int4 kernel's tokens a step's products are int8 x int8 (oneDNN's, or our AMX kernel's): the call
+@pytest.mark.parametrize(("int8_activations", "dtype"), [(True, "bfloat16"), (False, "bfloat16"), (False, "float32")])
+def test_larger_decode_steps_run_inside_the_one_call(int8_activations, dtype):
+    """Past the int4 kernel's tokens a step's products are the layers' large-step ones: int8 x int8 (oneDNN's, or our
+    AMX kernel's) or dense on the quantized values (oneDNN's packed bf16 weight; the plain float32 one): the call
     makes them through the same ops in the same order as the layers do, so the same bits. (Prefix caching off: a
     second run would otherwise prefill after cached blocks, which rounds differently from a whole prompt.)"""
-    llm = LLM(dtype="bfloat16", quantization="int4", int8_activations=True, kv_cache_memory_gb=0.25,
+    if int8_activations and not cpu_has_vnni():
+        pytest.skip("int8 activations need VNNI (AVX512-VNNI, AVX-VNNI or AMX)")
+    llm = LLM(dtype=dtype, quantization="int4", int8_activations=int8_activations, kv_cache_memory_gb=0.25,
               max_model_len=512, max_num_seqs=32, enable_prefix_caching=False, speculative_config="off")
     runner = llm.engine.runner
-    assert runner.plan.fused_large_steps and runner.plan.fused_decode_max_tokens in (8, 16)  # 8 where AMX runs 9+
+    assert runner.plan.fused_decode_max_tokens in (8, 16)  # 8 where AMX runs 9+
+    assert runner.plan.step_route(True, 256, False) == "fused"
     prompts = [[1 + (7 * i + j) % 1000 for j in range(12 + i)] for i in range(24)]
     recording = _RecordingStack(runner.fused_stack)
     with pytest.MonkeyPatch.context() as patch:
@@ -95,31 +85,16 @@ def test_larger_decode_steps_run_inside_the_one_call_on_int8_activations():
     assert max(call[0].shape[0] for call in recording.calls) == len(prompts)  # decode steps of 24 tokens
 
 
-def test_a_stack_without_int8_activations_refuses_a_larger_step():
-    llm = LLM(dtype="bfloat16", quantization="int4", int8_activations=False, kv_cache_memory_gb=0.05,
-              max_model_len=256)
-    runner = llm.engine.runner
-    cfg = runner.config
-
-    def step(rows: int) -> tuple[torch.Tensor, ...]:
-        return (torch.zeros(rows, cfg.hidden_size, dtype=torch.bfloat16), torch.ones(rows, cfg.head_dim),
-                torch.zeros(rows, cfg.head_dim), torch.arange(rows * cfg.num_kv_heads),
-                torch.zeros(rows, 2, dtype=torch.int32), torch.ones(rows, dtype=torch.int32))
-
-    with pytest.raises(RuntimeError, match="17 tokens is past a linear's small-step kernel, and it has no int8 x int8"):
-        runner.fused_stack.run(*step(17))
-    assert runner.fused_stack.run(*step(16)).shape == (16, cfg.hidden_size)  # its kernels' own size
-
-
 @pytest.mark.parametrize(("method", "q8"), [("int4", False), ("int4+int8", False), ("int4+int8", True)])
 def test_qwen_fused_decode_equals_the_layer_by_layer_native_ops(method, q8):
     """Qwen2's q/k/v biases, and int8 linears beside int4 ones (int4+int8 on Qwen2.5-Coder-0.5B's Q4_K_M file:
     int4 on its Q4_K tensors, int8 on the Q5_0/Q6_K/Q8_0 ones), all on Q8_0 inputs or ~16-bit ones, inside the
-    one call: the same bits."""
+    one call, at every decode step's size (ten prompts: past the 8 tokens of ~16-bit int8 linears, the dense large
+    steps, the bias inside oneDNN's product): the same bits."""
     if installed_path(PARTED_MODELS[QWEN]) is None:
         pytest.skip(f"{QWEN} is not assembled here (`llmserve download {QWEN}`; setup does it)")
     llm = LLM(QWEN, dtype="bfloat16", quantization=method, int8_activations=False, q8_activations=q8,
-              kv_cache_memory_gb=0.25, max_model_len=1024, max_num_seqs=8)
+              kv_cache_memory_gb=0.25, max_model_len=1024, max_num_seqs=10, enable_prefix_caching=False)
     runner = llm.engine.runner
     linears = [m for m in runner.model.layers.modules() if isinstance(m, WeightOnlyLinear)]
     assert {m.method for m in linears} == set(method.split("+"))
@@ -127,10 +102,7 @@ def test_qwen_fused_decode_equals_the_layer_by_layer_native_ops(method, q8):
     # int8 linears take steps of up to 8 tokens with ~16-bit inputs, as many as int4's (32) with Q8_0 ones
     assert runner.fused_stack is not None
     assert runner.plan.fused_decode_max_tokens == (16 if method == "int4" else 32 if q8 else 8)
-    processor = llm.engine.processor
-    prompts = [processor.encode(p) for p in (
-        "def is_prime(n):\n    \"\"\"Return whether n is a prime number.\"\"\"", "The three laws of thermodynamics are",
-        "# Sort a list of tuples by their second item, then by their first\n")]
+    prompts = _code_prompts(llm, 10)
     # the prompts' step is larger than the one call takes, so both runs compute it layer by layer (a smaller
     # one would run as decodes in the call, and its attention sums in another order than a prefill's)
     assert sum(map(len, prompts)) > runner.plan.fused_decode_max_tokens
@@ -138,17 +110,26 @@ def test_qwen_fused_decode_equals_the_layer_by_layer_native_ops(method, q8):
                                                                       logprobs=3))
 
 
-def test_rows_of_two_formats_run_inside_the_one_call(mixed_kquant_gguf):
+def _code_prompts(llm: LLM, count: int) -> list[list[int]]:
+    texts = ("def is_prime(n):\n    \"\"\"Return whether n is a prime number.\"\"\"",
+             "The three laws of thermodynamics are",
+             "# Sort a list of tuples by their second item, then by their first\n")
+    encode = llm.engine.processor.encode
+    return [encode(texts[i % 3] if i < 3 else f"# Example {i}\n{texts[i % 3]}") for i in range(count)]
+
+
+@pytest.mark.parametrize("q8", [None, False])
+def test_rows_of_two_formats_run_inside_the_one_call(mixed_kquant_gguf, q8):
     """The default on a file whose q/k/v rows are Q4_K and Q6_K (tests/models/mixed_gguf.py, Qwen2.5-Coder-1.5B's
-    mix): each q/k/v a `StackedLinear` of an int4 and a 6-bit part, inside the one call: the same bits."""
-    llm = LLM(mixed_kquant_gguf, kv_cache_memory_gb=0.1, max_model_len=512, max_num_seqs=8)
+    mix): each q/k/v a `StackedLinear` of an int4 and a 6-bit part, inside the one call: the same bits; with ~16-bit
+    inputs, decode steps of ten tokens take each part's dense large-step product in the call."""
+    llm = LLM(mixed_kquant_gguf, q8_activations=q8, kv_cache_memory_gb=0.1, max_model_len=512, max_num_seqs=10,
+              enable_prefix_caching=False)
     runner = llm.engine.runner
     assert runner.fused_stack is not None and runner.plan.weights == "int4+int8"
     assert all(isinstance(layer.self_attn.qkv_proj, StackedLinear) for layer in runner.model.layers)
-    tokenizer = llm.engine.processor
-    prompts = [tokenizer.encode(p) for p in ("def is_prime(n):\n    \"\"\"Return whether n is prime.\"\"\"",
-                                             "The three laws of thermodynamics are, in the order they were found,",
-                                             "# Sort a list of tuples by their second item, then by their first\n")]
+    assert runner.plan.fused_decode_max_tokens == (8 if q8 is False else 32)
+    prompts = _code_prompts(llm, 10)
     assert sum(map(len, prompts)) > runner.plan.fused_decode_max_tokens  # the prompts' step: layer by layer
     _assert_fused_equals_layer_by_layer(llm, prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
                                                                       logprobs=3))
@@ -165,10 +146,11 @@ def test_no_fused_stack_without_native_quantized_weights(options):
 
 def test_the_stack_refuses_mismatched_layers():
     weights = [torch.zeros(16)]
+    no_biases = [torch.empty(0)]
     cache = torch.zeros(4, 3, 16, 64)
     linears = weights * 4
 
-    def stack(input_norms=weights, linears=linears, biases=weights, v_cache=cache, parts=(2,) * 4,
+    def stack(input_norms=weights, linears=linears, biases=no_biases, v_cache=cache, parts=(2,) * 4,
               linear_parts=(1,) * 4, rows=(15 * 64, 16, 2 * 1536, 16), kinds=(0,) * 4, large=weights * 16):
         return torch.classes.llmserve.DecodeStack(input_norms, weights, linears, linears, biases, [cache], [v_cache],
                                                   9, 1536, 1e-5, 0.125, list(parts), list(linear_parts), list(rows),
@@ -186,6 +168,10 @@ def test_the_stack_refuses_mismatched_layers():
         stack(large=weights * 15)
     with pytest.raises(RuntimeError, match="unknown large step 3"):
         stack(kinds=(3, 0, 0, 0))
+    with pytest.raises(RuntimeError, match="needs its large-step weight"):
+        stack(large=[torch.empty(0)] * 16)
+    with pytest.raises(RuntimeError, match="one value per row"):
+        stack(biases=weights)
     with pytest.raises(RuntimeError, match="one part or more"):
         stack(linear_parts=(0, 1, 1, 1))
     with pytest.raises(RuntimeError, match="add up to its rows"):  # q/k/v: (9 + 2 x 3 heads) x 64

@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/results/one-call-large-steps-s48/decode_ms.py compile new --batches 32,24
 
 One process per build, alternated by hand (`alternate.log`): the host moves between states every few minutes.
+Session 49 added `--model`, `--dtype` and `--int8-activations` (the dense large steps, `dense-large-steps-s49/`).
 Each batch: B requests of 200 prompt tokens, 30 steps to settle, then six stretches of `--steps` decode steps.
 """
 
@@ -22,9 +23,13 @@ def main() -> None:
     ap.add_argument("label")
     ap.add_argument("--batches", default="32,24")
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--int8-activations", choices=["auto", "on", "off"], default="auto")
     args = ap.parse_args()
-    engine = LLM(kv_cache_memory_gb=1.0, max_num_seqs=64, speculative_config="off",
-                 compile=args.mode == "compile").engine
+    int8 = {"auto": None, "on": True, "off": False}[args.int8_activations]
+    engine = LLM(args.model, dtype=args.dtype, int8_activations=int8, kv_cache_memory_gb=1.0, max_num_seqs=64,
+                 speculative_config="off", compile=args.mode == "compile").engine
     medians = {}
     for batch in (int(b) for b in args.batches.split(",")):
         params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
