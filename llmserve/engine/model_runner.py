@@ -25,7 +25,7 @@ from llmserve.engine.decode_graph import DecodeGraph
 from llmserve.engine.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from llmserve.kv_cache.key_smoothing import smooth_keys
 from llmserve.layers.attention import ATTENTION_BACKENDS, attention_metadata
-from llmserve.layers.linear import prepack_linears, release_plain_weights
+from llmserve.layers.linear import prepack_linears
 from llmserve.layers.sampler import SamplingMetadata, sample
 from llmserve.loader import Checkpoint, build_model
 from llmserve.models.llama import LayerMethods, compile_layers, fused_decode_stack
@@ -101,10 +101,10 @@ class ModelRunner:
         if plan.weights != "as loaded":
             quantize_model(model, plan.weights, plan.small_step_kernels == "native", plan.small_step_max_tokens,
                            grids, plan.head, plan.activation_parts, int6_grids)
-        if packed := prepack_linears(model):
+        # eager steps read the packed copies only: the plain ones go, unless a compiled graph (it traces `F.linear`) or
+        # int8-activation calibration (it smooths the plain weight) reads them
+        if packed := prepack_linears(model, release_plain=plan.compile == "off" and not plan.int8_activations):
             logger.info("%d linear weights prepacked for oneDNN", packed)
-            if plan.compile == "off" and not plan.int8_activations:
-                release_plain_weights(model)  # eager steps read the packed copies only
         if plan.huge_pages:
             try:
                 placed = place_on_huge_pages(model)

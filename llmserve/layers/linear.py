@@ -59,18 +59,25 @@ class PackedLinear(nn.Module):
         return dense_linear(self, x)
 
 
-def prepack_linears(model: nn.Module) -> int:
+def prepack_linears(model: nn.Module, release_plain: bool = False) -> int:
     """Pack the weight of every dense linear that packs: an `nn.Linear` becomes a `PackedLinear`, a layer
-    with a `packed` slot (the quantized layers' large-step path) gets it filled. Returns how many."""
+    with a `packed` slot (the quantized layers' large-step path) gets it filled. `release_plain`: drop each plain
+    copy as soon as its packed one exists (see `release_plain_weights`), so the peak holds one layer's weight twice,
+    not the model's. Returns how many were packed."""
     packed = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear) and packs(child.weight):
-                setattr(module, name, PackedLinear(child))
+                child = PackedLinear(child)
+                setattr(module, name, child)
                 packed += 1
             elif getattr(child, "packed", False) is None:
                 child.packed = prepack_weight(child.weight, quantized=True)
                 packed += child.packed is not None
+            else:
+                continue
+            if release_plain:
+                release_plain_weights(child)
     return packed
 
 

@@ -47,23 +47,47 @@ def test_compiled_packed_linear_traces_the_plain_weight():
     torch.testing.assert_close(compiled(x), linear(x))
 
 
-def test_released_plain_weights_leave_the_same_products():
-    """Once packed, the plain copies go (eager steps read only the packed ones); a weight another module
-    holds (a tied embedding) stays there, and the unpacked float32 layer keeps its own."""
+def _tied_model() -> nn.Sequential:
     torch.manual_seed(0)
     embedding = nn.Embedding(64, 128, dtype=torch.bfloat16)
     head = nn.Linear(128, 64, bias=False, dtype=torch.bfloat16)
     head.weight = embedding.weight  # tied
-    model = nn.Sequential(
+    return nn.Sequential(
         nn.Linear(128, 128, dtype=torch.bfloat16),
         WeightOnlyLinear(torch.randn(128, 128, dtype=torch.bfloat16), "int4"),
         head,
         nn.Linear(64, 8, dtype=torch.float32),
+        embedding,
     )
+
+
+@pytest.mark.parametrize("as_packed", [False, True])
+def test_released_plain_weights_leave_the_same_products(as_packed):
+    """Once packed, the plain copies go (eager steps read only the packed ones), after packing them all or each as it
+    is packed (the engine's way: one layer's weight twice at a time); a weight another module holds (a tied
+    embedding) stays there, and the unpacked float32 layer keeps its own."""
+    model = _tied_model()
     x = torch.randn(40, 128, dtype=torch.bfloat16)  # 40 rows: the quantized layer's dense path
     prepack_linears(model)
     before = model[:3](x)
-    assert release_plain_weights(model) == 3
+    if as_packed:
+        model = _tied_model()
+        assert prepack_linears(model, release_plain=True) == 3
+    else:
+        assert release_plain_weights(model) == 3
     assert model[0].weight is None and model[1].weight is None and model[2].weight is None
     assert torch.equal(model[:3](x), before)
-    assert embedding.weight is not None and model[3].weight is not None
+    assert model[4].weight is not None and model[3].weight is not None
+
+
+def test_float32_packs_only_a_quantized_layers_large_step_weight():
+    """In float32 a quantized layer's large steps take oneDNN's packed product (MKL's sgemm ran 1.2-3x slower on AMD
+    hosts); a dense float32 linear keeps `F.linear`, transformers' own product."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 128), WeightOnlyLinear(torch.randn(128, 128), "int4"))
+    dequantized = model[1].weight.clone()
+    assert prepack_linears(model, release_plain=True) == 1
+    assert isinstance(model[0], nn.Linear) and model[0].weight is not None  # not packed, kept
+    assert model[1].packed is not None and model[1].weight is None
+    x = torch.randn(40, 128)  # past the int4 kernel's tokens: the large step
+    torch.testing.assert_close(model[1](x), nn.functional.linear(x, dequantized), rtol=1e-5, atol=1e-5)
