@@ -34,6 +34,7 @@
 #include <array>
 #include <chrono>
 #include <cstring>
+#include <numeric>
 #include <string>
 #include <utility>
 #include <vector>
@@ -365,6 +366,9 @@ class DecodeStack : public torch::CustomClassHolder {
     size_t next = 0;
     auto linear = [&](size_t i, const at::Tensor& bias) {
       Linear made;
+      const auto rows = part_rows.begin() + static_cast<std::ptrdiff_t>(next);
+      TORCH_CHECK(!bias.defined() || std::accumulate(rows, rows + linear_parts[i], int64_t{0}) == bias.numel(),
+                  "DecodeStack: a q/k/v bias has one value per row");
       int64_t first_row = 0;
       for (int64_t p = 0; p < linear_parts[i]; ++p, ++next) {
         const int64_t kind = large_kinds[next];
@@ -372,15 +376,12 @@ class DecodeStack : public torch::CustomClassHolder {
         const at::Tensor* large = &large_tensors[4 * next];
         TORCH_CHECK(large[1].defined() && (large[1].is_mkldnn() || large[1].numel()),
                     "DecodeStack: every part needs its large-step weight");
-        TORCH_CHECK(!bias.defined() || first_row + part_rows[next] <= bias.numel(),
-                    "DecodeStack: a q/k/v bias has one value per row");
         made.parts.push_back({linears[next], linear_scales[next].numel() ? linear_scales[next] : at::Tensor(),
                               bias.defined() ? bias.narrow(0, first_row, part_rows[next]) : at::Tensor(),
                               activation_parts[next], part_rows[next], small_max_tokens[next],
                               LargeStep{kind, large[0], large[1], large[2], large[3]}});
         first_row += part_rows[next];
       }
-      TORCH_CHECK(!bias.defined() || first_row == bias.numel(), "DecodeStack: a q/k/v bias has one value per row");
       return made;
     };
     const at::Tensor no_bias;
