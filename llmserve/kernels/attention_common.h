@@ -8,7 +8,7 @@
 
 #include "simd_exp.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -62,6 +62,32 @@ inline ExpSum exp_shifted(float* s, int64_t n) {
   }
   return {mx, sum};
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// exp_shifted, 8 scores at a time (the AVX2 kernels; exp8 in simd_exp.h)
+inline ExpSum exp_shifted8(float* s, int64_t n) {
+  float mx = -INFINITY;
+  for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+  const __m256 shift = _mm256_set1_ps(mx);
+  __m256 sum = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    const __m256 e = llmserve::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
+    _mm256_storeu_ps(s + t, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  alignas(32) float tail[8] = {};  // the last n % 8 scores (the lanes past them are not summed)
+  std::copy(s + t, s + n, tail);
+  _mm256_store_ps(tail, llmserve::exp8(_mm256_sub_ps(_mm256_load_ps(tail), shift)));
+  std::copy(tail, tail + (n - t), s + t);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sum);
+  float total = 0.f;
+  for (float lane : lanes) total += lane;
+  for (int64_t i = 0; i < n - t; ++i) total += tail[i];
+  return {mx, total};
+}
+#endif
 
 // One (sequence, KV head)'s context rows [first_token, end_token), token by token through its block table (no
 // division per token), or a run of tokens at once where they lie in one block. Cache layout [num_blocks,

@@ -376,17 +376,21 @@ constexpr auto bf16_kernel_table(std::integer_sequence<int, Gs...>) {
 constexpr auto kBf16Kernels = bf16_kernel_table(std::make_integer_sequence<int, kMaxGroup>{});
 #endif  // __AVX512BF16__
 
-#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
-// bf16 caches on CPUs without AVX512-BF16 (AVX2-only hosts, AVX-512 without BF16): rows widened to float32 in
-// registers (a shift of each 16-bit value), float32 products and sums, the contexts split into parts as the
-// AVX512-BF16 kernel's. The portable loop this replaces read each row through a function pointer into a buffer
-// and kept its sums in memory: ~128 cycles per (token, KV head) for SmolLM2's shape on Zen 4 (an AVX2 build),
-// the attention 2.5-3x the AVX-512 kernel's in the engine's step. Here, the same host and build: K/V out of the
-// cache, 1024 tokens, 2 threads 104-111 -> 58 us a call; in SmolLM2's step 38-41 -> 26-27 us a layer
-// (benchmarks/README.md, session 46).
+#if defined(__AVX2__) && defined(__FMA__)
+// float32 caches (hosts without native bfloat16 run float32: AVX2-only ones) and bf16 caches on CPUs without
+// AVX512-BF16: 8 float32 lanes of each row at a time (a bf16 row widened in registers, a shift of each 16-bit
+// value), float32 products and sums, the contexts split into parts as the AVX512-BF16 kernel's. The portable loop
+// this replaces reads each row through a buffer, keeps its sums in memory and never splits a context: for bf16,
+// ~128 cycles per (token, KV head) for SmolLM2's shape on Zen 4 (an AVX2 build), the attention 2.5-3x the AVX-512
+// kernel's in the engine's step; here, the same host and build, K/V out of the cache, 1024 tokens, 2 threads
+// 104-111 -> 58 us a call, in SmolLM2's step 38-41 -> 26-27 us a layer (benchmarks/README.md, session 46).
+// float32 ran the portable loop too until session 50; SmolLM2's shape, KV out of the cache, an AVX2 build on Zen 4:
+// batch 32 x 280 tokens 1030-1570 -> 810-870 us a call, batch 8 240-266 -> 188-220, one request 28-36 -> 16.
 constexpr int kMaxGroupAvx2 = 8;  // query heads per KV head
 
-inline __m256 bf16x8_to_float(const uint16_t* p) {
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const uint16_t* p) {  // 8 bf16 values as float32
   return _mm256_castsi256_ps(
       _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
@@ -397,18 +401,18 @@ inline float sum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(y, _mm_movehdup_ps(y)));
 }
 
-template <int G>
-void decode_kernel_bf16_avx2(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                             const at::Tensor& block_table, const at::Tensor& context_lens, double scale,
-                             at::Tensor& out) {
+// Row: the cache's element as stored (float, or uint16_t for bf16); T: q's and out's dtype
+template <typename T, typename Row, int G>
+void decode_kernel_avx2(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_table, const at::Tensor& context_lens, double scale, at::Tensor& out) {
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2), c8 = head_dim / 8;
   const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2), max_blocks = block_table.size(1);
-  const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-  const auto* k_ptr = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
-  const auto* v_ptr = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+  const T* q_ptr = q.data_ptr<T>();
+  const auto* k_ptr = static_cast<const Row*>(k_cache.data_ptr());
+  const auto* v_ptr = static_cast<const Row*>(v_cache.data_ptr());
   const int32_t* table = block_table.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
-  auto* out_ptr = out.data_ptr<at::BFloat16>();
+  T* out_ptr = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
   const int64_t pairs = batch * num_kv_heads;
   const ContextSplit split = split_contexts(pairs, lens, batch);
@@ -427,30 +431,29 @@ void decode_kernel_bf16_avx2(const at::Tensor& q, const at::Tensor& k_cache, con
         continue;
       }
       const int32_t* blocks = table + b * max_blocks;
-      const uint16_t* q_rows = q_ptr + (b * num_heads + h * G) * head_dim;
-      for (int64_t i = 0; i < G * head_dim; ++i)
-        qf[i] = to_float(c10::BFloat16(q_rows[i], c10::BFloat16::from_bits())) * fscale;
-      RowWalker<uint16_t> k_rows(k_ptr, blocks, h, num_kv_heads, block_size, head_dim, first, first + ctx);
-      RowWalker<uint16_t> v_rows(v_ptr, blocks, h, num_kv_heads, block_size, head_dim, first, first + ctx);
+      const T* q_rows = q_ptr + (b * num_heads + h * G) * head_dim;
+      for (int64_t i = 0; i < G * head_dim; ++i) qf[i] = to_float(q_rows[i]) * fscale;
+      RowWalker<Row> k_rows(k_ptr, blocks, h, num_kv_heads, block_size, head_dim, first, first + ctx);
+      RowWalker<Row> v_rows(v_ptr, blocks, h, num_kv_heads, block_size, head_dim, first, first + ctx);
       scores.resize(G * ctx);
       for (int64_t t = 0; t < ctx; ++t) {  // scores[g, t] = q_g . k_t
-        const uint16_t* row = k_rows.next();
+        const Row* row = k_rows.next();
         __m256 dot[G];
         for (int g = 0; g < G; ++g) dot[g] = _mm256_setzero_ps();
         for (int64_t c = 0; c < c8; ++c) {
-          const __m256 k = bf16x8_to_float(row + 8 * c);
+          const __m256 k = load8(row + 8 * c);
           for (int g = 0; g < G; ++g) dot[g] = _mm256_fmadd_ps(_mm256_loadu_ps(&qf[g * head_dim + 8 * c]), k, dot[g]);
         }
         for (int g = 0; g < G; ++g) scores[g * ctx + t] = sum8(dot[g]);
       }
       for (int g = 0; g < G; ++g) {
-        const ExpSum stats = exp_shifted(scores.data() + g * ctx, ctx);
+        const ExpSum stats = exp_shifted8(scores.data() + g * ctx, ctx);
         result[g * stride] = stats.max;
         result[g * stride + 1] = stats.sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < ctx; t += 4) {  // acc[g] += e[g, t] v_t, four tokens a pass over acc
-        const uint16_t* rows[4];
+        const Row* rows[4];
         __m256 p[4][G];
         for (int j = 0; j < 4; ++j) {
           const bool real = t + j < ctx;
@@ -459,8 +462,8 @@ void decode_kernel_bf16_avx2(const at::Tensor& q, const at::Tensor& k_cache, con
         }
         for (int j = 1; j < 4; ++j) rows[j] = rows[j] ? rows[j] : rows[0];  // past the end: weight 0
         for (int64_t c = 0; c < c8; ++c) {
-          const __m256 v0 = bf16x8_to_float(rows[0] + 8 * c), v1 = bf16x8_to_float(rows[1] + 8 * c);
-          const __m256 v2 = bf16x8_to_float(rows[2] + 8 * c), v3 = bf16x8_to_float(rows[3] + 8 * c);
+          const __m256 v0 = load8(rows[0] + 8 * c), v1 = load8(rows[1] + 8 * c);
+          const __m256 v2 = load8(rows[2] + 8 * c), v3 = load8(rows[3] + 8 * c);
           for (int g = 0; g < G; ++g) {
             float* a = &acc[g * head_dim + 8 * c];
             __m256 sum = _mm256_fmadd_ps(p[0][g], v0, _mm256_loadu_ps(a));
@@ -477,13 +480,17 @@ void decode_kernel_bf16_avx2(const at::Tensor& q, const at::Tensor& k_cache, con
   merge_parts(partial.get(), pairs, parts, G, head_dim, num_kv_heads, out_ptr);
 }
 
-template <int... Gs>
-constexpr std::array<DecodeKernel, sizeof...(Gs)> bf16_avx2_kernels(std::integer_sequence<int, Gs...>) {
-  return {&decode_kernel_bf16_avx2<Gs + 1>...};
+template <typename T, typename Row, int... Gs>
+constexpr std::array<DecodeKernel, sizeof...(Gs)> avx2_kernels(std::integer_sequence<int, Gs...>) {
+  return {&decode_kernel_avx2<T, Row, Gs + 1>...};
 }
 
-constexpr auto kBf16Avx2Kernels = bf16_avx2_kernels(std::make_integer_sequence<int, kMaxGroupAvx2>{});
-#endif  // AVX2 without AVX512-BF16
+constexpr auto kFloatAvx2Kernels = avx2_kernels<float, float>(std::make_integer_sequence<int, kMaxGroupAvx2>{});
+#if !defined(__AVX512BF16__)
+constexpr auto kBf16Avx2Kernels =
+    avx2_kernels<at::BFloat16, uint16_t>(std::make_integer_sequence<int, kMaxGroupAvx2>{});
+#endif
+#endif  // AVX2 and FMA
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_table, const at::Tensor& context_lens, double scale) {
@@ -564,11 +571,19 @@ void decode_attention_out(const at::Tensor& q, const at::Tensor& k_cache, const 
     return;
   }
 #endif
-#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__)
   const int64_t group = qc.size(1) / k_cache.size(1);
-  if (qc.scalar_type() == at::kBFloat16 && group <= kMaxGroupAvx2 && qc.size(2) % 8 == 0) {
-    kBf16Avx2Kernels[group - 1](qc, k_cache, v_cache, table, lens, scale, out);
-    return;
+  if (group <= kMaxGroupAvx2 && qc.size(2) % 8 == 0) {
+    if (qc.scalar_type() == at::kFloat) {
+      kFloatAvx2Kernels[group - 1](qc, k_cache, v_cache, table, lens, scale, out);
+      return;
+    }
+#if !defined(__AVX512BF16__)
+    if (qc.scalar_type() == at::kBFloat16) {
+      kBf16Avx2Kernels[group - 1](qc, k_cache, v_cache, table, lens, scale, out);
+      return;
+    }
+#endif
   }
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {

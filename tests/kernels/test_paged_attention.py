@@ -91,13 +91,14 @@ def test_few_long_contexts_split_across_threads_stay_as_close(batch, block_size)
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("context_len", [70, 150, 600])
-def test_one_context_split_into_parts_is_as_close_on_any_thread_count(threads, context_len):
+def test_one_context_split_into_parts_is_as_close_on_any_thread_count(dtype, threads, context_len):
     # one request's context in 2-6 parts of >= 64 tokens, as many as a multiple of the threads where it is long
     # enough (then run interleaved: thread t takes parts t, t + threads, ...), else claimed one by one. The parts'
     # results are not zeroed first: one never computed would show as garbage here.
-    q, k_cache, v_cache, _, _ = _paged_case(1, 9, 3, 64, 16, torch.bfloat16, seed=context_len, max_blocks=40)
+    q, k_cache, v_cache, _, _ = _paged_case(1, 9, 3, 64, 16, dtype, seed=context_len, max_blocks=40)
     gen = torch.Generator().manual_seed(context_len)
     table = torch.randperm(k_cache.shape[0], generator=gen)[: -(-context_len // 16)].to(torch.int32).unsqueeze(0)
     context = torch.tensor([context_len], dtype=torch.int32)
@@ -111,6 +112,8 @@ def test_one_context_split_into_parts_is_as_close_on_any_thread_count(threads, c
     finally:
         torch.set_num_threads(before)
     theirs = _torch_path(q, k_cache, v_cache, table, context, scale).float()
+    if dtype == torch.float32:  # float32 throughout: the parts' merge changes only the sums' order
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
     assert (ours - exact).abs().max() <= max(2 * (theirs - exact).abs().max(), 1e-2)
 
 
@@ -130,15 +133,16 @@ def _laid_out(k, v, block_size, cache_dtype, gen):
     return k_cache, v_cache, ids.to(torch.int32).unsqueeze(0)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32, torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("context_len", [7, 70, 600])
 def test_a_context_gives_the_same_bits_in_blocks_of_any_size(cache_dtype, threads, context_len):
     # 16 tokens inside one block are read as one run of rows (RowWalker.run: blocks of 16 or 32), else row by row
     # through the table (blocks of 5): the same values in the same order either way, so the same bits
     gen = torch.Generator().manual_seed(context_len)
-    k, v = (torch.randn(context_len, 3, 64, generator=gen).bfloat16() for _ in range(2))
-    q = torch.randn(1, 9, 64, generator=gen).bfloat16()
+    dtype = torch.float32 if cache_dtype == torch.float32 else torch.bfloat16
+    k, v = (torch.randn(context_len, 3, 64, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(1, 9, 64, generator=gen).to(dtype)
     lens = torch.tensor([context_len], dtype=torch.int32)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
