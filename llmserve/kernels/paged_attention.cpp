@@ -401,6 +401,13 @@ inline float sum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(y, _mm_movehdup_ps(y)));
 }
 
+// the 8 lane sums of d[0..8), in order: three rounds of pairwise adds (hadd), then the two halves' sums
+inline __m256 sum8x8(const __m256* d) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(d[0], d[1]), _mm256_hadd_ps(d[2], d[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(d[4], d[5]), _mm256_hadd_ps(d[6], d[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
 // Row: the cache's element as stored (float, or uint16_t for bf16); T: q's and out's dtype
 template <typename T, typename Row, int G>
 void decode_kernel_avx2(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -436,7 +443,21 @@ void decode_kernel_avx2(const at::Tensor& q, const at::Tensor& k_cache, const at
       RowWalker<Row> k_rows(k_ptr, blocks, h, num_kv_heads, block_size, head_dim, first, first + ctx);
       RowWalker<Row> v_rows(v_ptr, blocks, h, num_kv_heads, block_size, head_dim, first, first + ctx);
       scores.resize(G * ctx);
-      for (int64_t t = 0; t < ctx; ++t) {  // scores[g, t] = q_g . k_t
+      int64_t t = 0;
+      for (; t + 8 <= ctx; t += 8) {  // scores[g, t..t+8) = q_g . k_t, eight tokens' sums reduced together
+        const Row* rows[8];
+        for (int j = 0; j < 8; ++j) rows[j] = k_rows.next();
+        for (int g = 0; g < G; ++g) {
+          __m256 dot[8];
+          for (int j = 0; j < 8; ++j) dot[j] = _mm256_setzero_ps();
+          for (int64_t c = 0; c < c8; ++c) {
+            const __m256 qv = _mm256_loadu_ps(&qf[g * head_dim + 8 * c]);
+            for (int j = 0; j < 8; ++j) dot[j] = _mm256_fmadd_ps(qv, load8(rows[j] + 8 * c), dot[j]);
+          }
+          _mm256_storeu_ps(&scores[g * ctx + t], sum8x8(dot));
+        }
+      }
+      for (; t < ctx; ++t) {  // the last ctx % 8 tokens one at a time
         const Row* row = k_rows.next();
         __m256 dot[G];
         for (int g = 0; g < G; ++g) dot[g] = _mm256_setzero_ps();
