@@ -385,7 +385,9 @@ constexpr auto kBf16Kernels = bf16_kernel_table(std::make_integer_sequence<int, 
 // kernel's in the engine's step; here, the same host and build, K/V out of the cache, 1024 tokens, 2 threads
 // 104-111 -> 58 us a call, in SmolLM2's step 38-41 -> 26-27 us a layer (benchmarks/README.md, session 46).
 // float32 ran the portable loop too until session 50; SmolLM2's shape, KV out of the cache, an AVX2 build on Zen 4:
-// batch 32 x 280 tokens 1030-1570 -> 810-870 us a call, batch 8 240-266 -> 188-220, one request 28-36 -> 16.
+// batch 32 x 280 tokens 1030-1570 -> 810-870 us a call, batch 8 240-266 -> 188-220, one request 28-36 -> 16. The
+// scores of eight tokens are reduced together (`sum8x8`), not one horizontal sum per token and query head: batch 32
+// with K/V in the L3 430 -> 355 us; from memory, where the step's K/V come from, 3-10 % (the stream bounds it).
 constexpr int kMaxGroupAvx2 = 8;  // query heads per KV head
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
