@@ -145,9 +145,11 @@ def test_compiled_decode_batches_run_int8_too(hf_model, long_prompts):
     assert len(prompts) in llm.engine.runner.decode_graph.direct_batch_sizes
     # Generated code rounds in its own order, and per-token quantization can turn that into a one-level
     # flip (one level is ~0.4 % of a token's range): tokens must agree up to a position where the reference's
-    # best two logits are within 2 % of each other, and there pick its second choice. (1 % until session 49: with
-    # float32 large steps on oneDNN's product, calibration's ranges moved in their last bits, and one prompt
-    # parted at a 1.04 % gap.)
+    # best two logits are within 2 % of each other, and there the two picks must be that pair. (1 % until session
+    # 49: with float32 large steps on oneDNN's product, calibration's ranges moved in their last bits, and one
+    # prompt parted at a 1.04 % gap. Until session 50 the engine had to pick the second: with float32 attention
+    # on the AVX2 kernel one prompt parted where the reference's own decode, one token at a time, had picked the
+    # second of a pair 0.2 % apart, and the engine the first.)
     for ids, out in zip(prompts, outs, strict=True):
         want = expected[long_prompts.index(ids)]
         got = out.outputs[0].token_ids
@@ -156,4 +158,4 @@ def test_compiled_decode_batches_run_int8_too(hf_model, long_prompts):
             with torch.inference_mode():
                 top2 = ref(torch.tensor([ids + want[:diverged]])).logits[0, -1].topk(2)
             assert top2.values[0] - top2.values[1] < 0.02 * top2.values[0].abs(), (diverged, top2)
-            assert got[diverged] == top2.indices[1]
+            assert {got[diverged], want[diverged]} == set(top2.indices.tolist()), (diverged, top2)
