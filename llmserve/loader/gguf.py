@@ -1,5 +1,6 @@
 """GGUF files (llama.cpp's format): config from metadata, tensors dequantized with the `gguf` package,
-tokenizer and chat template from the file itself.
+tokenizer and chat template from the file itself. The header is read by `gguf_header` (not `gguf.GGUFReader`,
+which spends seconds on the vocabulary arrays); the tensors are views of one read-only map of the file.
 
 llama.cpp's converter permutes the rows of Llama q/k weights for its interleaved RoPE; we undo that so
 the weights are exactly those of the Hugging Face checkpoint and one rotate-half RoPE serves both.
@@ -8,16 +9,19 @@ the weights are exactly those of the Hugging Face checkpoint and one rotate-half
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import Q4_K, dequantize
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import Q4_K, dequantize, quant_shape_to_byte_shape
 from tqdm import tqdm
 
 from llmserve.loader.checkpoint import Checkpoint
+from llmserve.loader.gguf_header import GGUFHeader, read_gguf_header
 from llmserve.models.llama import LlamaConfig
 
 logger = logging.getLogger(__name__)
@@ -35,7 +39,6 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_VOCAB_FIELDS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores")
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -43,21 +46,50 @@ _GLOBAL_TENSORS = {
 }
 
 
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file. `shape` as the file lists it (fastest-varying first); `data` a read-only view
+    of its bytes: float32 or float16 values, or for every other format uint8 rows of its blocks (what
+    `gguf.quants.dequantize` takes; the views `gguf.GGUFReader` gives)."""
+
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+def read_tensors(path: str, header: GGUFHeader | None = None) -> list[GGUFTensor]:
+    """Every tensor of the file, as views of one read-only map: nothing is read until used."""
+    header = header or read_gguf_header(path)
+    file = np.memmap(path, dtype=np.uint8, mode="r")
+    tensors = []
+    for info in header.tensors:
+        qtype = GGMLQuantizationType(info.ggml_type)
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        end = info.offset + math.prod(info.dims) // block * type_size
+        if end > len(file):
+            raise ValueError(f"{path}: tensor {info.name!r} ends at byte {end}, past the end of the file "
+                             f"({len(file)} bytes): the file is truncated")
+        raw, shape = file[info.offset:end], info.dims[::-1]
+        if qtype == GGMLQuantizationType.F32:
+            data = raw.view(np.float32).reshape(shape)
+        elif qtype == GGMLQuantizationType.F16:
+            data = raw.view(np.float16).reshape(shape)
+        else:
+            data = raw.reshape(quant_shape_to_byte_shape(shape, qtype))
+        tensors.append(GGUFTensor(info.name, qtype, info.dims, data))
+    return tensors
+
+
 def load_gguf(path: str, name: str) -> Checkpoint:
-    reader = GGUFReader(path)
-    # Skip the vocabulary arrays (tens of thousands of entries): the tokenizer reads them itself.
-    meta = {
-        key: field.contents()
-        for key, field in reader.fields.items()
-        if key not in _VOCAB_FIELDS
-    }
+    header = read_gguf_header(path)  # the vocabulary arrays are skipped: the tokenizer reads them itself
+    meta = header.metadata
     arch = meta["general.architecture"]
     if arch not in _ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {sorted(_ARCHITECTURES)})")
-    shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
-    config = _config_from_metadata(meta, arch, shapes)
+    config = _config_from_metadata(meta, arch, header.tensor_shapes)
     weights, formats, grids, grids6 = {}, {}, {}, {}
-    for tensor in tqdm(reader.tensors, desc=f"Dequantizing {os.path.basename(path)}", unit="tensor"):
+    for tensor in tqdm(read_tensors(path, header), desc=f"Dequantizing {os.path.basename(path)}", unit="tensor"):
         hf_name = _hf_name(tensor.name)
         array, grid, grid6 = _dense(tensor), int4_grid(tensor), int6_grid(tensor)
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -121,11 +153,11 @@ def _hf_name(gguf_name: str) -> str:
     return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.{m.group(3)}"
 
 
-def _dense(tensor) -> np.ndarray:
+def _dense(tensor: GGUFTensor) -> np.ndarray:
     """float32 array in PyTorch's [out, in] order (GGUF lists shapes innermost first)."""
     shape = tuple(int(d) for d in reversed(tensor.shape))
     if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-        return np.array(tensor.data, dtype=np.float32).reshape(shape)  # a copy: the reader's view is read-only
+        return np.array(tensor.data, dtype=np.float32).reshape(shape)  # a copy: the file's view is read-only
     return dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False).reshape(shape)
 
 
@@ -136,7 +168,7 @@ _INT4_BLOCKS = {GGMLQuantizationType.Q4_0: (18, 32), GGMLQuantizationType.Q4_1: 
 INT4_GRID_FORMATS = frozenset(t.name for t in _INT4_BLOCKS)
 
 
-def int4_grid(tensor) -> tuple[np.ndarray, np.ndarray] | None:
+def int4_grid(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray] | None:
     """(scale, min) per group of 32 inputs, float32 [out, in / 32], for a tensor stored on a 4-bit grid
     (w = q * scale + min, q in [0, 15]); None for any other type. Q4_0: w = d (q - 8); Q4_1: w = d q + m;
     Q4_K: eight groups of 32 per block of 256, w = (d sc) q - (dmin m), sc and m 6-bit."""
@@ -161,7 +193,7 @@ def int4_grid(tensor) -> tuple[np.ndarray, np.ndarray] | None:
 _Q6_K_BLOCK_BYTES = 210  # 128 bytes of low nibbles, 64 of top bits, 16 int8 sc, an fp16 d; 256 inputs
 
 
-def int6_grid(tensor) -> tuple[np.ndarray, np.ndarray] | None:
+def int6_grid(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray] | None:
     """(d [out, in / 256] float32, sc [out, in / 16] int8) for a Q6_K tensor (w = d * sc * (q - 32), q in [0, 63]);
     None for any other type."""
     if tensor.tensor_type != GGMLQuantizationType.Q6_K:

@@ -53,12 +53,11 @@ def test_a_4_bit_tensor_s_grid_gives_back_its_values(path):
     """int4_grid reads each group's scale and minimum from the file: every dequantized value is a level
     q * scale + min with q in [0, 15], exactly (for Q4_1 and Q4_K alike)."""
     import numpy as np
-    from gguf import GGUFReader
 
-    from llmserve.loader.gguf import _dense, int4_grid
+    from llmserve.loader.gguf import _dense, int4_grid, read_tensors
 
     seen = set()
-    for tensor in GGUFReader(path).tensors:
+    for tensor in read_tensors(path):
         grid = int4_grid(tensor)
         if grid is None or tensor.tensor_type.name in seen:
             assert grid is None or tensor.tensor_type.name in ("Q4_0", "Q4_1", "Q4_K")

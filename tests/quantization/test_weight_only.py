@@ -74,15 +74,13 @@ def test_q4_1_weights_requantize_to_their_shipped_values(llm_fp32: LLM):
 def _a_qwen_tensor(type_name: str, read_grid) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """The first tensor of Qwen2.5-Coder-0.5B's file stored as `type_name`: its dequantized weight and its grid as
     `read_grid` (the loader's) reads it; skips without the file or the native kernels."""
-    from gguf import GGUFReader
-
     from llmserve.loader.default_models import PARTED_MODELS, installed_path
-    from llmserve.loader.gguf import _dense
+    from llmserve.loader.gguf import _dense, read_tensors
 
     path = installed_path(PARTED_MODELS["qwen2.5-coder-0.5b"])
     if path is None or not native_quantized_kernels():
         pytest.skip("needs the Qwen2.5-Coder-0.5B file (make setup installs it) and the native kernels")
-    tensor = next(t for t in GGUFReader(path).tensors if t.tensor_type.name == type_name)
+    tensor = next(t for t in read_tensors(path) if t.tensor_type.name == type_name)
     return torch.from_numpy(_dense(tensor).copy()), tuple(torch.from_numpy(g.copy()) for g in read_grid(tensor))
 
 
