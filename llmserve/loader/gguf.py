@@ -61,7 +61,7 @@ class GGUFTensor:
 def read_tensors(path: str, header: GGUFHeader | None = None) -> list[GGUFTensor]:
     """Every tensor of the file, as views of one read-only map: nothing is read until used."""
     header = header or read_gguf_header(path)
-    file = np.memmap(path, dtype=np.uint8, mode="r")
+    file = np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)  # views of a memmap are memmaps: slower ops
     tensors = []
     for info in header.tensors:
         qtype = GGMLQuantizationType(info.ggml_type)
