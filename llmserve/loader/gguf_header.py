@@ -60,8 +60,8 @@ def read_gguf_header(path: str) -> GGUFHeader:
         if buf[:4] != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file")
         version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-        if version < 2:
-            raise ValueError(f"{path}: GGUF version {version} is not supported (2 or 3)")
+        if version not in (2, 3):  # a big-endian file's 3 reads as 50331648 here
+            raise ValueError(f"{path}: GGUF version {version} is not supported (2 or 3, little-endian)")
         pos = 24
         metadata: dict[str, Any] = {}
         for _ in range(n_kv):

@@ -57,3 +57,11 @@ def test_not_a_gguf_file(tmp_path) -> None:
     bad.write_bytes(b"NOPE" + bytes(64))
     with pytest.raises(ValueError, match="not a GGUF file"):
         read_gguf_header(str(bad))
+
+
+@pytest.mark.parametrize("version", [b"\x01\x00\x00\x00", b"\x00\x00\x00\x03"], ids=["v1", "big-endian-v3"])
+def test_a_version_it_cannot_read_is_refused(tmp_path, version) -> None:
+    old = tmp_path / "x.gguf"
+    old.write_bytes(b"GGUF" + version + bytes(64))
+    with pytest.raises(ValueError, match="GGUF version .* is not supported"):
+        read_gguf_header(str(old))
