@@ -14,6 +14,7 @@ starts at the next multiple of `general.alignment`, 32 if absent). A string is u
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -41,18 +42,15 @@ class GGUFHeader:
     place in the file."""
 
     metadata: dict[str, Any]
-    tensor_shapes: dict[str, tuple[int, ...]]
     tensors: tuple[TensorInfo, ...]
 
     @property
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {t.name: t.dims[::-1] for t in self.tensors}
+
+    @property
     def num_params(self) -> int:
-        total = 0
-        for shape in self.tensor_shapes.values():
-            n = 1
-            for d in shape:
-                n *= d
-            total += n
-        return total
+        return sum(math.prod(t.dims) for t in self.tensors)
 
 
 def read_gguf_header(path: str) -> GGUFHeader:
@@ -82,7 +80,7 @@ def read_gguf_header(path: str) -> GGUFHeader:
     data_start = -(-pos // alignment) * alignment
     tensors = tuple(TensorInfo(name, tuple(int(d) for d in dims), ggml_type, data_start + offset)
                     for name, dims, ggml_type, offset in entries)
-    return GGUFHeader(metadata, {t.name: t.dims[::-1] for t in tensors}, tensors)
+    return GGUFHeader(metadata, tensors)
 
 
 _SKIPPED = object()
