@@ -20,6 +20,7 @@ import torch
 from llmserve.config import EngineConfig
 from llmserve.engine.build_plan import resolve_plan
 from llmserve.engine.detokenizer import IncrementalDetokenizer, TokenBytes
+from llmserve.engine.heap import trim_heap
 from llmserve.engine.input_processor import InputProcessor
 from llmserve.engine.model_runner import ModelRunner, RunnerStoppedError
 from llmserve.engine.request import Request, RequestStatus
@@ -102,6 +103,7 @@ class LLMEngine:
             self._calibrate_int8_activations()
         if self.plan.compile != "off":
             self._warm_up()
+        trim_heap()  # calibration's and warm-up's temporaries too (heap.py)
 
     @property
     def dtype(self) -> torch.dtype:

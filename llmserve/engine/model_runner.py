@@ -22,6 +22,7 @@ from llmserve.distributed.tensor_parallel import TensorParallel, shard_config, s
 from llmserve.engine.build_plan import BuildPlan
 from llmserve.engine.cuda_graphs import CudaGraphs
 from llmserve.engine.decode_graph import DecodeGraph
+from llmserve.engine.heap import trim_heap
 from llmserve.engine.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from llmserve.kv_cache.key_smoothing import smooth_keys
 from llmserve.layers.attention import ATTENTION_BACKENDS, attention_metadata
@@ -85,6 +86,7 @@ class ModelRunner:
         self.attention = ATTENTION_BACKENDS[plan.attention]()
         methods = LayerMethods(self.attention, native_elementwise=plan.elementwise == "native")
         model = build_model(ckpt, plan.dtype, plan.device, methods)
+        trim_heap()  # the checkpoint's float32 copies are freed: their pages go back before quantizing (heap.py)
         # before quantizing: folded into the dense rows and the file's int4 grid (kv_cache/key_smoothing.py)
         self.key_smoothing = (smooth_keys(model, ckpt.tokenizer, ckpt.int4_grids)
                               if plan.kv_cache.dtype == torch.int8 else None)
@@ -125,6 +127,7 @@ class ModelRunner:
                                       plan.cuda_graph_max_tokens, capture=self.device.type == "cuda",
                                       ) if plan.cuda_graph_max_tokens else None
         self._requests: dict[str, _RequestState] = {}
+        trim_heap()  # and the quantizers' temporaries
 
     def use_int8_activations(self, absmax: dict[str, torch.Tensor]) -> None:
         """Large steps int8 x int8 from now on (int8_activations.py), for each decoder linear named in `absmax`

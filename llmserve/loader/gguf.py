@@ -1,4 +1,4 @@
-"""GGUF files (llama.cpp's format): config from metadata, tensors dequantized with the `gguf` package,
+"""GGUF files (llama.cpp's format): config from metadata, tensors dequantized by `ggml_blocks`,
 tokenizer and chat template from the file itself. The header is read by `gguf_header` (not `gguf.GGUFReader`,
 which spends seconds on the vocabulary arrays); the tensors are views of one read-only map of the file.
 
@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import Q4_K, dequantize, quant_shape_to_byte_shape
+from gguf.quants import Q4_K, quant_shape_to_byte_shape
 from tqdm import tqdm
 
 from llmserve.loader.checkpoint import Checkpoint
+from llmserve.loader.ggml_blocks import dequantize
 from llmserve.loader.gguf_header import GGUFHeader, read_gguf_header
 from llmserve.models.llama import LlamaConfig
 
@@ -97,7 +98,7 @@ def load_gguf(path: str, name: str) -> Checkpoint:
             array = _unpermute_rope_rows(array, heads)
             grid = grid and tuple(_unpermute_rope_rows(g, heads) for g in grid)
             grid6 = grid6 and tuple(_unpermute_rope_rows(g, heads) for g in grid6)
-        weights[hf_name] = torch.from_numpy(np.ascontiguousarray(array))
+        weights[hf_name] = array.contiguous()
         formats[hf_name] = tensor.tensor_type.name
         for found, into in ((grid, grids), (grid6, grids6)):
             if found is not None:
@@ -153,12 +154,12 @@ def _hf_name(gguf_name: str) -> str:
     return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.{m.group(3)}"
 
 
-def _dense(tensor: GGUFTensor) -> np.ndarray:
-    """float32 array in PyTorch's [out, in] order (GGUF lists shapes innermost first)."""
+def _dense(tensor: GGUFTensor) -> torch.Tensor:
+    """float32 values in PyTorch's [out, in] order (GGUF lists shapes innermost first)."""
     shape = tuple(int(d) for d in reversed(tensor.shape))
     if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-        return np.array(tensor.data, dtype=np.float32).reshape(shape)  # a copy: the file's view is read-only
-    return dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False).reshape(shape)
+        return torch.from_numpy(np.array(tensor.data, dtype=np.float32)).reshape(shape)  # a copy: the map is read-only
+    return dequantize(tensor.data, tensor.tensor_type).reshape(shape)
 
 
 # bytes per block of each 4-bit GGML type, and the inputs one block covers

@@ -223,12 +223,13 @@ def _int6_levels(weight: torch.Tensor, grid: tuple[torch.Tensor, torch.Tensor] |
     if d.shape != (out_features, in_features // INT6_SUPER) or sc.shape != (out_features, in_features // INT6_SUB):
         return None
     scale = (d.float().repeat_interleave(INT6_SUPER // INT6_SUB, dim=1) * sc.float()).unsqueeze(2)  # [out, in/16, 1]
-    w = weight.float().view(out_features, -1, INT6_SUB)
-    q = (w / torch.where(scale != 0, scale, 1)).round().clamp(-32, 31)
-    dequantized = (scale * q).view(out_features, in_features)
-    if not torch.equal(dequantized.to(weight.dtype), weight.detach()):
+    w = weight.detach().view(out_features, -1, INT6_SUB)
+    # in place after the first op (each fresh [out, in] tensor pays its page faults: start-up time)
+    q = torch.div(w, torch.where(scale != 0, scale, 1)).round_().clamp_(-32, 31)
+    dequantized = torch.mul(q, scale).view(out_features, in_features)
+    if not torch.equal(dequantized if weight.dtype == torch.float32 else dequantized.to(weight.dtype), weight.detach()):
         return None
-    return Int6Levels((q + 32).to(torch.uint8).view(out_features, in_features), d.float(), sc.to(torch.int8),
+    return Int6Levels(q.add_(32).to(torch.uint8).view(out_features, in_features), d.float(), sc.to(torch.int8),
                       dequantized)
 
 
@@ -254,13 +255,14 @@ def _quantize_int4(w: torch.Tensor, grid: tuple[torch.Tensor, torch.Tensor] | No
     else:  # the file's own: its levels are exact whatever the rounding of w since (a zero scale: one level)
         exact_scale, exact_lo = (g.float() for g in grid)
     step = torch.where(exact_scale > 0, exact_scale, torch.ones_like(exact_scale))
-    q = torch.round((groups - exact_lo[..., None]) / step[..., None]).clamp(0, 15)
+    # in place after the first op (each fresh [out, in] tensor pays its page faults: start-up time)
+    q = torch.sub(groups, exact_lo[..., None]).div_(step[..., None]).round_().clamp_(0, 15)
     blocks = super_blocks(exact_scale, exact_lo)
     if blocks is None:
         scale, lo = exact_scale.half().float(), exact_lo.half().float()
     else:  # the kernel's super-block layout holds them exactly (Q4_K's)
         scale, lo = exact_scale, exact_lo
-    dequantized = (q * scale[..., None] + lo[..., None]).view(out_features, in_features)
+    dequantized = torch.mul(q, scale[..., None]).add_(lo[..., None]).view(out_features, in_features)
     return Int4Levels(q.to(torch.int32).view(out_features, in_features), scale, lo, dequantized, blocks)
 
 

@@ -63,7 +63,7 @@ def test_a_4_bit_tensor_s_grid_gives_back_its_values(path):
             assert grid is None or tensor.tensor_type.name in ("Q4_0", "Q4_1", "Q4_K")
             continue
         seen.add(tensor.tensor_type.name)
-        w = _dense(tensor)
+        w = _dense(tensor).numpy()
         scale, low = grid
         groups = w.reshape(w.shape[0], -1, 32)
         q = np.round((groups - low[..., None]) / scale[..., None])

@@ -81,7 +81,7 @@ def _a_qwen_tensor(type_name: str, read_grid) -> tuple[torch.Tensor, tuple[torch
     if path is None or not native_quantized_kernels():
         pytest.skip("needs the Qwen2.5-Coder-0.5B file (make setup installs it) and the native kernels")
     tensor = next(t for t in read_tensors(path) if t.tensor_type.name == type_name)
-    return torch.from_numpy(_dense(tensor).copy()), tuple(torch.from_numpy(g.copy()) for g in read_grid(tensor))
+    return _dense(tensor), tuple(torch.from_numpy(g.copy()) for g in read_grid(tensor))
 
 
 def test_a_q4_k_layer_computes_with_the_file_s_values():
