@@ -28,8 +28,10 @@ from llmserve.engine.scheduler import RequestUpdate, Scheduler
 from llmserve.engine.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from llmserve.kv_cache.kv_cache_manager import KVCacheManager
 from llmserve.loader import load_checkpoint, load_tokenizer
+from llmserve.loader.default_models import resolve_model_path
 from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
 from llmserve.quantization.awq import AWQConfig
+from llmserve.quantization.calibration_cache import calibration_key, load_ranges, save_ranges
 from llmserve.quantization.int8_activations import calibration_prompts, record_input_ranges
 from llmserve.quantization.quantize_checkpoint import SERVE_AWQ_GROUP_SIZE, quantize_checkpoint
 from llmserve.quantization.weight_only import WeightOnlyLinear
@@ -328,19 +330,26 @@ class LLMEngine:
 
     def _calibrate_int8_activations(self) -> None:
         """Measure each decoder linear's input range on the calibration prompts (run as requests, so
-        through this engine's own forward pass), then switch those layers' large steps to int8 x int8."""
+        through this engine's own forward pass), then switch those layers' large steps to int8 x int8. Ranges an
+        earlier start measured under the same model, configuration and code are read instead (calibration_cache.py)."""
         start = time.perf_counter()
         layers = {name: m for name, m in self.runner.model.layers.named_modules() if isinstance(m, WeightOnlyLinear)}
-        greedy = SamplingParams(temperature=0, max_tokens=1)
-        with record_input_ranges(layers) as absmax:
-            # salted: these blocks were computed before the switch, no request may reuse them
-            self._run_to_completion([
-                (f"calibration-{i}", self.apply_chat_template([{"role": "user", "content": text}])
-                 if self.chat_template else text, greedy, "int8-calibration")
-                for i, text in enumerate(calibration_prompts())])
+        key = calibration_key(resolve_model_path(self.config.model.model)[0], self.config, self.plan)
+        absmax = load_ranges(key)
+        found = absmax is not None and absmax.keys() == layers.keys()
+        if not found:
+            greedy = SamplingParams(temperature=0, max_tokens=1)
+            with record_input_ranges(layers) as absmax:
+                # salted: these blocks were computed before the switch, no request may reuse them
+                self._run_to_completion([
+                    (f"calibration-{i}", self.apply_chat_template([{"role": "user", "content": text}])
+                     if self.chat_template else text, greedy, "int8-calibration")
+                    for i, text in enumerate(calibration_prompts())])
+            save_ranges(key, absmax)
+            self._forget_own_requests()
         self.runner.use_int8_activations({name: absmax[name] for name in layers})
-        self._forget_own_requests()
-        logger.info("int8 activations: %d layers calibrated in %.1fs", len(layers), time.perf_counter() - start)
+        logger.info("int8 activations: %d layers calibrated in %.1fs%s", len(layers), time.perf_counter() - start,
+                    " (their ranges from the cache of an earlier start)" if found else "")
 
     def _warm_up(self) -> None:
         """Compile before serving: one step of each shape class the compiled code specialises on (one

@@ -41,9 +41,13 @@ class ModelFileError(RuntimeError):
     """A part or the assembled file is missing, truncated or altered."""
 
 
+def cache_root() -> Path:
+    """llmserve's cache folder: `LLMSERVE_CACHE`, else ~/.cache/llmserve (models, tokenizers, calibration ranges)."""
+    return Path(os.environ.get("LLMSERVE_CACHE", Path.home() / ".cache" / "llmserve"))
+
+
 def cache_dir() -> Path:
-    root = Path(os.environ.get("LLMSERVE_CACHE", Path.home() / ".cache" / "llmserve"))
-    return root / "models"
+    return cache_root() / "models"
 
 
 def cached_path(entry: PartedModel) -> Path:

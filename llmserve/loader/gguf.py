@@ -21,6 +21,7 @@ from gguf.quants import Q4_K, quant_shape_to_byte_shape
 from tqdm import tqdm
 
 from llmserve.loader.checkpoint import Checkpoint
+from llmserve.loader.download import cache_root
 from llmserve.loader.ggml_blocks import dequantize
 from llmserve.loader.gguf_header import GGUFHeader, read_gguf_header
 from llmserve.models.llama import LlamaConfig
@@ -218,8 +219,7 @@ def gguf_tokenizer(path: str):
 
     folder, filename = os.path.split(os.path.abspath(path))
     stat = os.stat(path)
-    cache_root = os.environ.get("LLMSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "llmserve"))
-    cached = os.path.join(cache_root, "tokenizers", f"{filename}-{stat.st_size}-{stat.st_mtime_ns}")
+    cached = os.path.join(cache_root(), "tokenizers", f"{filename}-{stat.st_size}-{stat.st_mtime_ns}")
     if os.path.exists(os.path.join(cached, "tokenizer.json")):
         return AutoTokenizer.from_pretrained(cached)
     logger.info("building the tokenizer from the GGUF metadata (once; cached in %s)", cached)

@@ -1,4 +1,5 @@
-"""Seconds from `llmserve serve` to a healthy /health, and to the first answer: start-up as a user meets it.
+"""Seconds from `llmserve serve` to a healthy /health, and to the first answer: start-up as a user meets it; and
+the server's resident memory then (VmRSS) and at its peak so far (VmHWM), from /proc (session 52).
 
 Usage: healthy_s.py LABEL [--model M] [--rounds 1] [extra serve flags after --]
 Run from the checkout to measure (PYTHONPATH picks the build); the server is stopped after each round.
@@ -20,6 +21,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def resident_gb(pid: int) -> str:
+    """VmRSS and VmHWM of a process, GB ("?" where /proc has none)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f)
+    except OSError:
+        return "?"
+    return "rss {:.2f} GB, peak {:.2f} GB".format(*(int(fields[k].split()[0]) / 1e6 for k in ("VmRSS", "VmHWM")))
 
 
 def main() -> None:
@@ -55,11 +66,12 @@ def main() -> None:
             with urllib.request.urlopen(req, timeout=60) as r:
                 r.read()
             answered = time.perf_counter() - start
+            memory = resident_gb(proc.pid)
         finally:
             proc.terminate()
             proc.wait()
-        print(f"{args.label} {args.model or 'default'}: healthy {healthy:.1f} s, first answer {answered:.1f} s",
-              flush=True)
+        print(f"{args.label} {args.model or 'default'}: healthy {healthy:.1f} s, first answer {answered:.1f} s, "
+              f"{memory}", flush=True)
 
 
 if __name__ == "__main__":
