@@ -8,9 +8,9 @@ import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from llmserve.loader.default_models import PARTED_MODELS, installed_path, resolve_model_path
 from llmserve.loader.ggml_blocks import dequantize
 from llmserve.loader.gguf import read_tensors
+from tests.model_files import gguf_files
 
 Q = GGMLQuantizationType
 # the byte offsets of each format's float16 fields (kept finite in the random blocks: a NaN has no one value)
@@ -38,14 +38,7 @@ def test_random_blocks_decode_as_the_gguf_package_does(qtype) -> None:
     assert _same_bits(dequantize(rows, qtype), theirs.reshape(len(rows), -1))
 
 
-def _files() -> list:
-    qwen = installed_path(PARTED_MODELS["qwen2.5-coder-0.5b"])
-    return [pytest.param(resolve_model_path(None)[0], id="smollm2-135m"),
-            pytest.param(qwen, id="qwen2.5-coder-0.5b",
-                         marks=pytest.mark.skipif(qwen is None, reason="qwen2.5-coder-0.5b not assembled"))]
-
-
-@pytest.mark.parametrize("path", _files())
+@pytest.mark.parametrize("path", gguf_files())
 def test_a_real_file_s_tensors_decode_as_the_gguf_package_does(path) -> None:
     """Each quantized format of the file, its first and its last tensor (the random blocks cover the rest)."""
     by_format: dict[Q, list] = {}

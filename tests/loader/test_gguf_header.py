@@ -9,19 +9,13 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFValueType
 
-from llmserve.loader.default_models import PARTED_MODELS, installed_path, resolve_model_path
+from llmserve.loader.default_models import resolve_model_path
 from llmserve.loader.gguf import read_tensors
 from llmserve.loader.gguf_header import read_gguf_header
+from tests.model_files import gguf_files
 
 
-def _files() -> list:
-    qwen = installed_path(PARTED_MODELS["qwen2.5-coder-0.5b"])
-    return [pytest.param(resolve_model_path(None)[0], id="smollm2-135m"),
-            pytest.param(qwen, id="qwen2.5-coder-0.5b",
-                         marks=pytest.mark.skipif(qwen is None, reason="qwen2.5-coder-0.5b not assembled"))]
-
-
-@pytest.mark.parametrize("path", _files())
+@pytest.mark.parametrize("path", gguf_files())
 def test_metadata_shapes_and_tensor_bytes_equal_gguf_reader(path) -> None:
     header = read_gguf_header(path)
     reader = GGUFReader(path)

@@ -7,6 +7,7 @@ import torch
 
 from llmserve.loader import load_checkpoint
 from llmserve.loader.default_models import EMBEDDED_MODELS, EmbeddedModel, _embedded_path, resolve_model_path
+from tests.model_files import gguf_files
 
 
 def test_default_model_is_found_by_name_and_by_none(model_path):
@@ -41,14 +42,7 @@ def test_gguf_and_hf_directory_give_the_same_weights(model_path, hf_model, tmp_p
     assert "<|im_start|>" in gguf.chat_template
 
 
-def _gguf_files() -> list[str]:
-    from llmserve.loader.default_models import PARTED_MODELS, installed_path
-
-    qwen = installed_path(PARTED_MODELS["qwen2.5-coder-0.5b"])  # its ffn_down are half Q4_K
-    return [resolve_model_path(None)[0], *([qwen] if qwen else [])]
-
-
-@pytest.mark.parametrize("path", _gguf_files())
+@pytest.mark.parametrize("path", gguf_files())  # Qwen's ffn_down: half Q4_K
 def test_a_4_bit_tensor_s_grid_gives_back_its_values(path):
     """int4_grid reads each group's scale and minimum from the file: every dequantized value is a level
     q * scale + min with q in [0, 15], exactly (for Q4_1 and Q4_K alike)."""

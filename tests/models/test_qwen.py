@@ -10,12 +10,11 @@ import torch
 from llmserve import LLM
 from llmserve.evaluate.reference import quantized_reference, reference_greedy, reference_model
 from llmserve.loader import load_checkpoint
-from llmserve.loader.default_models import PARTED_MODELS, installed_path
 from tests.greedy import assert_greedy_equals
+from tests.model_files import needs_qwen
 
 MODEL = "qwen2.5-coder-0.5b"
-pytestmark = pytest.mark.skipif(installed_path(PARTED_MODELS[MODEL]) is None,
-                                reason=f"{MODEL} is not assembled here (`llmserve download {MODEL}`; setup does it)")
+pytestmark = needs_qwen
 PROMPTS = ["def is_prime(n):", "The three laws of thermodynamics are", "# Sort a list of tuples by their second item\n"]
 
 

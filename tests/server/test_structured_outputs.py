@@ -15,9 +15,9 @@ from pydantic import BaseModel, Field
 
 from llmserve.engine.input_processor import InputProcessor
 from llmserve.loader import load_tokenizer
-from llmserve.loader.default_models import PARTED_MODELS, installed_path
 from llmserve.server.protocol import ChatCompletionRequest
 from llmserve.server.tool_calls import active_tools, chat_messages
+from tests.model_files import needs_qwen
 from tests.server.conftest import MODEL, ServerProcess
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The current weather in a city",
@@ -136,11 +136,7 @@ def test_a_tool_result_round_trip(client: openai.OpenAI):
     assert second.choices[0].message.content and not second.choices[0].message.tool_calls
 
 
-qwen = pytest.mark.skipif(installed_path(PARTED_MODELS["qwen2.5-coder-0.5b"]) is None,
-                          reason="qwen2.5-coder-0.5b is not assembled here (setup does it)")
-
-
-@qwen
+@needs_qwen
 def test_qwen_renders_the_conversation_as_its_template_expects():
     """A template that renders tools (Qwen2.5's) gets them, the earlier call with its arguments as an object, and
     the tool's result as a <tool_response> turn: the very text Qwen was trained on."""
@@ -160,7 +156,7 @@ def test_qwen_renders_the_conversation_as_its_template_expects():
                          '</tool_response><|im_end|>\n<|im_start|>assistant\n')
 
 
-@qwen
+@needs_qwen
 def test_qwen_calls_a_tool_by_itself(tmp_path):
     """tool_choice auto: Qwen2.5-Coder-0.5B decides to call the tool (it writes the call's JSON without the tags,
     which counts), whole and streamed alike; the conversation goes on with the tool's result."""

@@ -10,8 +10,9 @@ import pytest
 
 from llmserve import LLM, SamplingParams
 from llmserve.engine.build_plan import AUTO_DRAFT_BELOW
-from llmserve.loader.default_models import DEFAULT_MODEL, EMBEDDED_MODELS, PARTED_MODELS, installed_path
+from llmserve.loader.default_models import DEFAULT_MODEL, EMBEDDED_MODELS
 from tests.greedy import assert_equal_up_to_a_near_tie, assert_greedy_equals
+from tests.model_files import needs_qwen
 
 DRAFT = {"method": "draft_model", "model": "smollm2-135m", "num_speculative_tokens": 3, "adaptive": False}
 FP32 = {"dtype": "float32", "quantization": "none", "max_model_len": 2048}
@@ -47,8 +48,7 @@ def test_sampling_with_a_draft_repeats_with_its_seed(llm_draft: LLM, prompt_toke
     assert first == again and all(len(t) == 24 for t in first)
 
 
-@pytest.mark.skipif(installed_path(PARTED_MODELS["qwen2.5-coder-0.5b"]) is None,
-                    reason="qwen2.5-coder-0.5b is not assembled here (setup does it)")
+@needs_qwen
 def test_a_draft_with_another_vocabulary_is_refused():
     with pytest.raises(ValueError, match="another vocabulary"):
         LLM(**FP32, kv_cache_memory_gb=0.1, speculative_config={
