@@ -17,8 +17,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-# values decoded per pass: the temporaries (a few bytes a value) stay ~100 MB whatever the tensor (a 1.5B model's
-# embedding is 233 M values), and each pass's stay in the cache
+# values decoded per pass: the temporaries (a few bytes a value) stay in the cache whatever the tensor's size (a 1.5B
+# model's embedding is 233 M values). Both Qwen files' tensors: 2^18 a pass 4.1 s, 2^20 4.5 s, 2^22 5.7 s
 _CHUNK_VALUES = 1 << 18
 _NIBBLE_SHIFTS = torch.tensor([0, 4], dtype=torch.uint8)
 
