@@ -277,11 +277,15 @@ class LlamaForCausalLM(nn.Module):
             missing = [s for s in sources if s not in remaining]
             if missing:
                 raise ValueError(f"checkpoint lacks {missing[0]!r}")
-            tensor = torch.cat([remaining.pop(s) for s in sources], dim=0)
-            if tensor.shape != param.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
-            with torch.no_grad():
-                param.copy_(tensor)
+            parts = [remaining.pop(s) for s in sources]
+            shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+            if shape != tuple(param.shape):
+                raise ValueError(f"{name}: checkpoint shape {shape} != {tuple(param.shape)}")
+            with torch.no_grad():  # straight into the parameter: one copy, not a concatenation and then a copy
+                if len(parts) > 1 and all(p.dtype == param.dtype for p in parts):
+                    torch.cat(parts, dim=0, out=param)
+                else:
+                    param.copy_(parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
             loaded.add(name)
         extra = [k for k in remaining if "rotary_emb" not in k]
         if extra:
