@@ -49,6 +49,12 @@ def _scale_min_k(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc.float(), mn.float()
 
 
+def _k_scales(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: each group of 32's scale and minimum, [n, 8, 1] (d * sc, dmin * m)."""
+    sc, mn = _scale_min_k(b[:, 4:16])
+    return (_fp16(b, 0) * sc).unsqueeze(-1), (_fp16(b, 2) * mn).unsqueeze(-1)
+
+
 def _q4_0(b: torch.Tensor, out: torch.Tensor) -> None:
     q = _nibbles(b[:, 2:], 16).reshape(len(b), -1)
     torch.mul(q.to(torch.int8) - 8, _fp16(b, 0), out=out)
@@ -74,14 +80,12 @@ def _q8_0(b: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _q4_k(b: torch.Tensor, out: torch.Tensor) -> None:
-    sc, mn = _scale_min_k(b[:, 4:16])
-    d, dm = (_fp16(b, 0) * sc).unsqueeze(-1), (_fp16(b, 2) * mn).unsqueeze(-1)
+    d, dm = _k_scales(b)
     torch.mul(_nibbles(b[:, 16:], 32), d, out=out.view(len(b), 8, 32)).sub_(dm)
 
 
 def _q5_k(b: torch.Tensor, out: torch.Tensor) -> None:
-    sc, mn = _scale_min_k(b[:, 4:16])
-    d, dm = (_fp16(b, 0) * sc).unsqueeze(-1), (_fp16(b, 2) * mn).unsqueeze(-1)
+    d, dm = _k_scales(b)
     high = ((b[:, 16:48].reshape(-1, 1, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)) & 1)
     q = _nibbles(b[:, 48:], 32) | (high.reshape(len(b), 8, 32) << 4)
     torch.mul(q, d, out=out.view(len(b), 8, 32)).sub_(dm)

@@ -227,7 +227,7 @@ def _int6_levels(weight: torch.Tensor, grid: tuple[torch.Tensor, torch.Tensor] |
     # in place after the first op (each fresh [out, in] tensor pays its page faults: start-up time)
     q = torch.div(w, torch.where(scale != 0, scale, 1)).round_().clamp_(-32, 31)
     dequantized = torch.mul(q, scale).view(out_features, in_features)
-    if not torch.equal(dequantized if weight.dtype == torch.float32 else dequantized.to(weight.dtype), weight.detach()):
+    if not torch.equal(dequantized.to(weight.dtype), weight.detach()):  # float32: `to` is no copy
         return None
     return Int6Levels(q.add_(32).to(torch.uint8).view(out_features, in_features), d.float(), sc.to(torch.int8),
                       dequantized)
