@@ -100,7 +100,7 @@ class WeightOnlyLinear(nn.Module):
         packs = int4_packs if method == "int4" else int8_packs
         self.native = native_kernels and packs(out_features, in_features)
         with torch.no_grad():
-            six = _int6_levels(weight, int6_grid) if method == "int8" else None
+            six = _int6_levels(weight, int6_grid, native_kernels) if method == "int8" else None
             self.six_bit = six is not None  # the file's Q6_K values, not re-quantized per row
             if six is not None:  # native: the 6-bit layout, row scales ones
                 dequantized = six.dequantized
@@ -110,7 +110,7 @@ class WeightOnlyLinear(nn.Module):
                 q, scales, dequantized = _quantize_int8(weight.float())
                 kernel_weights = (pack_int8(q), scales.float()) if self.native else (q, scales.to(dtype))
             else:
-                q, scales, mins, dequantized, blocks = _quantize_int4(weight.float(), grid)
+                q, scales, mins, dequantized, blocks = _quantize_int4(weight, grid, self.native)
                 kernel_weights = (
                     (pack_int4(q, scales, mins, blocks), None) if self.native
                     else _torch_int4_pack(q, scales, mins, dtype)
@@ -210,12 +210,15 @@ class Int6Levels(NamedTuple):
     q: torch.Tensor  # [out, in] uint8 in [0, 63]
     d: torch.Tensor  # [out, in / 256] float32
     sc: torch.Tensor  # [out, in / 16] int8
-    dequantized: torch.Tensor  # [out, in] float32: d * sc * (q - 32), as the file's reader computes it
+    dequantized: torch.Tensor  # [out, in]: d * sc * (q - 32) in float32, as the file's reader computes it (the
+    # native op gives them in the weight's dtype)
 
 
-def _int6_levels(weight: torch.Tensor, grid: tuple[torch.Tensor, torch.Tensor] | None) -> Int6Levels | None:
+def _int6_levels(weight: torch.Tensor, grid: tuple[torch.Tensor, torch.Tensor] | None,
+                 native: bool = False) -> Int6Levels | None:
     """The weight's Q6_K levels on the file's grid (d, sc), or None where that grid does not give this weight (in
-    its own dtype: bf16's rounding moves w / (d * sc) by at most 32 / 256, so q is still the nearest integer)."""
+    its own dtype: bf16's rounding moves w / (d * sc) by at most 32 / 256, so q is still the nearest integer).
+    `native`: the kernels are loaded; their `int6_levels` computes the same levels and values in one pass."""
     out_features, in_features = weight.shape
     if grid is None or not int6_packs(out_features, in_features):
         return None
@@ -223,6 +226,11 @@ def _int6_levels(weight: torch.Tensor, grid: tuple[torch.Tensor, torch.Tensor] |
     if d.shape != (out_features, in_features // INT6_SUPER) or sc.shape != (out_features, in_features // INT6_SUB):
         return None
     scale = (d.float().repeat_interleave(INT6_SUPER // INT6_SUB, dim=1) * sc.float()).unsqueeze(2)  # [out, in/16, 1]
+    if _native_levels(weight, native):
+        q, dequantized = torch.ops.llmserve.int6_levels(weight.detach().contiguous(), scale.view(out_features, -1))
+        if not torch.equal(dequantized, weight.detach()):
+            return None
+        return Int6Levels(q, d.float(), sc.to(torch.int8), dequantized)
     w = weight.detach().view(out_features, -1, INT6_SUB)
     # in place after the first op (each fresh [out, in] tensor pays its page faults: start-up time)
     q = torch.div(w, torch.where(scale != 0, scale, 1)).round_().clamp_(-32, 31)
@@ -233,35 +241,47 @@ def _int6_levels(weight: torch.Tensor, grid: tuple[torch.Tensor, torch.Tensor] |
                       dequantized)
 
 
+def _native_levels(weight: torch.Tensor, native: bool) -> bool:
+    """Whether `grid_levels.cpp`'s ops take this weight (else PyTorch's ops compute the same values)."""
+    return native and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+
+
 class Int4Levels(NamedTuple):
-    q: torch.Tensor  # [out, in] int32 in [0, 15]
+    q: torch.Tensor  # [out, in] integers in [0, 15]: int32 (PyTorch's ops) or uint8 (the native op)
     scale: torch.Tensor  # [out, in / 32] float32, as the kernel holds them
     lo: torch.Tensor
-    dequantized: torch.Tensor  # [out, in]
+    dequantized: torch.Tensor  # [out, in], float32 (PyTorch's ops) or the weight's dtype (the native op)
     blocks: SuperBlocks | None  # scale and lo as super-block factors (`super_blocks`), or None: fp16 values
 
 
-def _quantize_int4(w: torch.Tensor, grid: tuple[torch.Tensor, torch.Tensor] | None = None) -> Int4Levels:
+def _quantize_int4(w: torch.Tensor, grid: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   native: bool = False) -> Int4Levels:
     """Asymmetric per group of 32 inputs (Q4_1): w ~ q * scale + min, q in [0, 15], scale and min fp16
     values, or exact where they factor into super-blocks (Q4_K's); `grid` (scale, min) [out, in / 32] when the
-    file has one, else fitted to each group."""
+    file has one, else fitted to each group. `native`: the kernels are loaded; their `int4_levels` computes
+    the same levels and values in one pass over w, in w's dtype."""
     out_features, in_features = w.shape
     if in_features % INT4_GROUP_SIZE:
         raise ValueError(f"int4 needs input features divisible by {INT4_GROUP_SIZE}, got {in_features}")
+    w = w.detach()
+    native = _native_levels(w, native)
     groups = w.view(out_features, in_features // INT4_GROUP_SIZE, INT4_GROUP_SIZE)
-    if grid is None:  # fitted: the group's range in 15 steps, as fp16 values
-        lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    if grid is None:  # fitted: the group's range in 15 steps, as fp16 values (a minimum is exact in any dtype)
+        lo, hi = groups.amin(dim=-1).float(), groups.amax(dim=-1).float()
         exact_scale, exact_lo = ((hi - lo) / 15).clamp(min=1e-7).half().float(), lo.half().float()
     else:  # the file's own: its levels are exact whatever the rounding of w since (a zero scale: one level)
-        exact_scale, exact_lo = (g.float() for g in grid)
-    step = torch.where(exact_scale > 0, exact_scale, torch.ones_like(exact_scale))
-    # in place after the first op (each fresh [out, in] tensor pays its page faults: start-up time)
-    q = torch.sub(groups, exact_lo[..., None]).div_(step[..., None]).round_().clamp_(0, 15)
+        exact_scale, exact_lo = (g.float().contiguous() for g in grid)
     blocks = super_blocks(exact_scale, exact_lo)
     if blocks is None:
         scale, lo = exact_scale.half().float(), exact_lo.half().float()
     else:  # the kernel's super-block layout holds them exactly (Q4_K's)
         scale, lo = exact_scale, exact_lo
+    if native:
+        q, dequantized = torch.ops.llmserve.int4_levels(w.contiguous(), exact_scale, exact_lo, scale, lo)
+        return Int4Levels(q, scale, lo, dequantized, blocks)
+    step = torch.where(exact_scale > 0, exact_scale, torch.ones_like(exact_scale))
+    # in place after the first op (each fresh [out, in] tensor pays its page faults: start-up time)
+    q = torch.sub(groups.float(), exact_lo[..., None]).div_(step[..., None]).round_().clamp_(0, 15)
     dequantized = torch.mul(q, scale[..., None]).add_(lo[..., None]).view(out_features, in_features)
     return Int4Levels(q.to(torch.int32).view(out_features, in_features), scale, lo, dequantized, blocks)
 

@@ -1,0 +1,137 @@
+// A weight's levels on a given quantization grid, and the values they stand for, in one pass over the weight.
+//
+// Why: every start re-derives the levels of the file's int4 (Q4_0/Q4_1/Q4_K) and 6-bit (Q6_K) weights from their
+// decoded values. PyTorch's ops made it six passes over a float32 copy of each weight (widen, subtract, divide,
+// round, clamp, and the dequantized values' multiply and add), each fresh tensor paying its page faults:
+// Qwen2.5-Coder-1.5B's start spent 4.8 s on int4 levels and 1.7 s on 6-bit ones (benchmarks/README.md,
+// "Session 53"). Here each thread reads its rows once and writes the levels and the dequantized values.
+//
+// The arithmetic is PyTorch's, operation for operation, in float32 with IEEE rounding (no fast-math, no fused
+// multiply-add), so the levels and values are the ones `weight_only.py`'s PyTorch path computes, bit for bit
+// (tests/kernels/test_grid_levels.py):
+//   int4: q = clamp(round((w - lo) / step), 0, 15), step = scale where scale > 0 else 1;
+//         value = q * value_scale + value_lo (two roundings), in the weight's dtype;
+//   int6: q = clamp(round(w / step), -32, 31), step = scale where scale != 0 else 1; value = q * scale,
+//         q stored as q + 32.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+
+namespace {
+
+constexpr int64_t kInt4Group = 32;
+constexpr int64_t kInt6Sub = 16;
+
+#define LLMSERVE_IEEE \
+  __attribute__((optimize("no-fast-math", "fp-contract=off", "no-trapping-math", "no-math-errno")))
+
+template <typename T>
+LLMSERVE_IEEE void int4_rows(const T* w, const float* scale, const float* lo, const float* value_scale,
+                             const float* value_lo, uint8_t* q, T* value, int64_t row_begin, int64_t row_end,
+                             int64_t in) {
+  const int64_t groups = in / kInt4Group;
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t at = r * groups + g;
+      const float step = scale[at] > 0.f ? scale[at] : 1.f;
+      const float low = lo[at], vs = value_scale[at], vl = value_lo[at];
+      const int64_t base = r * in + g * kInt4Group;
+#pragma GCC ivdep
+      for (int64_t i = 0; i < kInt4Group; ++i) {
+        float level = __builtin_nearbyintf((static_cast<float>(w[base + i]) - low) / step);
+        level = level < 0.f ? 0.f : (level > 15.f ? 15.f : level);
+        q[base + i] = static_cast<uint8_t>(level);
+        const float product = level * vs;
+        value[base + i] = static_cast<T>(product + vl);
+      }
+    }
+  }
+}
+
+template <typename T>
+LLMSERVE_IEEE void int6_rows(const T* w, const float* scale, uint8_t* q, T* value, int64_t row_begin,
+                             int64_t row_end, int64_t in) {
+  const int64_t subs = in / kInt6Sub;
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    for (int64_t s = 0; s < subs; ++s) {
+      const float sc = scale[r * subs + s];
+      const float step = sc != 0.f ? sc : 1.f;
+      const int64_t base = r * in + s * kInt6Sub;
+#pragma GCC ivdep
+      for (int64_t i = 0; i < kInt6Sub; ++i) {
+        float level = __builtin_nearbyintf(static_cast<float>(w[base + i]) / step);
+        level = level < -32.f ? -32.f : (level > 31.f ? 31.f : level);
+        q[base + i] = static_cast<uint8_t>(static_cast<int32_t>(level) + 32);
+        value[base + i] = static_cast<T>(level * sc);
+      }
+    }
+  }
+}
+
+void check_weight(const at::Tensor& w, int64_t group, const char* op) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), op, ": the weight must be a contiguous [out, in] tensor");
+  TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16, op,
+              ": the weight must be float32 or bfloat16");
+  TORCH_CHECK(w.size(1) % group == 0, op, ": in_features must be a multiple of ", group);
+}
+
+void check_grid(const at::Tensor& g, const at::Tensor& w, int64_t group, const char* op) {
+  TORCH_CHECK(g.scalar_type() == at::kFloat && g.is_contiguous() && g.dim() == 2 && g.size(0) == w.size(0) &&
+                  g.size(1) == w.size(1) / group,
+              op, ": each grid tensor must be contiguous float32 [out, in / ", group, "]");
+}
+
+// rows a thread takes at a time: whole rows, ~64 Ki values
+int64_t grain(const at::Tensor& w) { return std::max<int64_t>(1, (1 << 16) / w.size(1)); }
+
+std::tuple<at::Tensor, at::Tensor> int4_levels(const at::Tensor& w, const at::Tensor& scale, const at::Tensor& lo,
+                                                const at::Tensor& value_scale, const at::Tensor& value_lo) {
+  check_weight(w, kInt4Group, "int4_levels");
+  for (const auto* g : {&scale, &lo, &value_scale, &value_lo}) check_grid(*g, w, kInt4Group, "int4_levels");
+  at::Tensor q = at::empty(w.sizes(), w.options().dtype(at::kByte));
+  at::Tensor value = at::empty_like(w);
+  const int64_t in = w.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, w.scalar_type(), "int4_levels", [&] {
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* vp = value.data_ptr<scalar_t>();
+    at::parallel_for(0, w.size(0), grain(w), [&](int64_t begin, int64_t end) {
+      int4_rows(wp, scale.data_ptr<float>(), lo.data_ptr<float>(), value_scale.data_ptr<float>(),
+                value_lo.data_ptr<float>(), q.data_ptr<uint8_t>(), vp, begin, end, in);
+    });
+  });
+  return {q, value};
+}
+
+std::tuple<at::Tensor, at::Tensor> int6_levels(const at::Tensor& w, const at::Tensor& scale) {
+  check_weight(w, kInt6Sub, "int6_levels");
+  check_grid(scale, w, kInt6Sub, "int6_levels");
+  at::Tensor q = at::empty(w.sizes(), w.options().dtype(at::kByte));
+  at::Tensor value = at::empty_like(w);
+  const int64_t in = w.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, w.scalar_type(), "int6_levels", [&] {
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* vp = value.data_ptr<scalar_t>();
+    at::parallel_for(0, w.size(0), grain(w), [&](int64_t begin, int64_t end) {
+      int6_rows(wp, scale.data_ptr<float>(), q.data_ptr<uint8_t>(), vp, begin, end, in);
+    });
+  });
+  return {q, value};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llmserve, m) {
+  m.def("int4_levels(Tensor w, Tensor scale, Tensor lo, Tensor value_scale, Tensor value_lo) -> (Tensor, Tensor)");
+  m.def("int6_levels(Tensor w, Tensor scale) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(llmserve, CPU, m) {
+  m.impl("int4_levels", &int4_levels);
+  m.impl("int6_levels", &int6_levels);
+}

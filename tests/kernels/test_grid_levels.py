@@ -1,0 +1,101 @@
+"""`grid_levels.cpp` gives the levels and values PyTorch's ops give (`weight_only.py`'s two paths), bit for bit: on
+random grids, fitted ones, ties, zero scales, weights rounded to bfloat16, and the real files' Q4_1, Q4_K and Q6_K
+tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve.kernels import load_cpu_kernels
+from llmserve.loader.gguf import _dense, int4_grid, int6_grid, read_tensors
+from llmserve.quantization.weight_only import _int6_levels, _quantize_int4
+from tests.model_files import gguf_files
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    assert load_cpu_kernels(), "the native kernels must build here (setup builds them)"
+
+
+def assert_same_int4(w: torch.Tensor, grid) -> None:
+    ref = _quantize_int4(w, grid, native=False)
+    got = _quantize_int4(w, grid, native=True)
+    assert got.q.dtype == torch.uint8 and torch.equal(got.q.int(), ref.q)
+    assert torch.equal(got.scale, ref.scale) and torch.equal(got.lo, ref.lo)
+    assert got.dequantized.dtype == w.dtype and torch.equal(got.dequantized, ref.dequantized.to(w.dtype))
+    assert (got.blocks is None) == (ref.blocks is None)
+
+
+def assert_same_int6(w: torch.Tensor, grid) -> bool:
+    """Both paths agree; returns whether the grid gives the weight."""
+    ref, got = _int6_levels(w, grid, native=False), _int6_levels(w, grid, native=True)
+    assert (got is None) == (ref is None)
+    if ref is None:
+        return False
+    assert torch.equal(got.q, ref.q) and torch.equal(got.d, ref.d) and torch.equal(got.sc, ref.sc)
+    assert got.dequantized.dtype == w.dtype and torch.equal(got.dequantized, ref.dequantized.to(w.dtype))
+    return True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_levels_on_a_grid_with_ties_and_zero_scales(dtype):
+    gen = torch.Generator().manual_seed(1)
+    out, inp = 48, 512
+    scale = (torch.rand(out, inp // 32, generator=gen) * 0.02 + 1e-3).half().float()
+    lo = (-torch.rand(out, inp // 32, generator=gen) * 0.2).half().float()
+    scale[0, :3] = 0  # one level: the step is 1
+    levels = torch.randint(0, 16, (out, inp // 32, 32), generator=gen).float()
+    w = levels * scale[..., None] + lo[..., None]
+    w[1:3] += (torch.rand(2, inp // 32, 32, generator=gen) - 0.5) * scale[1:3, :, None] * 1.2  # off the grid
+    w[3, :4] += 0.5 * scale[3, :4, None]  # halfway between two levels: ties round to even
+    w[4] = w[4] * 9 - 3  # beyond both ends: clamped
+    assert_same_int4(w.view(out, inp).to(dtype), (scale, lo))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_levels_on_a_fitted_grid(dtype):
+    w = torch.randn(64, 1024, generator=torch.Generator().manual_seed(2)).to(dtype)
+    w[5, :32] = 0.25  # a constant group: the smallest step
+    assert_same_int4(w, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int6_levels_on_a_grid_and_off_it(dtype):
+    gen = torch.Generator().manual_seed(3)
+    out, inp = 32, 512
+    d = (torch.rand(out, inp // 256, generator=gen) * 1e-3 + 1e-4).half().float()
+    sc = torch.randint(-128, 128, (out, inp // 16), generator=gen, dtype=torch.int8)
+    sc[0, :2] = 0
+    levels = torch.randint(-32, 32, (out, inp // 16, 16), generator=gen).float()
+    scale = d.repeat_interleave(16, dim=1) * sc.float()
+    w = (levels * scale[..., None]).view(out, inp).to(dtype)
+    assert assert_same_int6(w, (d, sc))
+    changed = w.clone()
+    changed[7, 9] += float(changed[7].abs().max()) / 5
+    assert not assert_same_int6(changed, (d, sc))
+
+
+@pytest.mark.parametrize("path", gguf_files())
+def test_the_files_tensors_give_the_same_levels(path):
+    """The first and last tensor of each 4-bit and 6-bit type in the file, as the model holds them (bfloat16)."""
+    tensors = [t for t in read_tensors(path) if len(t.shape) == 2]
+    checked = set()
+    for type_name, read_grid, check in (("Q4_1", int4_grid, assert_same_int4), ("Q4_K", int4_grid, assert_same_int4),
+                                        ("Q6_K", int6_grid, assert_same_int6)):
+        of_type = [t for t in tensors if t.tensor_type.name == type_name]
+        for tensor in of_type[:1] + of_type[-1:]:
+            grid = tuple(torch.from_numpy(g.copy()) for g in read_grid(tensor))
+            if check(_dense(tensor).to(torch.bfloat16), grid) is not False:
+                checked.add(type_name)
+    assert checked, "no 4-bit or 6-bit tensor in the file"
+
+
+def test_bad_inputs_raise():
+    w, grid = torch.randn(4, 64), torch.ones(4, 2)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.llmserve.int4_levels(w.half(), grid, grid, grid, grid)
+    with pytest.raises(RuntimeError, match=r"contiguous float32 \[out, in / 32\]"):
+        torch.ops.llmserve.int4_levels(w, torch.ones(4, 3), grid, grid, grid)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.llmserve.int6_levels(torch.randn(4, 40), torch.ones(4, 2))
