@@ -27,7 +27,7 @@ from llmserve.engine.request import Request, RequestStatus
 from llmserve.engine.scheduler import RequestUpdate, Scheduler
 from llmserve.engine.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from llmserve.kv_cache.kv_cache_manager import KVCacheManager
-from llmserve.loader import load_checkpoint, load_tokenizer
+from llmserve.loader import load_checkpoint, load_tokenizer, same_tokenizer
 from llmserve.loader.default_models import resolve_model_path
 from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
 from llmserve.quantization.awq import AWQConfig
@@ -67,10 +67,11 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: object | None = None) -> None:
+        """`tokenizer`: one already read from the model's tokenizer files (a draft's: see `_speculator`)."""
         self.config = config
         torch.manual_seed(config.model.seed)
-        ckpt = load_checkpoint(config.model.model)
+        ckpt = load_checkpoint(config.model.model, tokenizer)
         if config.model.quantization == "awq":  # scales searched and folded, weights on int4 groups
             ckpt, _ = quantize_checkpoint(ckpt, "awq", AWQConfig(group_size=SERVE_AWQ_GROUP_SIZE))
         self.model_name = ckpt.name
@@ -304,11 +305,14 @@ class LLMEngine:
         spec = self.plan.speculative
         if spec.method != "draft_model":
             return Speculator(spec)
-        draft_tokenizer = load_tokenizer(spec.model)  # before its weights: a refusal should not wait for them
-        if draft_tokenizer.get_vocab() != self.tokenizer.get_vocab():
-            raise ValueError(f"speculative_config: the draft model {spec.model!r} has another vocabulary "
-                             f"than {self.model_name!r} ({len(draft_tokenizer)} and {len(self.tokenizer)} tokens): "
-                             "a draft must share the target's tokenizer")
+        if same_tokenizer(spec.model, self.config.model.model):  # the same files: the target's, not read again
+            draft_tokenizer = self.tokenizer
+        else:  # read before its weights: a refusal should not wait for them
+            draft_tokenizer = load_tokenizer(spec.model)
+            if draft_tokenizer.get_vocab() != self.tokenizer.get_vocab():
+                raise ValueError(f"speculative_config: the draft model {spec.model!r} has another vocabulary than "
+                                 f"{self.model_name!r} ({len(draft_tokenizer)} and {len(self.tokenizer)} tokens): "
+                                 "a draft must share the target's tokenizer")
         mc = self.config.model
         draft = LLMEngine(EngineConfig(
             model=dataclasses.replace(mc, model=spec.model, quantization="auto", int8_activations=None,
@@ -316,7 +320,7 @@ class LLMEngine:
             cache=dataclasses.replace(self.config.cache, kv_cache_memory_gb=draft_kv_bytes / 2**30,
                                       block_size=DRAFT_BLOCK_SIZE,
                                       enable_prefix_caching=True),
-            scheduler=self.config.scheduler))
+            scheduler=self.config.scheduler), draft_tokenizer)
         logger.info("speculative decoding: draft model %s, %d KV blocks of its own", draft.model_name,
                     draft.kv_cache.num_blocks)
         return Speculator(spec, DraftModelProposer(draft))

@@ -83,7 +83,8 @@ def read_tensors(path: str, header: GGUFHeader | None = None) -> list[GGUFTensor
     return tensors
 
 
-def load_gguf(path: str, name: str) -> Checkpoint:
+def load_gguf(path: str, name: str, tokenizer: object | None = None) -> Checkpoint:
+    """`tokenizer`: one already read from this file's tokenizer (see `load_checkpoint`)."""
     header = read_gguf_header(path)  # the vocabulary arrays are skipped: the tokenizer reads them itself
     meta = header.metadata
     arch = meta["general.architecture"]
@@ -104,7 +105,8 @@ def load_gguf(path: str, name: str) -> Checkpoint:
         for found, into in ((grid, grids), (grid6, grids6)):
             if found is not None:
                 into[hf_name] = tuple(torch.from_numpy(np.ascontiguousarray(g)) for g in found)
-    tokenizer = gguf_tokenizer(path)
+    if tokenizer is None:
+        tokenizer = gguf_tokenizer(path)
     eos = meta.get("tokenizer.ggml.eos_token_id")
     eos_ids = [int(eos)] if eos is not None else []
     return Checkpoint(
@@ -213,13 +215,18 @@ def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def tokenizer_cache_folder(path: str) -> str:
+    """Where a GGUF file's converted tokenizer is kept: one folder per file name, size and modification time."""
+    stat = os.stat(path)
+    return os.path.join(cache_root(), "tokenizers", f"{os.path.basename(path)}-{stat.st_size}-{stat.st_mtime_ns}")
+
+
 def gguf_tokenizer(path: str):
     """The GGUF vocabulary as a fast HF tokenizer; converted once, then read from a cache folder."""
     from transformers import AutoTokenizer
 
     folder, filename = os.path.split(os.path.abspath(path))
-    stat = os.stat(path)
-    cached = os.path.join(cache_root(), "tokenizers", f"{filename}-{stat.st_size}-{stat.st_mtime_ns}")
+    cached = tokenizer_cache_folder(path)
     if os.path.exists(os.path.join(cached, "tokenizer.json")):
         return AutoTokenizer.from_pretrained(cached)
     logger.info("building the tokenizer from the GGUF metadata (once; cached in %s)", cached)

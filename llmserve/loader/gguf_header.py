@@ -84,6 +84,7 @@ def read_gguf_header(path: str) -> GGUFHeader:
 
 
 _SKIPPED = object()
+_LENGTH = struct.Struct("<Q")
 
 
 def _string(buf: mmap.mmap, pos: int) -> tuple[str, int]:
@@ -102,6 +103,10 @@ def _value(buf: mmap.mmap, pos: int, vtype: int) -> tuple[Any, int]:
         pos += 12
         if etype in _SCALARS:  # fixed-size elements: jump over them
             return _SKIPPED, pos + count * struct.calcsize(_SCALARS[etype])
+        if etype == _STRING:  # a vocabulary: each string's length read, its bytes jumped over (not decoded)
+            for _ in range(count):
+                pos += 8 + _LENGTH.unpack_from(buf, pos)[0]
+            return _SKIPPED, pos
         for _ in range(count):
             _, pos = _value(buf, pos, etype)
         return _SKIPPED, pos

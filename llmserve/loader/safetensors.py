@@ -20,7 +20,7 @@ from llmserve.loader.int8_format import INT8_FORMAT, read_int8_tensors
 from llmserve.models.llama import LlamaConfig
 
 
-def load_hf_dir(path: str, name: str) -> Checkpoint:
+def load_hf_dir(path: str, name: str, tokenizer: object | None = None) -> Checkpoint:
     with open(os.path.join(path, "config.json")) as f:
         hf = json.load(f)
     config = config_from_hf(hf)
@@ -46,9 +46,10 @@ def load_hf_dir(path: str, name: str) -> Checkpoint:
                              "int8 are)")
         formats = {k: stored_as if k in quantized else str(v.dtype).removeprefix("torch.") for k, v in weights.items()}
 
-    from transformers import AutoTokenizer
+    if tokenizer is None:  # else one already read from these files (see `load_checkpoint`)
+        from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
     return Checkpoint(
         name=name,
         config=config,

@@ -32,6 +32,7 @@ def test_greedy_equals_transformers_and_both_caches_empty(llm_draft: LLM, prompt
     assert draft.kv_cache.num_free_blocks == draft.kv_cache.num_blocks
     assert draft.plan.weights == "int4" and draft.plan.head == "int4"  # its own fastest weights, head included
     assert draft.kv_cache.block_size == 4  # a catch-up from its prefix cache stays a small step
+    assert draft.tokenizer is llm_draft.engine.tokenizer  # the same tokenizer files: read once, shared
 
 
 def test_the_draft_cache_comes_out_of_the_same_budget(llm_draft: LLM, llm_fp32: LLM):
