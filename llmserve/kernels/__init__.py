@@ -26,7 +26,8 @@ logger = logging.getLogger(__name__)
 _SOURCES = [
     Path(__file__).with_name(name)
     for name in ("paged_attention.cpp", "paged_attention_quantized.cpp", "quantized_gemv.cpp", "activation_quant.cpp",
-                 "int8_gemm.cpp", "fused_elementwise.cpp", "argmax.cpp", "decode_layer.cpp", "grid_levels.cpp")
+                 "int8_gemm.cpp", "fused_elementwise.cpp", "argmax.cpp", "decode_layer.cpp", "grid_levels.cpp",
+                 "ggml_decode.cpp")
 ]
 
 
@@ -150,6 +151,14 @@ def clear_stale_build_lock(directory: Path, stale_after_s: float = STALE_BUILD_L
 
 def _headers_digest() -> str:
     return hashlib.sha256(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:16]
+
+
+def built_cpu_kernels() -> bool:
+    """`load_cpu_kernels` where a finished build is on disk (or they are loaded already), else False without
+    building: for callers that only save time with them and should not wait a minute for a build (the loader)."""
+    if load_cpu_kernels.cache_info().currsize or finished_build(build_directory()) is not None:
+        return load_cpu_kernels()
+    return False
 
 
 def native_quantized_kernels() -> bool:

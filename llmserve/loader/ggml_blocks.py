@@ -17,6 +17,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
+from llmserve.kernels import built_cpu_kernels
+
 # values decoded per pass: the temporaries (a few bytes a value) stay in the cache whatever the tensor's size (a 1.5B
 # model's embedding is 233 M values). Both Qwen files' tensors: 2^18 a pass 4.1 s, 2^20 4.5 s, 2^22 5.7 s
 _CHUNK_VALUES = 1 << 18
@@ -109,9 +111,10 @@ _DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor, torch.Tensor], Non
 }
 
 
-def dequantize(data: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
+def dequantize(data: np.ndarray, qtype: GGMLQuantizationType, native: bool | None = None) -> torch.Tensor:
     """A quantized tensor's bytes (uint8 rows of its blocks, as `read_tensors` gives them, read-only is fine) ->
-    its float32 values, [rows, row values]."""
+    its float32 values, [rows, row values]. `native`: decode with `kernels/ggml_decode.cpp` (one pass a block;
+    the same values), default where the kernels are built; else with the torch ops below."""
     rows = data.shape[0] if data.ndim > 1 else 1
     decode = _DECODERS.get(qtype)
     if decode is None:
@@ -120,6 +123,8 @@ def dequantize(data: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
     with warnings.catch_warnings():  # a read-only map of the file: nothing here writes to it
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         blocks = torch.from_numpy(np.asarray(data).view(np.uint8)).reshape(-1, type_size)
+    if built_cpu_kernels() if native is None else native:
+        return torch.ops.llmserve.ggml_dequantize(blocks, int(qtype)).reshape(rows, -1)
     out = torch.empty(len(blocks), block_size)
     step = max(1, _CHUNK_VALUES // block_size)
     for start in range(0, len(blocks), step):
