@@ -86,12 +86,10 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: str, methods: Laye
     """The model of this checkpoint, its weights loaded; `methods`: how its layers compute (the build
     plan's choice; default PyTorch's attention and ops).
 
-    Memory: a GGUF arrives dequantized to float32 (7.1 GB for a 1.5B model). Its tensors are cast to the
-    model's dtype one at a time, the parameters are created in that dtype (not in float32 first), and
-    `load_weights` takes the tensors out of `ckpt` as it copies them, so the peak is about two bf16
-    copies of the model instead of two float32 ones plus a bf16 one."""
-    for name, tensor in ckpt.weights.items():  # replacing values, not keys: safe while iterating
-        ckpt.weights[name] = tensor.to(dtype)
+    Memory: a GGUF arrives dequantized to float32 (7.1 GB for a 1.5B model). The parameters are created in
+    the model's dtype (not in float32 first), and `load_weights` casts each tensor into its parameter as it
+    takes it out of `ckpt`, so the checkpoint shrinks as the model grows: the peak is the float32 checkpoint's,
+    with no cast copy of either beside them."""
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # the parameters' initial values are overwritten below anyway
     try:

@@ -281,11 +281,12 @@ class LlamaForCausalLM(nn.Module):
             shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
             if shape != tuple(param.shape):
                 raise ValueError(f"{name}: checkpoint shape {shape} != {tuple(param.shape)}")
-            with torch.no_grad():  # straight into the parameter: one copy, not a concatenation and then a copy
-                if len(parts) > 1 and all(p.dtype == param.dtype for p in parts):
-                    torch.cat(parts, dim=0, out=param)
-                else:
-                    param.copy_(parts[0] if len(parts) == 1 else torch.cat(parts, dim=0))
+            with torch.no_grad():  # each part straight into its rows, cast on the way: no concatenation, no cast copy
+                row = 0
+                for part in parts:
+                    param[row:row + part.shape[0]].copy_(part)
+                    row += part.shape[0]
+            del parts
             loaded.add(name)
         extra = [k for k in remaining if "rotary_emb" not in k]
         if extra:
