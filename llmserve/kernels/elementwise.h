@@ -25,12 +25,18 @@
 // bit apart). A template's out-of-line instances in every object file are one function after linking.
 // RMSNorm also keeps IEEE arithmetic (LLMSERVE_EXACT_MATH): its 1/sqrt exact rather than an estimate, which
 // decided a near tie against float32 (tests/engine/test_correctness.py); once a row, so it costs nothing.
+// LLMSERVE_IEEE_LOOPS: loops whose float32 results must be PyTorch's bit for bit (grid_levels.cpp, ggml_decode.cpp):
+// no reciprocal divisions, no contracted multiply-adds, while nearbyint and the clamps still vectorize (traps and
+// errno off change no result). Helpers they call carry it too: GCC does not inline across optimize attributes.
 #if defined(__clang__)
 #define LLMSERVE_ONE_BODY __attribute__((noinline))
 #define LLMSERVE_EXACT_MATH
+#define LLMSERVE_IEEE_LOOPS
 #else
 #define LLMSERVE_ONE_BODY __attribute__((noipa))
 #define LLMSERVE_EXACT_MATH __attribute__((optimize("no-fast-math")))
+#define LLMSERVE_IEEE_LOOPS \
+  __attribute__((optimize("no-fast-math", "fp-contract=off", "no-trapping-math", "no-math-errno")))
 #endif
 
 namespace llmserve {

@@ -15,22 +15,22 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "elementwise.h"
+
 #include <cstdint>
 
 namespace {
 
-#define LLMSERVE_IEEE \
-  __attribute__((optimize("no-fast-math", "fp-contract=off", "no-trapping-math", "no-math-errno")))
 
 // GGMLQuantizationType's values
 enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
-float fp16_at(const uint8_t* b, int offset) {
+LLMSERVE_IEEE_LOOPS float fp16_at(const uint8_t* b, int offset) {
   return c10::detail::fp16_ieee_to_fp32_value(static_cast<uint16_t>(b[offset] | (b[offset + 1] << 8)));
 }
 
 // the 32 values of a 16-byte nibble run: low nibbles first, then high ones
-inline void nibbles32(const uint8_t* q, uint8_t* out) {
+LLMSERVE_IEEE_LOOPS inline void nibbles32(const uint8_t* q, uint8_t* out) {
   for (int i = 0; i < 16; ++i) {
     out[i] = q[i] & 15;
     out[i + 16] = q[i] >> 4;
@@ -38,22 +38,22 @@ inline void nibbles32(const uint8_t* q, uint8_t* out) {
 }
 
 // bit i of four little-endian bytes, for the 32 values
-inline void high_bits32(const uint8_t* h, uint8_t* out) {
+LLMSERVE_IEEE_LOOPS inline void high_bits32(const uint8_t* h, uint8_t* out) {
   for (int i = 0; i < 32; ++i) out[i] = (h[i / 8] >> (i % 8)) & 1;
 }
 
 // value = (q - offset) * d, or q * d + m (two roundings)
-LLMSERVE_IEEE void scaled(const uint8_t* q, int offset, float d, float* out) {
+LLMSERVE_IEEE_LOOPS void scaled(const uint8_t* q, int offset, float d, float* out) {
   for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(static_cast<int>(q[i]) - offset) * d;
 }
-LLMSERVE_IEEE void scaled_plus(const uint8_t* q, float d, float m, float* out) {
+LLMSERVE_IEEE_LOOPS void scaled_plus(const uint8_t* q, float d, float m, float* out) {
   for (int i = 0; i < 32; ++i) {
     const float product = static_cast<float>(q[i]) * d;
     out[i] = product + m;
   }
 }
 // value = q * d - m (two roundings)
-LLMSERVE_IEEE void scaled_minus(const uint8_t* q, float d, float m, float* out) {
+LLMSERVE_IEEE_LOOPS void scaled_minus(const uint8_t* q, float d, float m, float* out) {
   for (int i = 0; i < 32; ++i) {
     const float product = static_cast<float>(q[i]) * d;
     out[i] = product - m;
@@ -61,7 +61,7 @@ LLMSERVE_IEEE void scaled_minus(const uint8_t* q, float d, float m, float* out) 
 }
 
 // Q4_K / Q5_K: group j's 6-bit scale and minimum (gguf's Q4_K.get_scale_min)
-inline void scale_min_k(const uint8_t* s, int j, int& sc, int& mn) {
+LLMSERVE_IEEE_LOOPS inline void scale_min_k(const uint8_t* s, int j, int& sc, int& mn) {
   if (j < 4) {
     sc = s[j] & 63;
     mn = s[j + 4] & 63;
@@ -71,7 +71,7 @@ inline void scale_min_k(const uint8_t* s, int j, int& sc, int& mn) {
   }
 }
 
-LLMSERVE_IEEE void decode_block(int64_t format, const uint8_t* b, float* out) {
+LLMSERVE_IEEE_LOOPS void decode_block(int64_t format, const uint8_t* b, float* out) {
   uint8_t q[32];
   switch (format) {
     case kQ4_0:

@@ -18,6 +18,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "elementwise.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -29,21 +31,17 @@ namespace {
 constexpr int64_t kInt4Group = 32;
 constexpr int64_t kInt6Sub = 16;
 
-
-#define LLMSERVE_IEEE \
-  __attribute__((optimize("no-fast-math", "fp-contract=off", "no-trapping-math", "no-math-errno")))
-
 // bfloat16 <-> float32 as bit operations the loops vectorize (c10::BFloat16's conversions kept the loops scalar,
 // and their clamps became branches: 3x slower on real weights), with c10's rounding: to nearest even, NaN quiet
-LLMSERVE_IEEE inline float widen(float x) { return x; }
-LLMSERVE_IEEE inline float widen(uint16_t x) {
+LLMSERVE_IEEE_LOOPS inline float widen(float x) { return x; }
+LLMSERVE_IEEE_LOOPS inline float widen(uint16_t x) {
   const uint32_t bits = static_cast<uint32_t>(x) << 16;
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
-LLMSERVE_IEEE inline void narrow(float v, float* out) { *out = v; }
-LLMSERVE_IEEE inline void narrow(float v, uint16_t* out) {
+LLMSERVE_IEEE_LOOPS inline void narrow(float v, float* out) { *out = v; }
+LLMSERVE_IEEE_LOOPS inline void narrow(float v, uint16_t* out) {
   uint32_t bits;
   std::memcpy(&bits, &v, sizeof bits);
   const uint16_t rounded = static_cast<uint16_t>((bits + ((bits >> 16) & 1) + 0x7FFFu) >> 16);
@@ -51,7 +49,7 @@ LLMSERVE_IEEE inline void narrow(float v, uint16_t* out) {
 }
 
 template <typename T>
-LLMSERVE_IEEE void int4_rows(const T* w, const float* scale, const float* lo, const float* value_scale,
+LLMSERVE_IEEE_LOOPS void int4_rows(const T* w, const float* scale, const float* lo, const float* value_scale,
                              const float* value_lo, uint8_t* q, T* value, int64_t row_begin, int64_t row_end,
                              int64_t in) {
   const int64_t groups = in / kInt4Group;
@@ -74,7 +72,7 @@ LLMSERVE_IEEE void int4_rows(const T* w, const float* scale, const float* lo, co
 }
 
 template <typename T>
-LLMSERVE_IEEE void int6_rows(const T* w, const float* scale, uint8_t* q, T* value, int64_t row_begin,
+LLMSERVE_IEEE_LOOPS void int6_rows(const T* w, const float* scale, uint8_t* q, T* value, int64_t row_begin,
                              int64_t row_end, int64_t in) {
   const int64_t subs = in / kInt6Sub;
   for (int64_t r = row_begin; r < row_end; ++r) {

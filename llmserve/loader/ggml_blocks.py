@@ -1,4 +1,6 @@
-"""GGML's block formats decoded with torch ops, a few million values a pass, on every core.
+"""GGML's block formats decoded with torch ops, a few million values a pass, on every core; where the native kernels
+are built, `kernels/ggml_decode.cpp` decodes the same formats to the same values in one pass a block (2x faster on
+Qwen2.5-Coder-1.5B's file; benchmarks/README.md, session 53).
 
 Why not the `gguf` package's decoder: it is numpy, one thread, sixteen rows a call, and it took about half of
 Qwen2.5-Coder-1.5B's start (with its 0.5B draft; benchmarks/README.md, session 52). Each format here does the
