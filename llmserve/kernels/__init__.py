@@ -27,7 +27,7 @@ _SOURCES = [
     Path(__file__).with_name(name)
     for name in ("paged_attention.cpp", "paged_attention_quantized.cpp", "quantized_gemv.cpp", "activation_quant.cpp",
                  "int8_gemm.cpp", "fused_elementwise.cpp", "argmax.cpp", "decode_layer.cpp", "grid_levels.cpp",
-                 "ggml_decode.cpp")
+                 "ggml_decode.cpp", "pack_layouts.cpp")
 ]
 
 

@@ -81,19 +81,22 @@ def _per_row_block(values: torch.Tensor) -> torch.Tensor:
 
 
 def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-              factored: SuperBlocks | None | Literal["find"] = "find") -> torch.Tensor:
+              factored: SuperBlocks | None | Literal["find"] = "find", native: bool | None = None) -> torch.Tensor:
     """q [out, in] integers in [0, 15]; scales, mins [out, in / 32] (w = q * scale + min).
     Returns the flat uint8 layout `llmserve::int4_gemv` reads: the super-block one where both scales and minimums
     factor per 256 inputs (`super_blocks`: Q4_K grids, exactly), else the one with fp16 scales and minimums.
     `factored`: `super_blocks(scales, mins)` where the caller has it already (None: the fp16 layout), else found
-    here."""
+    here. `native`: the nibbles by `pack_layouts.cpp` (default where the kernels are loaded) or PyTorch's ops."""
     out_features, in_features = q.shape
     if not int4_packs(out_features, in_features):
         raise ValueError(f"int4 packing needs out_features % {ROWS} == 0 and in_features % {INT4_GROUP} == 0")
     blocks, groups = out_features // ROWS, in_features // INT4_GROUP
-    # byte (vector c, row r, slot s) of a group = q[r, 8c + s] | q[r, 8c + 4 + s] << 4
-    q = q.to(torch.uint8).view(blocks, ROWS, groups, 4, 2, 4)  # [block, row, group, c, nibble, s]
-    nibbles = (q[:, :, :, :, 0] | (q[:, :, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(blocks, groups, 256)
+    q = q.to(torch.uint8)
+    if (op := _native_op("int4_nibbles", q, native)) is not None:  # pack_layouts.cpp: the same bytes in one pass
+        nibbles = op(q.contiguous())
+    else:  # byte (vector c, row r, slot s) of a group = q[r, 8c + s] | q[r, 8c + 4 + s] << 4
+        q = q.view(blocks, ROWS, groups, 4, 2, 4)  # [block, row, group, c, nibble, s]
+        nibbles = (q[:, :, :, :, 0] | (q[:, :, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(blocks, groups, 256)
     if factored == "find":
         factored = super_blocks(scales, mins)
     if factored is None:
@@ -104,6 +107,17 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
     factors = torch.cat([_per_row_block(scale_factor), _per_row_block(min_factor)], dim=2)  # [block, super, 64]
     u8 = torch.cat([_per_row_block(scale_u), _per_row_block(min_u)], dim=2).view(blocks, supers, -1)  # 8 groups x 32
     return torch.cat([factors, u8, nibbles.view(blocks, supers, -1)], dim=2).contiguous().view(-1)
+
+
+def _native_op(name: str, q: torch.Tensor, native: bool | None = None):
+    """`torch.ops.llmserve.<name>` where the kernels are loaded (none is built for this) and q is on the CPU, else
+    None: the caller's PyTorch ops give the same bytes. `native`: force either (tests)."""
+    if native is False or q.device.type != "cpu":
+        return None
+    try:
+        return getattr(torch.ops.llmserve, name)
+    except (AttributeError, RuntimeError):  # the library is not loaded: no such op
+        return None
 
 
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
@@ -127,24 +141,27 @@ def int6_packs(out_features: int, in_features: int) -> bool:
     return out_features % ROWS == 0 and in_features % INT6_SUPER == 0
 
 
-def pack_int6(q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+def pack_int6(q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, native: bool | None = None) -> torch.Tensor:
     """q [out, in] integers in [0, 63], d [out, in / 256] (float32 values), sc [out, in / 16] int8, w = d * sc *
     (q - 32): GGUF Q6_K's values. Returns the flat uint8 layout `llmserve::int8_gemv` reads as its 6-bit one (its
     row scales ones): per block of 16 rows and 256 inputs a header (d as float32, then per group of 32 the int8 sc
     of its two halves), then per group q's low nibbles as `pack_int4` orders them and q's top 2 bits (see the
-    C++ file)."""
+    C++ file). `native`: as `pack_int4`'s."""
     out_features, in_features = q.shape
     if not int6_packs(out_features, in_features):
         raise ValueError(f"6-bit packing needs out_features % {ROWS} == 0 and in_features % {INT6_SUPER} == 0")
     blocks, groups, supers = out_features // ROWS, in_features // INT4_GROUP, in_features // INT6_SUPER
     q = q.to(torch.uint8)
-    low = (q & 15).view(blocks, ROWS, groups, 4, 2, 4)  # [block, row, group, c, nibble, s]
-    nibbles = (low[:, :, :, :, 0] | (low[:, :, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [block, group, c, row, s]
-    # input 8c + 4h + s with c = 2v + c2: top bits of vector v, at bit 2 (2 c2 + h)
-    top = (q >> 4).view(blocks, ROWS, groups, 2, 2, 2, 4)  # [block, row, group, v, c2, h, s]
-    shifts = torch.tensor([[0, 2], [4, 6]], dtype=torch.uint8).view(1, 1, 1, 1, 2, 2, 1)
-    top = (top << shifts).sum(dim=(4, 5), dtype=torch.uint8).permute(0, 2, 3, 1, 4)  # [block, group, v, row, s]
-    group_bytes = torch.cat([nibbles.reshape(blocks, groups, -1), top.reshape(blocks, groups, -1)], dim=2)
+    if (op := _native_op("int6_group_bytes", q, native)) is not None:  # pack_layouts.cpp: the same bytes in one pass
+        group_bytes = op(q.contiguous())
+    else:
+        low = (q & 15).view(blocks, ROWS, groups, 4, 2, 4)  # [block, row, group, c, nibble, s]
+        nibbles = (low[:, :, :, :, 0] | (low[:, :, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [block, group, c, row, s]
+        # input 8c + 4h + s with c = 2v + c2: top bits of vector v, at bit 2 (2 c2 + h)
+        top = (q >> 4).view(blocks, ROWS, groups, 2, 2, 2, 4)  # [block, row, group, v, c2, h, s]
+        shifts = torch.tensor([[0, 2], [4, 6]], dtype=torch.uint8).view(1, 1, 1, 1, 2, 2, 1)
+        top = (top << shifts).sum(dim=(4, 5), dtype=torch.uint8).permute(0, 2, 3, 1, 4)  # [block, group, v, row, s]
+        group_bytes = torch.cat([nibbles.reshape(blocks, groups, -1), top.reshape(blocks, groups, -1)], dim=2)
 
     header = torch.cat([_per_row_block(d.float()).view(blocks, supers, -1),  # [block, super, 64]
                         _per_row_block(sc.to(torch.int8)).view(blocks, supers, -1)], dim=2)  # and 16 halves x 16
