@@ -110,14 +110,13 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
 
 
 def _native_op(name: str, q: torch.Tensor, native: bool | None = None):
-    """`torch.ops.llmserve.<name>` where the kernels are loaded (none is built for this) and q is on the CPU, else
-    None: the caller's PyTorch ops give the same bytes. `native`: force either (tests)."""
-    if native is False or q.device.type != "cpu":
+    """`torch.ops.llmserve.<name>` where the kernels are built (`built_cpu_kernels`, as the loader's decoder) and q
+    is on the CPU, else None: the caller's PyTorch ops give the same bytes. `native`: force either (tests)."""
+    from llmserve.kernels import built_cpu_kernels  # the package imports this module
+
+    if q.device.type != "cpu" or not (built_cpu_kernels() if native is None else native):
         return None
-    try:
-        return getattr(torch.ops.llmserve, name)
-    except (AttributeError, RuntimeError):  # the library is not loaded: no such op
-        return None
+    return getattr(torch.ops.llmserve, name)
 
 
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
