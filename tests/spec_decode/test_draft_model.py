@@ -76,8 +76,11 @@ def test_the_default_drafts_with_a_registered_draft(monkeypatch, prompt_token_id
     for prompt in prompt_token_ids[:3]:  # alone: c=1 speculates
         [fast], [plain] = (llm.generate([prompt], greedy, use_tqdm=False) for llm in (auto, off))
         assert_equal_up_to_a_near_tie(fast.outputs[0], plain.outputs[0])
+    # The first proposals follow from the speculator's priors; whether more pay is timed, and a self-draft of the
+    # 135M model costs what it saves, so their number (and an acceptance rate over them) is the host's noise: CI on
+    # an AMD host once saw 2 of 4 kept. How well a draft agrees is the fixed-depth test's claim above.
     stats = auto.engine.stats().spec_decode
-    assert stats.num_drafts > 0 and stats.acceptance_rate > 0.5
+    assert stats.num_drafts > 0
     seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=32, ignore_eos=True)
     [sampled] = auto.generate(prompt_token_ids[:1], seeded, use_tqdm=False)
     assert auto.engine.stats().spec_decode.num_drafts == stats.num_drafts  # none for it
