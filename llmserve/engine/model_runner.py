@@ -21,7 +21,6 @@ import torch
 from llmserve.distributed.tensor_parallel import TensorParallel, shard_config, shard_grids, shard_model
 from llmserve.engine.build_plan import BuildPlan
 from llmserve.engine.cuda_graphs import CudaGraphs
-from llmserve.engine.decode_graph import DecodeGraph
 from llmserve.engine.heap import trim_heap
 from llmserve.engine.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from llmserve.kv_cache.key_smoothing import smooth_keys
@@ -113,6 +112,8 @@ class ModelRunner:
                 logger.info("%.1f MB of streamed weights placed on huge pages", placed / 1e6)
             except OSError as e:  # refused before any weight moved: they stay where they are
                 logger.warning("the weights stay on the allocator's pages: huge pages refused (%s)", e)
+        if plan.compile != "off":
+            self.attention.stay_eager_in_compiled_graphs()
         if plan.compile == "layers":
             compile_layers(model)  # the PyTorch attention path: per layer, attention left eager
         self.model = model
@@ -120,7 +121,10 @@ class ModelRunner:
         self.kv_caches = kv_spec.allocate(plan.num_kv_blocks + bool(plan.cuda_graph_max_tokens), plan.device)
         # decode-only steps as one compiled graph (needs the native kernels; see decode_graph.py), and the
         # smallest of them as one native call
-        self.decode_graph = DecodeGraph(model, self.kv_caches) if plan.compile == "graph" else None
+        self.decode_graph = None
+        if plan.compile == "graph":  # imported here: Inductor's modules take ~1.3 s that a start without it skips
+            from llmserve.engine.decode_graph import DecodeGraph
+            self.decode_graph = DecodeGraph(model, self.kv_caches)
         self.fused_stack = fused_decode_stack(model, self.kv_caches) if plan.fused_decode_max_tokens else None
         self.cuda_graphs = CudaGraphs(model, self.kv_caches, plan.num_kv_blocks, self.block_size,
                                       -(-plan.max_model_len // self.block_size),

@@ -107,6 +107,14 @@ class AttentionBackend:
         [T, kv_heads, head_dim]; returns [T, heads, head_dim]."""
         raise NotImplementedError
 
+    def stay_eager_in_compiled_graphs(self) -> None:
+        """Before torch.compile traces a model holding this backend: the Python it should not trace (a loop over
+        a step's groups and spans, re-traced for every batch shape) becomes an opaque eager call in the graph.
+        Done here, when a graph is about to be compiled, rather than by decorators at import: those import
+        torch._dynamo (1.3 s of every start, on a plan that compiles nothing) and put its wrapper on every eager
+        call."""
+        self.forward = torch.compiler.disable(self.forward)
+
 
 class NativeAttention(AttentionBackend):
     """Decodes on llmserve's C++ kernel (CPU): each request's blocks read in place through its block table.
@@ -115,6 +123,9 @@ class NativeAttention(AttentionBackend):
     prompt tokens runs eagerly (a graph break)."""
 
     gathers_head_rows = False  # the kernel walks each block table itself
+
+    def __init__(self) -> None:
+        self._mixed = _native_mixed  # a step with prompt tokens
 
     def decode_metadata(self, block_table, head_rows, context_starts, block_size, num_heads, dtype,
                         device) -> DecodeBatch:
@@ -131,7 +142,12 @@ class NativeAttention(AttentionBackend):
         torch.ops.llmserve.write_kv(k, v, k_cache, v_cache, meta.write_slots)
         if not meta.prefills:
             return _native_decode(q, k_cache, v_cache, meta.decodes, scale)
-        return _native_mixed(q, k, v, k_cache, v_cache, meta, scale)
+        return self._mixed(q, k, v, k_cache, v_cache, meta, scale)
+
+    def stay_eager_in_compiled_graphs(self) -> None:
+        """Only a step with prompt tokens: its data-dependent Python runs eagerly (a graph break); a decode-only
+        step's two custom ops stay inside the graph."""
+        self._mixed = torch.compiler.disable(_native_mixed)
 
 
 class TorchAttention(AttentionBackend):
@@ -150,7 +166,6 @@ class TorchAttention(AttentionBackend):
             groups.append(DecodeGroup(start, end, rows, bias))
         return groups
 
-    @torch.compiler.disable  # a loop over this step's groups and spans: re-traced for every batch shape
     def forward(self, q, k, v, k_cache, v_cache, meta, scale) -> torch.Tensor:
         write_rows(k_cache, meta.write_slots, k)
         write_rows(v_cache, meta.write_slots, v)
@@ -167,7 +182,6 @@ class TorchAttention(AttentionBackend):
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {"native": NativeAttention, "torch": TorchAttention}
 
 
-@torch.compiler.disable  # data-dependent Python: a compiled graph calls it as an opaque eager function
 def _native_mixed(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """A step with prompt tokens on the native path: the decodes on the kernel, each prompt chunk on SDPA."""
     out = torch.empty_like(q)

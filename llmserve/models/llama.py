@@ -3,8 +3,9 @@
 The forward pass takes one flat batch of tokens from many requests — no padding, no batch axis —
 with their positions; attention finds each request's past through the paged KV cache.
 q/k/v and gate/up are fused into single matmuls at load time (fewer, larger GEMMs).
-Linears and the embedding are created without drawing initial values (`skip_init`): a checkpoint fills every
-parameter (`load_weights` refuses one it lacks), and the draw cost 3.2 s of Qwen2.5-Coder-0.5B's start.
+Linears and the embedding are created without drawing initial values (`_uninitialized_linear`, `from_pretrained`
+of an empty matrix): a checkpoint fills every parameter (`load_weights` refuses one it lacks), and the draw cost
+3.2 s of Qwen2.5-Coder-0.5B's start.
 """
 
 from __future__ import annotations
@@ -13,12 +14,21 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.nn.utils import skip_init
 
 from llmserve.layers.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from llmserve.layers.layernorm import RMSNorm
 from llmserve.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from llmserve.quantization.weight_only import StackedLinear, WeightOnlyLinear
+
+
+def _uninitialized_linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
+    """A linear whose parameters are empty CPU tensors: built on the meta device (no draw), then given storage.
+    Not `torch.nn.utils.skip_init`: its `to_empty` goes through torch's reference ops, which import the symbolic
+    shapes (and, for an embedding, torch._dynamo): 1.6 s of a start that compiles nothing."""
+    linear = nn.Linear(in_features, out_features, bias, device="meta")
+    for name, param in list(linear.named_parameters(recurse=False)):
+        setattr(linear, name, nn.Parameter(torch.empty(param.shape)))
+    return linear
 
 
 @dataclass(frozen=True)
@@ -63,8 +73,8 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = skip_init(nn.Linear, cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = skip_init(nn.Linear, self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = _uninitialized_linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = _uninitialized_linear(self.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
         self.backend = methods.attention
         self.native_rotary = methods.native_elementwise
@@ -92,8 +102,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
         self.tp = None  # tensor parallel (distributed/tensor_parallel.py): down_proj's partial sums are all-reduced
-        self.gate_up_proj = skip_init(nn.Linear, cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = skip_init(nn.Linear, cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = _uninitialized_linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = _uninitialized_linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.native = methods.native_elementwise
 
     def source_rows(self, linear: str) -> list[int]:
@@ -215,13 +225,13 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         methods = methods or LayerMethods()
         self.config = cfg
-        self.embed_tokens = skip_init(nn.Embedding, cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding.from_pretrained(torch.empty(cfg.vocab_size, cfg.hidden_size), freeze=False)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, methods) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, methods.native_elementwise)
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
-        self.lm_head = skip_init(nn.Linear, cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = _uninitialized_linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:  # the embedding matrix is the output head: one shared parameter
             self.lm_head.weight = self.embed_tokens.weight
         self.tp = None  # tensor parallel: each rank's head holds some vocabulary rows
