@@ -161,6 +161,14 @@ def built_cpu_kernels() -> bool:
     return False
 
 
+def native_op(name: str, tensor: torch.Tensor, native: bool | None = None):
+    """`torch.ops.llmserve.<name>` for a CPU tensor where a finished build is loaded (`built_cpu_kernels`), else None:
+    the caller's PyTorch ops give the same values. `native`: force either way (tests)."""
+    if tensor.device.type != "cpu" or not (built_cpu_kernels() if native is None else native):
+        return None
+    return getattr(torch.ops.llmserve, name)
+
+
 def native_quantized_kernels() -> bool:
     """Whether small quantized steps should run on the native kernels: built, and vectorized for this CPU
     (AVX-512 VNNI, or AVX2 with FMA and F16C); elsewhere PyTorch's own kernels are faster than the portable loops."""

@@ -12,6 +12,8 @@ from typing import Literal
 
 import torch
 
+from llmserve import kernels  # the package imports this module: `kernels.native_op` is looked up when called
+
 ROWS = 16  # output rows per row block: out_features must be a multiple of it
 INT4_GROUP = 32  # inputs per scale and minimum
 
@@ -92,7 +94,7 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
         raise ValueError(f"int4 packing needs out_features % {ROWS} == 0 and in_features % {INT4_GROUP} == 0")
     blocks, groups = out_features // ROWS, in_features // INT4_GROUP
     q = q.to(torch.uint8)
-    if (op := _native_op("int4_nibbles", q, native)) is not None:  # pack_layouts.cpp: the same bytes in one pass
+    if (op := kernels.native_op("int4_nibbles", q, native)) is not None:  # pack_layouts.cpp: the same bytes
         nibbles = op(q.contiguous())
     else:  # byte (vector c, row r, slot s) of a group = q[r, 8c + s] | q[r, 8c + 4 + s] << 4
         q = q.view(blocks, ROWS, groups, 4, 2, 4)  # [block, row, group, c, nibble, s]
@@ -107,16 +109,6 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
     factors = torch.cat([_per_row_block(scale_factor), _per_row_block(min_factor)], dim=2)  # [block, super, 64]
     u8 = torch.cat([_per_row_block(scale_u), _per_row_block(min_u)], dim=2).view(blocks, supers, -1)  # 8 groups x 32
     return torch.cat([factors, u8, nibbles.view(blocks, supers, -1)], dim=2).contiguous().view(-1)
-
-
-def _native_op(name: str, q: torch.Tensor, native: bool | None = None):
-    """`torch.ops.llmserve.<name>` where the kernels are built (`built_cpu_kernels`, as the loader's decoder) and q
-    is on the CPU, else None: the caller's PyTorch ops give the same bytes. `native`: force either (tests)."""
-    from llmserve.kernels import built_cpu_kernels  # the package imports this module
-
-    if q.device.type != "cpu" or not (built_cpu_kernels() if native is None else native):
-        return None
-    return getattr(torch.ops.llmserve, name)
 
 
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
@@ -151,7 +143,7 @@ def pack_int6(q: torch.Tensor, d: torch.Tensor, sc: torch.Tensor, native: bool |
         raise ValueError(f"6-bit packing needs out_features % {ROWS} == 0 and in_features % {INT6_SUPER} == 0")
     blocks, groups, supers = out_features // ROWS, in_features // INT4_GROUP, in_features // INT6_SUPER
     q = q.to(torch.uint8)
-    if (op := _native_op("int6_group_bytes", q, native)) is not None:  # pack_layouts.cpp: the same bytes in one pass
+    if (op := kernels.native_op("int6_group_bytes", q, native)) is not None:  # pack_layouts.cpp: the same bytes
         group_bytes = op(q.contiguous())
     else:
         low = (q & 15).view(blocks, ROWS, groups, 4, 2, 4)  # [block, row, group, c, nibble, s]

@@ -13,12 +13,12 @@ rows of head_dim + 4 one-byte elements (kv_cache/kv_quant.py).
 from __future__ import annotations
 
 import math
-import mmap
 from dataclasses import dataclass
 
 import torch
 
 from llmserve.kv_cache.kv_quant import row_width
+from llmserve.os_pages import anonymous_pages
 
 
 @dataclass(frozen=True)
@@ -45,20 +45,14 @@ class KVCacheSpec:
 
     def allocate(self, num_blocks: int, device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(K, V) per layer. Zeros, not empty: padded decode gathers read arbitrary slots, which must be finite.
-        On the CPU the zeros are pages the kernel zeroes as they are first touched (`zero_pages`)."""
+        On the CPU, pages the kernel zeroes as they are first touched (`anonymous_pages`): `torch.zeros` writes every
+        byte first, 0.6 s and 2.3 GB resident at the start of the 135M default, whose cache a short-lived or lightly
+        loaded server never fills (benchmarks/README.md, session 54)."""
         shape = self.shape(num_blocks)
-        if torch.device(device).type == "cpu":
-            return [(zero_pages(shape, self.dtype), zero_pages(shape, self.dtype)) for _ in range(self.num_layers)]
-        return [(torch.zeros(shape, dtype=self.dtype, device=device), torch.zeros(shape, dtype=self.dtype,
-                                                                                   device=device))
-                for _ in range(self.num_layers)]
 
+        def zeros() -> torch.Tensor:
+            if torch.device(device).type == "cpu":
+                return anonymous_pages(math.prod(shape) * self.dtype.itemsize).view(self.dtype).view(shape)
+            return torch.zeros(shape, dtype=self.dtype, device=device)
 
-def zero_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor of zeros on an anonymous private mapping: the kernel maps each page to zeros when it is first
-    touched, so a cache sized for the whole budget costs nothing at start and becomes resident as blocks are used.
-    `torch.zeros` writes every byte first: 0.6 s and 2.3 GB resident at the start of the 135M default, whose cache
-    a short-lived or lightly loaded server never fills (benchmarks/README.md, session 54)."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)  # holds a reference to the mapping
+        return [(zeros(), zeros()) for _ in range(self.num_layers)]

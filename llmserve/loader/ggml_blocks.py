@@ -19,7 +19,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from llmserve.kernels import built_cpu_kernels
+from llmserve.kernels import native_op
 
 # values decoded per pass: the temporaries (a few bytes a value) stay in the cache whatever the tensor's size (a 1.5B
 # model's embedding is 233 M values). Both Qwen files' tensors: 2^18 a pass 4.1 s, 2^20 4.5 s, 2^22 5.7 s
@@ -125,8 +125,8 @@ def dequantize(data: np.ndarray, qtype: GGMLQuantizationType, native: bool | Non
     with warnings.catch_warnings():  # a read-only map of the file: nothing here writes to it
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         blocks = torch.from_numpy(np.asarray(data).view(np.uint8)).reshape(-1, type_size)
-    if built_cpu_kernels() if native is None else native:
-        return torch.ops.llmserve.ggml_dequantize(blocks, int(qtype)).reshape(rows, -1)
+    if (op := native_op("ggml_dequantize", blocks, native)) is not None:
+        return op(blocks, int(qtype)).reshape(rows, -1)
     out = torch.empty(len(blocks), block_size)
     step = max(1, _CHUNK_VALUES // block_size)
     for start in range(0, len(blocks), step):

@@ -10,10 +10,10 @@ huge pages in address order. Measured on the Zen 5 host, offline one-token steps
 
 from __future__ import annotations
 
-import mmap
-
 import torch
 from torch import nn
+
+from llmserve.os_pages import anonymous_pages
 
 HUGE_PAGE = 2 << 20
 _ALIGN = 64  # each tensor starts on a cache line, as the allocator's do
@@ -35,10 +35,7 @@ def place_on_huge_pages(model: nn.Module) -> int:
     entries = streamed_weights(model)
     sizes = [_aligned(getattr(module, name).nbytes, _ALIGN) for module, name in entries]
     total = _aligned(sum(sizes), HUGE_PAGE)
-    # private and anonymous: a shared mapping is shmem, whose huge pages follow another setting
-    arena_map = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    arena_map.madvise(mmap.MADV_HUGEPAGE)
-    arena = torch.frombuffer(arena_map, dtype=torch.uint8)  # holds a reference to the mapping
+    arena = anonymous_pages(total + HUGE_PAGE, huge_pages=True)
     offset = -arena.data_ptr() % HUGE_PAGE
     for (module, name), size in zip(entries, sizes, strict=True):
         tensor = module._buffers[name]
