@@ -212,17 +212,16 @@ class ModelRunner:
 
         dev = self.device
         tables = [row.state.block_ids for row in rows]
-        counts_t = torch.tensor(counts)
         route = self.plan.step_route(len(token_ids) == len(rows), len(token_ids), self.decode_graph is not None)
         if route == "cuda graph":  # one token each: row i is token i
-            first_token = torch.arange(len(rows))
+            first_token = list(range(len(rows)))
             hidden = self.cuda_graphs(token_ids, starts, tables)
         else:
-            first_token, hidden = self._forward(route, token_ids, counts, counts_t, starts, tables)
+            first_token, hidden = self._forward(route, token_ids, counts, starts, tables)
         result = ModelRunnerOutput({request_id: [] for request_id in ids})
         for i, row in enumerate(rows):
             if row.state.params.prompt_logprobs is not None and row.start + 1 < row.state.num_prompt_tokens:
-                first = int(first_token[i])
+                first = first_token[i]
                 result.prompt_logprobs[ids[row.request]] = self._prompt_logprobs(
                     row.state, row.start, hidden[first : first + row.count])
         # rows that sample: a request's last token, and each of its proposals (those by request and position)
@@ -232,7 +231,7 @@ class ModelRunner:
         if not sampling:
             return result
         if len(sampling) < len(token_ids) or out.spec_token_ids:  # else every token samples, in order: all of hidden
-            hidden = hidden[(first_token + counts_t - 1)[sampling].to(dev)]
+            hidden = hidden[torch.tensor([first_token[i] + counts[i] - 1 for i in sampling], device=dev)]
         logits = self.model.compute_logits(hidden)
         sampling_meta = self._sampling_metadata([rows[i] for i in sampling], logits.shape[1])
         native_argmax = self.plan.argmax == "native"
@@ -252,24 +251,28 @@ class ModelRunner:
                 result.logprobs[request_id] = [TokenLogprobs(t.logprob, t.rank, t.top) for t in tokens]
         return result
 
-    def _forward(self, route: str, token_ids: list[int], counts: list[int], counts_t: torch.Tensor,
-                 starts: list[int], tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, route: str, token_ids: list[int], counts: list[int], starts: list[int],
+                 tables: list[list[int]]) -> tuple[list[int], torch.Tensor]:
         """Hidden states of the step's tokens, rows in order (and each row's first token in them), on every
-        route but CUDA graphs: the attention's indices built here for all layers at once."""
+        route but CUDA graphs: the attention's indices built here for all layers at once. A decode-only step's
+        are made from Python lists, a tensor each: after a step's weight stream every op runs on cold caches,
+        ~10-30 us each (a batch-1 SmolLM2 step is ~4-5 ms on Zen 4)."""
         dev = self.device
         width = max(len(t) for t in tables)
         block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
         starts_t = torch.tensor(starts)
         num_rows = len(counts)
         if len(token_ids) == num_rows:  # one token each (a decode-only step): row i is token i
-            row_of_token = first_token = torch.arange(num_rows)
+            row_of_token, first_token = None, list(range(num_rows))
             positions = starts_t
         else:  # repeat_interleave alone was ~35 us, 1 % of a batch-1 step
+            counts_t = torch.tensor(counts)
             row_of_token = torch.repeat_interleave(torch.arange(num_rows), counts_t)
-            first_token = torch.cumsum(counts_t, 0) - counts_t
-            positions = torch.arange(len(token_ids)) - first_token[row_of_token] + starts_t[row_of_token]
+            first_token_t = torch.cumsum(counts_t, 0) - counts_t
+            positions = torch.arange(len(token_ids)) - first_token_t[row_of_token] + starts_t[row_of_token]
+            first_token = first_token_t.tolist()
         meta = attention_metadata(self.attention, block_table, tables, row_of_token, positions, counts, starts,
-                                  first_token.tolist(), self.block_size, self.config.num_kv_heads,
+                                  first_token, self.block_size, self.config.num_kv_heads,
                                   self.config.num_heads, self.plan.dtype, dev)
         input_ids, positions = torch.tensor(token_ids, device=dev), positions.to(dev)
         if route == "fused":

@@ -207,10 +207,10 @@ struct LayerWeights {
 
 // A layer's pieces, in the order it runs them: where a step's time goes, per piece, is what `run_timed` reports
 // (benchmarks/bandwidth_ceiling.py), to say what holds a small model's step back from its memory-bandwidth floor.
-// A layer's input norm takes the residual add of the layer before it; the last layer's add is "residual".
+// A layer's input norm takes the residual add of the layer before it; the last layer's add is the final norm's.
 enum Piece { kInputNorm, kQkv, kRotary, kAttention, kO, kPostNorm, kGateUp, kGate, kDown, kResidual, kPieces };
 const std::array<const char*, kPieces> kPieceNames = {"input norm", "q/k/v", "rotary, K/V write", "attention", "o",
-                                                      "post norm", "gate/up", "gate", "down", "residual"};
+                                                      "post norm", "gate/up", "gate", "down", "final norm"};
 
 // The plain call's timer: nothing, compiled away
 struct NoTimer {
@@ -349,8 +349,11 @@ class DecodeStack : public torch::CustomClassHolder {
               std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, int64_t num_heads,
               int64_t intermediate_size, double eps, double scale, std::vector<int64_t> activation_parts,
               std::vector<int64_t> linear_parts, std::vector<int64_t> part_rows, std::vector<int64_t> small_max_tokens,
-              std::vector<int64_t> large_kinds, std::vector<at::Tensor> large_tensors)
-      : num_heads_(num_heads), intermediate_size_(intermediate_size), eps_(eps), scale_(scale) {
+              std::vector<int64_t> large_kinds, std::vector<at::Tensor> large_tensors, at::Tensor embedding,
+              at::Tensor cos_table, at::Tensor sin_table, at::Tensor final_norm)
+      : embedding_(std::move(embedding)), cos_table_(std::move(cos_table)), sin_table_(std::move(sin_table)),
+        final_norm_(std::move(final_norm)), num_heads_(num_heads), intermediate_size_(intermediate_size), eps_(eps),
+        scale_(scale) {
     const size_t n = input_norms.size();
     size_t total_parts = 0;
     for (int64_t count : linear_parts) {
@@ -409,23 +412,38 @@ class DecodeStack : public torch::CustomClassHolder {
                   "DecodeStack: a linear's parts must add up to its rows");
       layers_.push_back(std::move(layer));
     }
+    const int64_t hidden = input_norms[0].numel(), head_dim = llmserve::attention::cache_head_dim(k_caches[0]);
+    TORCH_CHECK(embedding_.dim() == 2 && embedding_.size(1) == hidden && embedding_.is_contiguous() &&
+                    (embedding_.scalar_type() == at::kFloat || embedding_.scalar_type() == at::kBFloat16),
+                "DecodeStack: the embedding must be a contiguous float32 or bfloat16 [vocab, hidden]");
+    TORCH_CHECK(embedding_.scalar_type() == at::kBFloat16 || input_norms[0].scalar_type() == at::kFloat,
+                "DecodeStack: a float32 model needs float32 norm weights");
+    TORCH_CHECK(cos_table_.dim() == 2 && cos_table_.size(1) == head_dim && cos_table_.is_contiguous() &&
+                    (cos_table_.scalar_type() == at::kFloat || cos_table_.scalar_type() == embedding_.scalar_type()) &&
+                    sin_table_.sizes() == cos_table_.sizes() && sin_table_.scalar_type() == cos_table_.scalar_type() &&
+                    sin_table_.is_contiguous(),
+                "DecodeStack: the rotary tables must be contiguous [positions, head_dim], float32 or the model's dtype");
+    TORCH_CHECK(final_norm_.is_contiguous() && final_norm_.numel() == hidden &&
+                    final_norm_.scalar_type() == input_norms[0].scalar_type(),
+                "DecodeStack: the final norm's weights are like the layers' norms");
   }
 
-  // x [tokens, hidden] (the embedded tokens) -> the last layer's output; writes each layer's K/V
-  at::Tensor run(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin, const at::Tensor& slots,
+  // The tokens at their positions -> the hidden states after the final norm, [tokens, hidden]; writes each layer's
+  // K/V. The embedding rows, the rotary tables' rows and the final norm are taken here too: in Python each was an
+  // op or three run on cold caches after the step's weight stream, ~0.15 ms of a ~5 ms step (SmolLM2, Zen 4).
+  at::Tensor run(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slots,
                  const at::Tensor& block_table, const at::Tensor& context_lens) {
     NoTimer timer;
-    return run_layers(x, cos, signed_sin, slots, block_table, context_lens, timer);
+    return run_layers(input_ids, positions, slots, block_table, context_lens, timer);
   }
 
   // The same, adding each piece's wall time (summed over the layers) to `seconds` [pieces()], float64
-  at::Tensor run_timed(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin,
-                       const at::Tensor& slots, const at::Tensor& block_table, const at::Tensor& context_lens,
-                       const at::Tensor& seconds) {
+  at::Tensor run_timed(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slots,
+                       const at::Tensor& block_table, const at::Tensor& context_lens, const at::Tensor& seconds) {
     TORCH_CHECK(seconds.scalar_type() == at::kDouble && seconds.is_contiguous() && seconds.numel() == kPieces,
                 "DecodeStack.run_timed: seconds must be a contiguous float64 tensor of ", kPieces, " elements");
     WallTimer timer{seconds.data_ptr<double>()};
-    return run_layers(x, cos, signed_sin, slots, block_table, context_lens, timer);
+    return run_layers(input_ids, positions, slots, block_table, context_lens, timer);
   }
 
   // The names of the pieces `run_timed` times, in its order
@@ -433,39 +451,35 @@ class DecodeStack : public torch::CustomClassHolder {
 
  private:
   template <typename Timer>
-  at::Tensor run_layers(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& signed_sin,
-                        const at::Tensor& slots, const at::Tensor& block_table, const at::Tensor& context_lens,
-                        Timer& timer) {
-    TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == layers_[0].input_norm.numel(),
-                "DecodeStack.run: x must be [tokens, hidden]");
-    if (x_in.scalar_type() == at::kFloat) return run_typed<float>(x_in, cos, signed_sin, slots, block_table,
-                                                                  context_lens, timer);
-    TORCH_CHECK(x_in.scalar_type() == at::kBFloat16, "DecodeStack.run: x must be float32 or bfloat16");
-    return run_typed<at::BFloat16>(x_in, cos, signed_sin, slots, block_table, context_lens, timer);
+  at::Tensor run_layers(const at::Tensor& input_ids_in, const at::Tensor& positions_in, const at::Tensor& slots,
+                        const at::Tensor& block_table, const at::Tensor& context_lens, Timer& timer) {
+    const at::Tensor input_ids = input_ids_in.contiguous(), positions = positions_in.contiguous();
+    TORCH_CHECK(input_ids.dim() == 1 && input_ids.scalar_type() == at::kLong && positions.sizes() == input_ids.sizes() &&
+                    positions.scalar_type() == at::kLong,
+                "DecodeStack.run: input_ids and positions: one int64 each per token");
+    const int64_t* ids = input_ids.data_ptr<int64_t>();
+    const int64_t* where = positions.data_ptr<int64_t>();
+    for (int64_t t = 0; t < input_ids.numel(); ++t) {
+      TORCH_CHECK(ids[t] >= 0 && ids[t] < embedding_.size(0), "DecodeStack.run: token id out of range");
+      TORCH_CHECK(where[t] >= 0 && where[t] < cos_table_.size(0), "DecodeStack.run: position out of range");
+    }
+    if (embedding_.scalar_type() == at::kFloat) return run_typed<float>(ids, where, input_ids.numel(), slots,
+                                                                        block_table, context_lens, timer);
+    return run_typed<at::BFloat16>(ids, where, input_ids.numel(), slots, block_table, context_lens, timer);
   }
 
   template <typename T, typename Timer>
-  at::Tensor run_typed(const at::Tensor& x_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
-                       const at::Tensor& slots_in, const at::Tensor& block_table, const at::Tensor& context_lens,
-                       Timer& timer) {
-    const at::Tensor x = x_in.contiguous();
-    const at::ScalarType dtype = x.scalar_type();
-    TORCH_CHECK(dtype == at::kBFloat16 || layers_[0].input_norm.scalar_type() == at::kFloat,
-                "DecodeStack.run: a float32 x needs float32 norm weights");
+  at::Tensor run_typed(const int64_t* ids, const int64_t* positions, int64_t tokens, const at::Tensor& slots_in,
+                       const at::Tensor& block_table, const at::Tensor& context_lens, Timer& timer) {
+    const at::TensorOptions options = embedding_.options();
     const LayerWeights& first = layers_[0];
     Step<T> step;
-    step.tokens = x.size(0);
-    step.hidden = x.size(1);
+    step.tokens = tokens;
+    step.hidden = embedding_.size(1);
     step.intermediate = intermediate_size_;
     step.num_heads = num_heads_;
     step.num_kv_heads = first.k_cache.size(1);
     step.head_dim = llmserve::attention::cache_head_dim(first.k_cache);
-    // rotary's tables in the step's dtype, as the rotary op takes them
-    const at::Tensor cos = cos_in.to(dtype).contiguous(), sin = sin_in.to(dtype).contiguous();
-    TORCH_CHECK(cos.numel() == step.tokens * step.head_dim && sin.numel() == cos.numel(),
-                "DecodeStack.run: one cos and sin row per token");
-    step.cos = cos.data_ptr<T>();
-    step.sin = sin.data_ptr<T>();
     // the slots, checked once for every layer's K/V write (as write_kv checks them)
     const at::Tensor slots = slots_in.contiguous();
     TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == step.tokens * step.num_kv_heads,
@@ -475,7 +489,7 @@ class DecodeStack : public torch::CustomClassHolder {
     const int64_t num_slots = first.k_cache.numel() / first.k_cache.size(3);
     for (int64_t r = 0; r < slots.numel(); ++r)
       TORCH_CHECK(step.slots[r] >= 0 && step.slots[r] < num_slots, "KV slot out of range");
-    step.plain_slots = first.k_cache.scalar_type() == dtype;
+    step.plain_slots = first.k_cache.scalar_type() == embedding_.scalar_type();
     TORCH_CHECK(step.plain_slots || llmserve::attention::is_quantized_cache(first.k_cache),
                 "DecodeStack.run: the caches must hold x's dtype or be quantized");
     step.block_table = block_table;
@@ -484,12 +498,12 @@ class DecodeStack : public torch::CustomClassHolder {
     const int64_t qk_width = step.q_and_k() * head_dim, attended_width = step.num_heads * head_dim;
     const int64_t qkv_width = qk_width + step.num_kv_heads * head_dim;
     // each buffer on a cache line of its own (64 bytes: 16 float32 or 32 bfloat16), in the order they are carved
-    const std::array<int64_t, 9> widths = {hidden, hidden, qk_width, inter, qkv_width, attended_width, hidden,
-                                           2 * inter, hidden};
+    const std::array<int64_t, 12> widths = {hidden, head_dim, head_dim, hidden, hidden, qk_width, inter, qkv_width,
+                                            attended_width, hidden, 2 * inter, hidden};
     const int64_t line = 64 / static_cast<int64_t>(sizeof(T));
     int64_t total = 0;
     for (int64_t width : widths) total += (rows * width + line - 1) / line * line;
-    step.buffers = at::empty({total}, x.options());
+    step.buffers = at::empty({total}, options);
     T* const base = static_cast<T*>(step.buffers.data_ptr());
     T* next_free = base;
     auto carve = [&](int64_t width) {
@@ -497,6 +511,26 @@ class DecodeStack : public torch::CustomClassHolder {
       next_free += (rows * width + line - 1) / line * line;
       return at;
     };
+    // the tokens' embedding rows, and their positions' rotary rows in the step's dtype (as `.to(dtype)` rounds)
+    T* const embedded = carve(hidden);
+    T* const cos = carve(head_dim);
+    T* const sin = carve(head_dim);
+    const T* const table = embedding_.data_ptr<T>();
+    auto rotary_rows_of = [&](const auto* cos_table, const auto* sin_table) {
+      for (int64_t t = 0; t < rows; ++t)
+        for (int64_t i = 0; i < head_dim; ++i) {
+          cos[t * head_dim + i] = static_cast<T>(cos_table[positions[t] * head_dim + i]);
+          sin[t * head_dim + i] = static_cast<T>(sin_table[positions[t] * head_dim + i]);
+        }
+    };
+    if (cos_table_.scalar_type() == at::kFloat)
+      rotary_rows_of(cos_table_.data_ptr<float>(), sin_table_.data_ptr<float>());
+    else
+      rotary_rows_of(cos_table_.data_ptr<T>(), sin_table_.data_ptr<T>());
+    for (int64_t t = 0; t < rows; ++t)
+      std::memcpy(embedded + t * hidden, table + ids[t] * hidden, hidden * sizeof(T));
+    step.cos = cos;
+    step.sin = sin;
     step.residual = carve(hidden);
     step.normed = carve(hidden);
     step.qk = carve(qk_width);
@@ -504,9 +538,9 @@ class DecodeStack : public torch::CustomClassHolder {
     step.normed_rows = rows_of(step, step.normed, hidden);
     step.gated_rows = rows_of(step, step.gated, inter);
     step.qkv = rows_of(step, carve(qkv_width), qkv_width);
-    step.queries = at::from_blob(step.qk, {rows, step.num_heads, head_dim}, {qk_width, head_dim, 1}, x.options());
+    step.queries = at::from_blob(step.qk, {rows, step.num_heads, head_dim}, {qk_width, head_dim, 1}, options);
     T* attended = carve(attended_width);
-    step.attended = at::from_blob(attended, {rows, step.num_heads, head_dim}, x.options());
+    step.attended = at::from_blob(attended, {rows, step.num_heads, head_dim}, options);
     step.attended_rows = rows_of(step, attended, attended_width);
     step.o = rows_of(step, carve(hidden), hidden);
     step.gate_up = rows_of(step, carve(2 * inter), 2 * inter);
@@ -515,14 +549,19 @@ class DecodeStack : public torch::CustomClassHolder {
 
     at::Tensor delta;
     for (size_t i = 0; i < layers_.size(); ++i)
-      delta = decode_layer(i == 0 ? x.data_ptr<T>() : step.residual, delta, layers_[i],
+      delta = decode_layer(i == 0 ? embedded : step.residual, delta, layers_[i],
                            i + 1 < layers_.size() ? &layers_[i + 1] : nullptr, step, eps_, scale_, timer);
-    at::Tensor out = at::add(rows_of(step, step.residual, step.hidden), delta);
+    // the last layer's residual add and the final norm, in one pass (as `RMSNorm.add_forward`: the rounded sum
+    // normalised)
+    at::Tensor out = at::empty({rows, hidden}, options);
+    norm_rows(step.residual, static_cast<const T*>(delta.data_ptr()), final_norm_, out.data_ptr<T>(), step.residual,
+              rows, hidden, eps_);
     timer.mark(kResidual);
     return out;
   }
 
   std::vector<LayerWeights> layers_;
+  at::Tensor embedding_, cos_table_, sin_table_, final_norm_;
   int64_t num_heads_, intermediate_size_;
   double eps_, scale_;
 };
@@ -535,7 +574,7 @@ TORCH_LIBRARY_FRAGMENT(llmserve, m) {
                        std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, int64_t, int64_t, double, double, std::vector<int64_t>,
                        std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
-                       std::vector<at::Tensor>>())
+                       std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tensor>())
       .def("run", &DecodeStack::run)
       .def("run_timed", &DecodeStack::run_timed)
       .def_static("pieces", &DecodeStack::pieces);

@@ -132,11 +132,11 @@ class NativeAttention(AttentionBackend):
         num_decodes = len(context_starts)
         # at least 2 columns: a compiled graph specialises on a size of 1, and short contexts would
         # otherwise need a variant of their own
-        table = block_table[:num_decodes]
-        if table.shape[1] < 2:
+        table = block_table[:num_decodes] if num_decodes < len(block_table) else block_table  # (each op ~10-30 us
+        if table.shape[1] < 2:                                                                # on cold caches)
             table = F.pad(table, (0, 2 - table.shape[1]))
         return DecodeBatch(num_decodes, table.to(device=device, dtype=torch.int32),
-                           torch.tensor(context_starts, dtype=torch.int32, device=device) + 1)
+                           torch.tensor([start + 1 for start in context_starts], dtype=torch.int32, device=device))
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale) -> torch.Tensor:
         torch.ops.llmserve.write_kv(k, v, k_cache, v_cache, meta.write_slots)
@@ -230,7 +230,7 @@ def attention_metadata(
     backend: AttentionBackend,
     block_table: torch.Tensor,  # [rows, max_blocks], padded with block 0; decodes first, by context length
     tables: list[list[int]],  # the same rows, unpadded
-    row_of_token: torch.Tensor,  # [T] the row of each token of the flat batch
+    row_of_token: torch.Tensor | None,  # [T] the row of each token of the flat batch (None: one token a row)
     positions: torch.Tensor,  # [T]
     counts: list[int],  # tokens each row runs now
     starts: list[int],  # tokens each row has computed

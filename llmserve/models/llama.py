@@ -153,8 +153,9 @@ def use_native_elementwise(model: nn.Module, native: bool = True) -> None:
 
 
 def fused_decode_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
-    """The decoder layers as one native call for decode-only steps (kernels/decode_layer.cpp): at batch 1 the
-    Python between a layer's ~11 kernels cost ~1 ms of a ~4.3 ms step (SmolLM2). Built from the layers' native
+    """The model's body (embedding, decoder layers, final norm) as one native call for decode-only steps
+    (kernels/decode_layer.cpp): at batch 1 the Python between a layer's ~11 kernels cost ~1 ms of a ~4.3 ms step
+    (SmolLM2). Built from the embedding, the rotary tables, the layers' native
     int4 or int8 weights (a `StackedLinear`'s parts each), their large-step products for steps past the small-step
     kernels (int8 x int8, or dense on the quantized values: build it after `prepack_linears`, and again once
     calibration gives the layers int8 weights), q/k/v biases, norms and KV caches (shared, not copied); it
@@ -184,6 +185,7 @@ def fused_decode_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, tor
         [part.max_quantized_tokens for part in flat],
         [_LARGE_STEP_KINDS[part.large_step_kernel] for part in flat],
         [t if t is not None else none for part in flat for t in _large_step_tensors(part)],
+        model.embed_tokens.weight, model.rotary.cos_cache, model.rotary.signed_sin_cache, model.norm.weight,
     )
 
 
@@ -252,12 +254,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward_fused(self, stack, input_ids: torch.Tensor, positions: torch.Tensor,
                       meta: AttentionMetadata) -> torch.Tensor:
-        """The same, for a decode-only step, with the decoder layers as one call of `fused_decode_stack`."""
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.lookup(positions, x.dtype)
+        """The same, for a decode-only step, as one call of `fused_decode_stack` (the embedding, the rotary rows and
+        the final norm inside it)."""
         decodes = meta.decodes
-        x = stack.run(x, cos, sin, meta.write_slots, decodes.block_table, decodes.context_lens)
-        return self.norm(x)
+        return stack.run(input_ids, positions, meta.write_slots, decodes.block_table, decodes.context_lens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for the rows that will be sampled."""

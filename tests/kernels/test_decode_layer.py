@@ -149,12 +149,15 @@ def test_the_stack_refuses_mismatched_layers():
     no_biases = [torch.empty(0)]
     cache = torch.zeros(4, 3, 16, 64)
     linears = weights * 4
+    embedding, table = torch.zeros(100, 16), torch.zeros(32, 64)
 
     def stack(input_norms=weights, linears=linears, biases=no_biases, v_cache=cache, parts=(2,) * 4,
-              linear_parts=(1,) * 4, rows=(15 * 64, 16, 2 * 1536, 16), kinds=(0,) * 4, large=weights * 16):
+              linear_parts=(1,) * 4, rows=(15 * 64, 16, 2 * 1536, 16), kinds=(0,) * 4, large=weights * 16,
+              embedding=embedding, cos=table, sin=table, final_norm=weights[0]):
         return torch.classes.llmserve.DecodeStack(input_norms, weights, linears, linears, biases, [cache], [v_cache],
                                                   9, 1536, 1e-5, 0.125, list(parts), list(linear_parts), list(rows),
-                                                  [16] * len(kinds), list(kinds), list(large))
+                                                  [16] * len(kinds), list(kinds), list(large), embedding, cos, sin,
+                                                  final_norm)
 
     with pytest.raises(RuntimeError, match="one of each tensor per layer"):
         stack(biases=[])
@@ -178,6 +181,14 @@ def test_the_stack_refuses_mismatched_layers():
         stack(rows=(14 * 64, 16, 2 * 1536, 16))
     with pytest.raises(RuntimeError, match="caches must be"):
         stack(v_cache=torch.zeros(4, 3, 16))
+    with pytest.raises(RuntimeError, match="the embedding must be"):
+        stack(embedding=torch.zeros(100, 15))
+    with pytest.raises(RuntimeError, match="rotary tables must be"):
+        stack(cos=torch.zeros(32, 32))
+    with pytest.raises(RuntimeError, match="rotary tables must be"):
+        stack(sin=torch.zeros(31, 64))
+    with pytest.raises(RuntimeError, match="final norm's weights"):
+        stack(final_norm=torch.zeros(15))
 
 
 class _RecordingStack:
@@ -205,7 +216,7 @@ def test_the_timed_call_computes_the_same_and_times_every_piece(prompt_token_ids
     assert captured and captured[-1][0].shape[0] == 2  # the last step decodes both prompts
     step = captured[-1]
     pieces = torch.classes.llmserve.DecodeStack.pieces()
-    assert pieces[:2] == ["input norm", "q/k/v"] and "attention" in pieces and pieces[-1] == "residual"
+    assert pieces[:2] == ["input norm", "q/k/v"] and "attention" in pieces and pieces[-1] == "final norm"
     plain = runner.fused_stack.run(*step)
     caches = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
     seconds = torch.zeros(len(pieces), dtype=torch.float64)
@@ -221,3 +232,13 @@ def test_the_timed_call_computes_the_same_and_times_every_piece(prompt_token_ids
         runner.fused_stack.run_timed(*step, torch.zeros(len(pieces), dtype=torch.float32))
     with pytest.raises(RuntimeError, match=f"float64 tensor of {len(pieces)} elements"):
         runner.fused_stack.run_timed(*step, torch.zeros(3, dtype=torch.float64))
+    # a token or position past the tables is refused before anything is written
+    caches = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    input_ids, positions, *rest = step
+    vocab, max_position = runner.model.config.vocab_size, runner.model.rotary.cos_cache.shape[0]
+    with pytest.raises(RuntimeError, match="token id out of range"):
+        runner.fused_stack.run(torch.tensor([0, vocab]), positions, *rest)
+    with pytest.raises(RuntimeError, match="position out of range"):
+        runner.fused_stack.run(input_ids, torch.tensor([0, max_position]), *rest)
+    assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(runner.kv_caches, caches,
+                                                                                    strict=True))
