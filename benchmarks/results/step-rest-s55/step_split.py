@@ -1,44 +1,54 @@
-"""Where a c=1 step's time goes outside the decoder stack: wrappers on the engine's calls."""
-import sys, time, torch, collections
+"""Where a batch-1 step's time goes outside the decoder stack: wall time of the engine's calls, wrapped.
+
+    python benchmarks/results/step-rest-s55/step_split.py [stretches]
+
+Each stretch is 200 steps of the default model (SmolLM2) decoding one request after a 256-token prompt; a line
+per stretch with the ms a step of each call (indented names are inside the one above them).
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import time
+
+import torch
+
 from llmserve import LLM, SamplingParams
+from llmserve.engine import model_runner
+
 torch.set_num_threads(2)
 llm = LLM(speculative_config="off", kv_cache_memory_gb=0.5, max_model_len=4096)
 engine = llm.engine
 runner, model = engine.runner, engine.runner.model
-acc = collections.Counter()
-def wrap(obj, name, label):
-    f = getattr(obj, name)
-    def timed(*a, **k):
-        t = time.perf_counter(); r = f(*a, **k); acc[label] += time.perf_counter() - t; return r
-    setattr(obj, name, timed)
-wrap(engine.scheduler, "schedule", "schedule")
-wrap(runner, "update_states", "update_states")
-wrap(runner, "execute", "execute")
-wrap(model, "forward_fused", "  forward_fused")
-wrap(model.embed_tokens, "forward", "    embed")
-wrap(model.rotary, "lookup", "    rotary")
-wrap(model.norm, "forward", "    norm")
-wrap(model.lm_head, "forward", "    lm_head")
-import llmserve.layers.attention as A
-_am = A.attention_metadata
-import llmserve.engine.model_runner as MR
-def am(*a, **k):
-    t = time.perf_counter(); r = _am(*a, **k); acc["  attn_meta"] += time.perf_counter() - t; return r
-MR.attention_metadata = am
-import llmserve.layers.sampler as SA
-_s = MR.sample
-def smp(*a, **k):
-    t = time.perf_counter(); r = _s(*a, **k); acc["  sample"] += time.perf_counter() - t; return r
-MR.sample = smp
-wrap(model, "compute_logits", "  compute_logits")
-wrap(runner, "_sampling_metadata", "  sampling_metadata")
-wrap(engine.scheduler, "update_from_output", "update_from_output")
-wrap(engine, "_update_output", "_update_output")
-class S:
-    def __init__(self, st): self.st = st
-    def run(self, *a):
-        t = time.perf_counter(); r = self.st.run(*a); acc["    stack.run"] += time.perf_counter() - t; return r
-runner.fused_stack = S(runner.fused_stack)
+seconds: collections.Counter[str] = collections.Counter()
+
+
+def timed(call, label: str):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        out = call(*args, **kwargs)
+        seconds[label] += time.perf_counter() - start
+        return out
+    return wrapper
+
+
+class TimedStack:
+    def __init__(self, stack) -> None:
+        self.run = timed(stack.run, "stack.run")
+
+
+for owner, name, label in [(engine.scheduler, "schedule", "schedule"), (runner, "execute", "execute"),
+                           (model, "forward_fused", "  forward_fused"), (model, "compute_logits", "  compute_logits"),
+                           (model.lm_head, "forward", "    lm_head"),
+                           (runner, "_sampling_metadata", "  sampling_metadata"),
+                           (engine.scheduler, "update_from_output", "update_from_output"),
+                           (engine, "_update_output", "_update_output")]:
+    setattr(owner, name, timed(getattr(owner, name), label))
+model_runner.attention_metadata = timed(model_runner.attention_metadata, "  attention_metadata")
+model_runner.sample = timed(model_runner.sample, "  sample")
+runner.fused_stack = TimedStack(runner.fused_stack)
+
 vocab = engine.model_config.vocab_size
 prompt = torch.randint(3, vocab, (256,), generator=torch.Generator().manual_seed(0)).tolist()
 engine.add_request("probe", prompt, SamplingParams(temperature=0, max_tokens=3500, ignore_eos=True))
@@ -46,10 +56,12 @@ while engine.requests["probe"].num_computed_tokens < len(prompt):
     engine.step()
 for _ in range(16):
     engine.step()
-for rep in range(int(sys.argv[1]) if len(sys.argv) > 1 else 3):
-    acc.clear(); n = 200
-    t = time.perf_counter()
-    for _ in range(n):
+steps = 200
+for _ in range(int(sys.argv[1]) if len(sys.argv) > 1 else 3):
+    seconds.clear()
+    start = time.perf_counter()
+    for _ in range(steps):
         engine.step()
-    step = (time.perf_counter() - t) / n
-    print(f"step {step*1e3:.3f} ms: " + ", ".join(f"{k.strip()} {v/n*1e3:.3f}" for k, v in acc.items()), flush=True)
+    step = (time.perf_counter() - start) / steps
+    print(f"step {step * 1e3:.3f} ms: " + ", ".join(f"{k.strip()} {v / steps * 1e3:.3f}" for k, v in seconds.items()),
+          flush=True)
