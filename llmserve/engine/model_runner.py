@@ -232,12 +232,13 @@ class ModelRunner:
             return result
         if len(sampling) < len(token_ids) or out.spec_token_ids:  # else every token samples, in order: all of hidden
             hidden = hidden[torch.tensor([first_token[i] + counts[i] - 1 for i in sampling], device=dev)]
-        logits = self.model.compute_logits(hidden)
-        sampling_meta = self._sampling_metadata([rows[i] for i in sampling], logits.shape[1])
+        sampling_meta = self._sampling_metadata([rows[i] for i in sampling], self.config.vocab_size)
         native_argmax = self.plan.argmax == "native"
         requests = list(dict.fromkeys(rows[i].request for i in sampling))  # in the order of their rows
         if out.grammar_bitmasks:
             sampling_meta.allowed = _allowed_tokens(out, [ids[index] for index in requests])
+        # a step that reads only each row's best token takes it from the head's output as it is (no float32 copy)
+        logits = self.model.compute_logits(hidden, as_float=bool(out.spec_token_ids) or sampling_meta.reads_logits)
         if out.spec_token_ids:
             drafts = [out.spec_token_ids.get(ids[index], []) for index in requests]
             sampled = verify(logits, sampling_meta, drafts, native_argmax)

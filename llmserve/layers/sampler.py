@@ -34,6 +34,13 @@ class SamplingMetadata:
     # logit_bias: ([m] rows, [m] token ids, [m] float32 values), added to the logits before anything else
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
+    @property
+    def reads_logits(self) -> bool:
+        """Whether sampling reads more of the logits than each row's maximum (draws, logprobs, or anything that
+        changes them first): then they must be float32; a plain greedy step takes the head's output as it is."""
+        return not (self.all_greedy and self.bias is None and not self.banned and self.allowed is None
+                    and self.output_counts is None and all(k is None for k in self.num_logprobs))
+
 
 @dataclass
 class SampledToken:
@@ -44,7 +51,8 @@ class SampledToken:
 
 
 def sample(logits: torch.Tensor, meta: SamplingMetadata, native_argmax: bool = False) -> list[SampledToken]:
-    """logits: [B, V] float32 (modified in place). `native_argmax`: greedy tokens through
+    """logits: [B, V] float32 (modified in place; any float dtype where `meta.reads_logits` is False: each row's
+    maximum is all that is read). `native_argmax`: greedy tokens through
     `llmserve::argmax_rows` (loaded by the caller; CPU), several times faster than PyTorch's reduction."""
     raw_logprobs = apply_constraints(logits, meta)
     tokens = greedy_tokens(logits, native_argmax)

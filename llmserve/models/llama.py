@@ -259,10 +259,13 @@ class LlamaForCausalLM(nn.Module):
         decodes = meta.decodes
         return stack.run(input_ids, positions, meta.write_slots, decodes.block_table, decodes.context_lens)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [N, vocab] for the rows that will be sampled."""
-        logits = self.lm_head(hidden).float()
-        return logits if self.tp is None else self.tp.gather_vocab(logits, self.config.vocab_size)
+    def compute_logits(self, hidden: torch.Tensor, as_float: bool = True) -> torch.Tensor:
+        """Logits [N, vocab] for the rows that will be sampled: float32, or (`as_float` False, one rank) the head's
+        own dtype, for a caller that only takes each row's maximum."""
+        logits = self.lm_head(hidden)
+        if self.tp is None:
+            return logits.float() if as_float else logits
+        return self.tp.gather_vocab(logits.float(), self.config.vocab_size)
 
     @staticmethod
     def checkpoint_sources(name: str) -> list[str]:

@@ -99,15 +99,18 @@ def test_bad_inputs_raise() -> None:
         torch.ops.llmserve.rotary(torch.ones(3, 2, 8), torch.ones(2, 1, 8), torch.ones(2, 1, 8))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 49152), (32, 49152), (3, 7), (5, 33)])
-def test_argmax_rows_is_torch_argmax(shape: tuple[int, int]) -> None:
+def test_argmax_rows_is_torch_argmax(shape: tuple[int, int], dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(shape[0] * shape[1])
-    logits = torch.randn(shape, generator=g)
+    logits = torch.randn(shape, generator=g).to(dtype)  # bfloat16: many ties among 49152 values
     logits[0, :] = float("-inf")  # all -inf: index 0, as torch
     if shape[0] > 1:
         logits[1, 3] = logits[1, shape[1] - 2] = 1e9  # ties: the first maximum
     if shape[0] > 2:
         logits[2, -1] = float("inf")  # in the scalar tail
-    assert torch.equal(torch.ops.llmserve.argmax_rows(logits), logits.argmax(dim=-1))
-    with pytest.raises(RuntimeError, match="float32"):
+    tokens = torch.ops.llmserve.argmax_rows(logits)
+    assert torch.equal(tokens, logits.float().argmax(dim=-1))
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         torch.ops.llmserve.argmax_rows(logits.double())

@@ -12,14 +12,11 @@ import collections
 import sys
 import time
 
-import torch
+from steady import decoding_engine
 
-from llmserve import LLM, SamplingParams
 from llmserve.engine import model_runner
 
-torch.set_num_threads(2)
-llm = LLM(speculative_config="off", kv_cache_memory_gb=0.5, max_model_len=4096)
-engine = llm.engine
+llm, engine = decoding_engine()
 runner, model = engine.runner, engine.runner.model
 seconds: collections.Counter[str] = collections.Counter()
 
@@ -49,13 +46,6 @@ model_runner.attention_metadata = timed(model_runner.attention_metadata, "  atte
 model_runner.sample = timed(model_runner.sample, "  sample")
 runner.fused_stack = TimedStack(runner.fused_stack)
 
-vocab = engine.model_config.vocab_size
-prompt = torch.randint(3, vocab, (256,), generator=torch.Generator().manual_seed(0)).tolist()
-engine.add_request("probe", prompt, SamplingParams(temperature=0, max_tokens=3500, ignore_eos=True))
-while engine.requests["probe"].num_computed_tokens < len(prompt):
-    engine.step()
-for _ in range(16):
-    engine.step()
 steps = 200
 for _ in range(int(sys.argv[1]) if len(sys.argv) > 1 else 3):
     seconds.clear()
