@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from llmserve.kernels import load_cpu_kernels
 from llmserve.layers.sampler import SamplingMetadata, sample
 
 
@@ -87,3 +88,24 @@ def test_logit_bias_moves_its_rows_tokens_before_bans_and_leaves_reported_logpro
     drawn = {t.token_id for t in sample(LOGITS.repeat(400, 1), _meta(400, bias=(
         torch.arange(400), torch.zeros(400, dtype=torch.long), torch.full((400,), -100.0))))}
     assert drawn == {1, 2, 3}  # -100 takes a token out of sampling
+
+
+def test_only_a_plain_greedy_step_takes_logits_as_they_are():
+    """`reads_logits` is False only where each row's maximum is all sampling reads; there the head's bfloat16 output
+    gives the tokens its float32 copy gives (ties and all), on both argmax paths."""
+    greedy = dict(temperature=torch.zeros(2), all_greedy=True)
+    assert not _meta(2, **greedy).reads_logits
+    assert _meta(2).reads_logits  # draws
+    assert _meta(2, **greedy, num_logprobs=[None, 3]).reads_logits
+    assert _meta(2, **greedy, banned=[(0, [1])]).reads_logits
+    assert _meta(2, **greedy, allowed=(torch.tensor([0]), torch.ones(1, 1, dtype=torch.int32))).reads_logits
+    assert _meta(2, **greedy, bias=(torch.tensor([0]), torch.tensor([1]), torch.tensor([1.0]))).reads_logits
+    assert _meta(2, **greedy, output_counts=torch.zeros(2, 4), prompt_mask=torch.zeros(2, 4, dtype=torch.bool),
+                 presence_penalty=torch.zeros(2), frequency_penalty=torch.zeros(2),
+                 repetition_penalty=torch.ones(2)).reads_logits
+    logits = torch.randn(2, 49152, generator=torch.Generator().manual_seed(0)).bfloat16()
+    logits[1, 7] = logits[1, 9000] = 30.0  # a tie: the first wins
+    want = [t.token_id for t in sample(logits.float(), _meta(2, **greedy))]
+    assert want[1] == 7
+    for native in (False, True) if load_cpu_kernels() else (False,):
+        assert [t.token_id for t in sample(logits.clone(), _meta(2, **greedy), native_argmax=native)] == want
