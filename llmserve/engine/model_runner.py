@@ -259,8 +259,6 @@ class ModelRunner:
         are made from Python lists, a tensor each: after a step's weight stream every op runs on cold caches,
         ~10-30 us each (a batch-1 SmolLM2 step is ~4-5 ms on Zen 4)."""
         dev = self.device
-        width = max(len(t) for t in tables)
-        block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
         starts_t = torch.tensor(starts)
         num_rows = len(counts)
         if len(token_ids) == num_rows:  # one token each (a decode-only step): row i is token i
@@ -272,7 +270,7 @@ class ModelRunner:
             first_token_t = torch.cumsum(counts_t, 0) - counts_t
             positions = torch.arange(len(token_ids)) - first_token_t[row_of_token] + starts_t[row_of_token]
             first_token = first_token_t.tolist()
-        meta = attention_metadata(self.attention, block_table, tables, row_of_token, positions, counts, starts,
+        meta = attention_metadata(self.attention, tables, row_of_token, positions, counts, starts,
                                   first_token, self.block_size, self.config.num_kv_heads,
                                   self.config.num_heads, self.plan.dtype, dev)
         input_ids, positions = torch.tensor(token_ids, device=dev), positions.to(dev)
@@ -302,11 +300,11 @@ class ModelRunner:
         reqs = [row.state for row in rows]
         params = [r.params for r in reqs]
         dev = self.device
-        temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32,
-                                   device=dev)
         all_greedy = all(p.greedy for p in params)
-        top_k = top_p = min_p = None
+        temperature = top_k = top_p = min_p = None  # a greedy step makes no tensor: ~25 us each on its cold caches
         if not all_greedy:
+            temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32,
+                                       device=dev)
             if any(p.top_k > 0 for p in params):
                 # top_k at or past the vocabulary keeps every token
                 top_k = torch.tensor([min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params],

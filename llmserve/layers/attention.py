@@ -93,12 +93,12 @@ class AttentionBackend:
         stored = dtype if kv_cache_dtype == "auto" else QUANTIZED_KV_DTYPES[kv_cache_dtype]
         return KVCacheSpec(num_layers, num_kv_heads, head_dim, block_size, stored)
 
-    def decode_metadata(self, block_table: torch.Tensor, head_rows: torch.Tensor, context_starts: list[int],
+    def decode_metadata(self, tables: list[list[int]], head_rows: torch.Tensor | None, context_starts: list[int],
                         block_size: int, num_heads: int, dtype: torch.dtype,
                         device: torch.device) -> DecodeBatch | list[DecodeGroup]:
-        """The decodes' part of a step's metadata. block_table [rows, max_blocks] (decodes first, sorted by
-        context), head_rows its rows of the (block, kv head) cache view [rows, kv_heads, max_blocks],
-        context_starts the decodes' computed tokens."""
+        """The decodes' part of a step's metadata. tables: the decodes' block tables (sorted by context), head_rows
+        (where `gathers_head_rows`) the step's rows of the (block, kv head) cache view [rows, kv_heads, max_blocks],
+        decodes first; context_starts the decodes' computed tokens."""
         raise NotImplementedError
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -127,16 +127,15 @@ class NativeAttention(AttentionBackend):
     def __init__(self) -> None:
         self._mixed = _native_mixed  # a step with prompt tokens
 
-    def decode_metadata(self, block_table, head_rows, context_starts, block_size, num_heads, dtype,
+    def decode_metadata(self, tables, head_rows, context_starts, block_size, num_heads, dtype,
                         device) -> DecodeBatch:
-        num_decodes = len(context_starts)
-        # at least 2 columns: a compiled graph specialises on a size of 1, and short contexts would
-        # otherwise need a variant of their own. No op that changes nothing: each costs ~10-30 us on the caches
-        # a step's weight stream leaves.
-        table = block_table[:num_decodes] if num_decodes < len(block_table) else block_table
-        if table.shape[1] < 2:
-            table = F.pad(table, (0, 2 - table.shape[1]))
-        return DecodeBatch(num_decodes, table.to(device=device, dtype=torch.int32),
+        # The kernel's int32 table made from the lists, one op: each op costs ~10-30 us on the caches a step's weight
+        # stream leaves (a long table sliced and converted was three). At least 2 columns: a compiled graph
+        # specialises on a size of 1, and short contexts would otherwise need a variant of their own.
+        width = max([2, *map(len, tables)])
+        table = torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int32,
+                             device=device).view(len(tables), width)
+        return DecodeBatch(len(tables), table,
                            torch.tensor([start + 1 for start in context_starts], dtype=torch.int32, device=device))
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale) -> torch.Tensor:
@@ -229,8 +228,7 @@ def decode_groups(num_blocks: list[int]) -> list[tuple[int, int]]:
 
 def attention_metadata(
     backend: AttentionBackend,
-    block_table: torch.Tensor,  # [rows, max_blocks], padded with block 0; decodes first, by context length
-    tables: list[list[int]],  # the same rows, unpadded
+    tables: list[list[int]],  # each row's block table; decodes first, by context length
     row_of_token: torch.Tensor | None,  # [T] the row of each token of the flat batch (None: one token a row)
     positions: torch.Tensor,  # [T]
     counts: list[int],  # tokens each row runs now
@@ -243,19 +241,25 @@ def attention_metadata(
     device: torch.device,
 ) -> AttentionMetadata:
     """A step's attention indices, built once with batched tensor ops and shared by every layer. A decode-only step's
-    K/V slots come from `tables` in Python instead: one tensor made, where the ops cost ~13 us (a step of one request
-    is ~2.5 ms)."""
+    come from `tables` in Python instead, a tensor each, where the ops cost ~13 us each (a batch-1 SmolLM2 step is
+    ~4-5 ms on Zen 4): its K/V slots, and on the native kernel its block table."""
     bs = block_size
     num_decodes = sum(1 for n in counts if n == 1)
+    continued = any(starts[row] for row in range(num_decodes, len(counts)))  # prompt chunks after the first
+    block_table = None  # [rows, max_blocks], padded with block 0: for what the lists do not give
+    if num_decodes < len(counts) or backend.gathers_head_rows or continued:
+        width = max(len(table) for table in tables)
+        block_table = torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.long)
     if num_decodes == len(counts):  # one token a row, at position starts[row]
         write_slots = torch.tensor([(table[start // bs] * num_kv_heads + head) * bs + start % bs
                                     for table, start in zip(tables, starts, strict=True)
-                                    for head in range(num_kv_heads)])
+                                    for head in range(num_kv_heads)], device=device)
     else:
-        write_slots = cache_slots(block_table[row_of_token, positions // bs], positions, bs, num_kv_heads)
-    continued = any(starts[row] for row in range(num_decodes, len(counts)))  # prompt chunks after the first
+        write_slots = cache_slots(block_table[row_of_token, positions // bs], positions, bs,
+                                  num_kv_heads).flatten().to(device)
     head_rows = cache_rows(block_table, num_kv_heads) if backend.gathers_head_rows or continued else None
-    decodes = backend.decode_metadata(block_table, head_rows, starts[:num_decodes], bs, num_heads, dtype, device)
+    decodes = backend.decode_metadata(tables[:num_decodes], head_rows, starts[:num_decodes], bs, num_heads, dtype,
+                                      device)
     prefills = []
     for row in range(num_decodes, len(counts)):
         start, n, first = starts[row], counts[row], first_token[row]
@@ -267,7 +271,7 @@ def attention_metadata(
         # bottom-right causal: query i (position start + i) sees keys 0 .. start + i
         mask = torch.arange(ctx).unsqueeze(0) <= (torch.arange(n) + start).unsqueeze(1)
         prefills.append(PrefillSpan(first, first + n, rows, ctx, mask.to(device)))
-    return AttentionMetadata(write_slots.flatten().to(device), decodes, prefills)
+    return AttentionMetadata(write_slots, decodes, prefills)
 
 
 def cache_slots(blocks: torch.Tensor, positions: torch.Tensor, block_size: int, num_kv_heads: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 
 @dataclass
 class SamplingMetadata:
-    temperature: torch.Tensor  # [B] float32, 0 = greedy
+    temperature: torch.Tensor | None  # [B] float32, 0 = greedy; None where every row is (all_greedy)
     all_greedy: bool
     top_k: torch.Tensor | None  # [B] long, vocab size where off
     top_p: torch.Tensor | None  # [B] float32

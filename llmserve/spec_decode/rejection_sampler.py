@@ -47,7 +47,7 @@ def verify(
     accept = replacement = None
     if not meta.all_greedy:
         accept, replacement = _speculative_sampling(logits, meta, drafts, first_rows, draft_probs)
-    greedy_rows = (meta.temperature == 0).tolist()
+    greedy_rows = [True] * len(logits) if meta.all_greedy else (meta.temperature == 0).tolist()
 
     chosen: list[list[tuple[int, int]]] = []  # per request: (row, token)
     for g, draft in enumerate(drafts):
