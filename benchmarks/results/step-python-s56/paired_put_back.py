@@ -8,12 +8,15 @@ alike. Put back: the step's block table as a long tensor, its decode rows sliced
 
 from __future__ import annotations
 
+import pathlib
 import statistics
 import sys
 import time
 
 import torch
-from steady import decoding_engine
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "step-rest-s55"))
+from steady import decoding_engine  # noqa: E402  (session 55's probe engine)
 
 from llmserve.engine import model_runner
 
