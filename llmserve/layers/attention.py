@@ -132,10 +132,7 @@ class NativeAttention(AttentionBackend):
         # The kernel's int32 table made from the lists, one op: each op costs ~10-30 us on the caches a step's weight
         # stream leaves (a long table sliced and converted was three). At least 2 columns: a compiled graph
         # specialises on a size of 1, and short contexts would otherwise need a variant of their own.
-        width = max([2, *map(len, tables)])
-        table = torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int32,
-                             device=device).view(len(tables), width)
-        return DecodeBatch(len(tables), table,
+        return DecodeBatch(len(tables), padded_tables(tables, torch.int32, device, min_width=2),
                            torch.tensor([start + 1 for start in context_starts], dtype=torch.int32, device=device))
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale) -> torch.Tensor:
@@ -248,8 +245,7 @@ def attention_metadata(
     continued = any(starts[row] for row in range(num_decodes, len(counts)))  # prompt chunks after the first
     block_table = None  # [rows, max_blocks], padded with block 0: for what the lists do not give
     if num_decodes < len(counts) or backend.gathers_head_rows or continued:
-        width = max(len(table) for table in tables)
-        block_table = torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.long)
+        block_table = padded_tables(tables, torch.long)
     if num_decodes == len(counts):  # one token a row, at position starts[row]
         write_slots = torch.tensor([(table[start // bs] * num_kv_heads + head) * bs + start % bs
                                     for table, start in zip(tables, starts, strict=True)
@@ -272,6 +268,14 @@ def attention_metadata(
         mask = torch.arange(ctx).unsqueeze(0) <= (torch.arange(n) + start).unsqueeze(1)
         prefills.append(PrefillSpan(first, first + n, rows, ctx, mask.to(device)))
     return AttentionMetadata(write_slots, decodes, prefills)
+
+
+def padded_tables(tables: list[list[int]], dtype: torch.dtype, device: torch.device | str = "cpu",
+                  min_width: int = 1) -> torch.Tensor:
+    """[rows, max_blocks] (at least `min_width` columns): the block tables in one tensor, padded with block 0."""
+    width = max([min_width, *map(len, tables)])
+    return torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=dtype,
+                        device=device).view(len(tables), width)
 
 
 def cache_slots(blocks: torch.Tensor, positions: torch.Tensor, block_size: int, num_kv_heads: int) -> torch.Tensor:
