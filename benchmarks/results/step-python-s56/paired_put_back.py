@@ -9,14 +9,13 @@ alike. Put back: the step's block table as a long tensor, its decode rows sliced
 from __future__ import annotations
 
 import pathlib
-import statistics
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "step-rest-s55"))
-from steady import decoding_engine  # noqa: E402  (session 55's probe engine)
+from steady import alternate, decoding_engine  # noqa: E402  (session 55's probe engine)
 
 from llmserve.engine import model_runner
 
@@ -52,21 +51,11 @@ def spanned(call, variant):
     return wrapper
 
 
-steps, diffs, built, put_back = 48, [], [], []
-rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 38
-for r in range(rounds):
-    times = {}
-    for variant in ("A", "B") if r % 2 == 0 else ("B", "A"):
-        model_runner.attention_metadata = spanned(built_metadata if variant == "A" else metadata_put_back, variant)
-        runner._sampling_metadata = spanned(built_sampling if variant == "A" else sampling_put_back, variant)
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        times[variant] = (time.perf_counter() - start) / steps * 1e3
-    diffs.append(times["B"] - times["A"])
-    built.append(times["A"])
-    put_back.append(times["B"])
-print(f"{rounds} rounds of {steps} steps: A {statistics.median(built):.3f} ms, B {statistics.median(put_back):.3f} ms, "
-      f"B-A median {statistics.median(diffs) * 1e3:.0f} us, mean {statistics.mean(diffs) * 1e3:.0f} us, quartiles "
-      f"{[round(q * 1e3) for q in statistics.quantiles(diffs, n=4)]}; inside the two calls: A "
+def use(variant: str) -> None:
+    model_runner.attention_metadata = spanned(built_metadata if variant == "A" else metadata_put_back, variant)
+    runner._sampling_metadata = spanned(built_sampling if variant == "A" else sampling_put_back, variant)
+
+
+rounds, steps = int(sys.argv[1]) if len(sys.argv) > 1 else 38, 48
+print(f"{rounds} rounds of {steps} steps: {alternate(engine, use, rounds, steps)}; inside the two calls: A "
       f"{spans['A'] / rounds / steps * 1e6:.0f} us a step, B {spans['B'] / rounds / steps * 1e6:.0f} us")

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections.abc import Callable
+
 import torch
 
 from llmserve import LLM, SamplingParams
@@ -20,3 +24,23 @@ def decoding_engine(max_tokens: int = 3500) -> tuple[LLM, LLMEngine]:
     for _ in range(16):
         engine.step()
     return llm, engine
+
+
+def alternate(engine: LLMEngine, use: Callable[[str], None], rounds: int, steps: int = 48) -> str:
+    """Stretches of `steps` steps under variant "A" and "B" (`use` switches to one), their order swapped each round,
+    so that the host's state moves under both alike: a line of the medians, and B - A's median, mean and quartiles."""
+    diffs, times_a, times_b = [], [], []
+    for r in range(rounds):
+        times = {}
+        for variant in ("A", "B") if r % 2 == 0 else ("B", "A"):
+            use(variant)
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            times[variant] = (time.perf_counter() - start) / steps * 1e3
+        diffs.append(times["B"] - times["A"])
+        times_a.append(times["A"])
+        times_b.append(times["B"])
+    return (f"A {statistics.median(times_a):.3f} ms, B {statistics.median(times_b):.3f} ms, B-A median "
+            f"{statistics.median(diffs) * 1e3:.0f} us, mean {statistics.mean(diffs) * 1e3:.0f} us, quartiles "
+            f"{[round(q * 1e3) for q in statistics.quantiles(diffs, n=4)]}")
