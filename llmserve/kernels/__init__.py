@@ -32,7 +32,7 @@ _SOURCES = [
 
 
 # included by the sources: torch's build cache versions sources and flags only, so their text goes into a flag
-_HEADERS = [Path(__file__).with_name(name) for name in ("simd_exp.h", "attention_common.h", "elementwise.h")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("simd_exp.h", "attention_common.h", "elementwise.h", "team.h")]
 
 
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]

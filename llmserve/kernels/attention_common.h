@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 
 #include "simd_exp.h"
+#include "team.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -161,7 +162,7 @@ template <typename Worker>
 void run_tasks(int64_t num_tasks, const Worker& worker, bool interleaved = false) {
   const int64_t threads = at::get_num_threads();
   if (interleaved) {
-    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {  // one index a thread, or more if fewer ran
+    team::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {  // one index a thread, or more if fewer ran
       int64_t lane = begin, task = begin;
       worker([&] {
         if (task >= num_tasks && ++lane < end) task = lane;
@@ -174,7 +175,7 @@ void run_tasks(int64_t num_tasks, const Worker& worker, bool interleaved = false
     return;
   }
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  team::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     worker([&] {
       const int64_t task = next++;
       return task < num_tasks ? task : int64_t{-1};

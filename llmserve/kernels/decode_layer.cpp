@@ -31,10 +31,13 @@
 
 #include "attention_common.h"
 #include "elementwise.h"
+#include "team.h"
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <string>
 #include <utility>
@@ -384,6 +387,7 @@ class DecodeStack : public torch::CustomClassHolder {
                               bias.defined() ? bias.narrow(0, first_row, part_rows[next]) : at::Tensor(),
                               activation_parts[next], part_rows[next], small_max_tokens[next],
                               LargeStep{kind, large[0], large[1], large[2], large[3]}});
+        small_max_tokens_ = std::min(small_max_tokens_, small_max_tokens[next]);
         first_row += part_rows[next];
       }
       return made;
@@ -549,9 +553,17 @@ class DecodeStack : public torch::CustomClassHolder {
     TORCH_CHECK(next_free == base + total, "DecodeStack.run: the buffers carved are not the buffers sized");
 
     at::Tensor delta;
-    for (size_t i = 0; i < layers_.size(); ++i)
-      delta = decode_layer(i == 0 ? embedded : step.residual, delta, layers_[i],
-                           i + 1 < layers_.size() ? &layers_[i + 1] : nullptr, step, eps_, scale_, timer);
+    auto layers = [&] {
+      for (size_t i = 0; i < layers_.size(); ++i)
+        delta = decode_layer(i == 0 ? embedded : step.residual, delta, layers_[i],
+                             i + 1 < layers_.size() ? &layers_[i + 1] : nullptr, step, eps_, scale_, timer);
+    };
+    // A step every part's own kernel takes holds torch's threads as one team for all its layers (team.h); a larger
+    // step's products are oneDNN's, which fork their own
+    if (tokens <= small_max_tokens_)
+      llmserve::team::with_team(layers);
+    else
+      layers();
     // the last layer's residual add and the final norm, in one pass (as `RMSNorm.add_forward`: the rounded sum
     // normalised)
     at::Tensor out = at::empty({rows, hidden}, options);
@@ -564,6 +576,7 @@ class DecodeStack : public torch::CustomClassHolder {
   std::vector<LayerWeights> layers_;
   at::Tensor embedding_, cos_table_, sin_table_, final_norm_;
   int64_t num_heads_, intermediate_size_;
+  int64_t small_max_tokens_ = std::numeric_limits<int64_t>::max();  // the smallest of every part's small-step limit
   double eps_, scale_;
 };
 

@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 
 #include "simd_exp.h"
+#include "team.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -118,7 +119,7 @@ template <typename T>
 LLMSERVE_ONE_BODY void rotary_rows(const T* x, const T* cos, const T* sin, T* out, int64_t rows, int64_t heads,
                                    int64_t d, int64_t ld) {
   const int64_t half = d / 2;
-  at::parallel_for(0, rows, grain_rows(heads * d), [&](int64_t begin, int64_t end) {
+  team::parallel_for(0, rows, grain_rows(heads * d), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T *c = cos + r * d, *s = sin + r * d;
       for (int64_t h = 0; h < heads; ++h) {
@@ -147,7 +148,7 @@ LLMSERVE_ONE_BODY void rotary_rows(const T* x, const T* cos, const T* sin, T* ou
 
 template <typename T>
 LLMSERVE_ONE_BODY void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t n, int64_t ld) {
-  at::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t begin, int64_t end) {
+  team::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T *gate = x + r * ld, *up = gate + n;
       T* o = out + r * n;
@@ -179,7 +180,7 @@ LLMSERVE_ONE_BODY void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64
 // once to the model's dtype, as `(y * row_scales).to(dtype)` computes it (int8_activations.py) in one pass
 template <typename T>
 LLMSERVE_ONE_BODY void scale_rows(const float* y, const float* scales, T* out, int64_t rows, int64_t n) {
-  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+  team::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* yr = y + r * n;
       T* o = out + r * n;

@@ -48,6 +48,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "team.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define LLMSERVE_GEMV_AVX512 1
@@ -138,7 +140,7 @@ void for_token_passes(int64_t num_blocks, int64_t m, int64_t block_bytes, const 
   const bool one_pass = m <= kMaxTokens;
   const int64_t tile = one_pass ? num_blocks : std::max<int64_t>(1, kTileBytes / block_bytes);
   const WeightStream stream = weight_stream(one_pass);
-  at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
+  llmserve::team::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; b += tile) {
       const int64_t tile_end = std::min(end, b + tile);
       for (int64_t t0 = 0; t0 < m; t0 += kMaxTokens) pass(t0, std::min(kMaxTokens, m - t0), b, tile_end, stream);

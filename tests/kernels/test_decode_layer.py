@@ -242,3 +242,10 @@ def test_the_timed_call_computes_the_same_and_times_every_piece(prompt_token_ids
         runner.fused_stack.run(input_ids, torch.tensor([0, max_position]), *rest)
     assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(runner.kv_caches, caches,
                                                                                     strict=True))
+    # an error inside the layers, where torch's threads are held as one team (kernels/team.h), reaches the caller
+    # and leaves no thread behind: the next call runs as before
+    assert torch.get_num_threads() >= 2
+    slots, block_table, context_lens = rest
+    with pytest.raises(RuntimeError, match="block_table and context_lens must be int32"):
+        runner.fused_stack.run(input_ids, positions, slots, block_table.long(), context_lens)
+    assert torch.equal(runner.fused_stack.run(*step), plain)
