@@ -69,9 +69,16 @@ class Team {
     size_ = 1 + (arrived_.fetch_or(kClosed, std::memory_order_acq_rel) & ~kClosed);
   }
 
-  // fn(index, size) on every member, the caller as index 0; returns when all are done, rethrowing a member's error
+  // fn(index, size) on every member, the caller as index 0; returns when all are done, rethrowing a member's error.
+  // Called again from inside the caller's own share (a piece that splits a piece of its own), it runs every share
+  // there in turn: the members are busy with the outer piece.
   template <typename Fn>
   void run(const Fn& fn) {
+    if (running_) {
+      for (int64_t i = 0; i < size_; ++i) fn(i, size_);
+      return;
+    }
+    running_ = true;
     if (size_ > 1) {
       task_ = &fn;
       call_ = [](const void* f, int64_t index, int64_t size) { (*static_cast<const Fn*>(f))(index, size); };
@@ -85,6 +92,7 @@ class Team {
     }
     for (int64_t i = 1; i < size_; ++i)
       wait_until([&] { return done_[i].value.load(std::memory_order_acquire) == epoch_; });
+    running_ = false;
     for (int64_t i = 1; i < size_ && !error; ++i) std::swap(error, errors_[i]);
     if (error) std::rethrow_exception(error);
   }
@@ -119,6 +127,7 @@ class Team {
   std::atomic<int64_t> arrived_{0};
   int64_t size_ = 1;
   uint64_t epoch_ = 0;
+  bool running_ = false;  // a piece is out (the caller's own flag: only the caller posts)
   const void* task_ = nullptr;
   void (*call_)(const void*, int64_t, int64_t) = nullptr;
   std::vector<Flag> done_;
