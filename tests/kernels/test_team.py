@@ -4,6 +4,7 @@ splits a piece of its own runs it on the caller. Built from the header alone, in
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -11,14 +12,19 @@ import torch
 from torch.utils import cpp_extension
 
 from llmserve import kernels
-from llmserve.kernels import build_directory
 
 _SOURCE = r"""
-#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
 #include "team.h"
 
+#include <atomic>
 #include <mutex>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace team = llmserve::team;
@@ -70,11 +76,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
 @pytest.fixture(scope="module")
 def team():
-    folder = build_directory().parent / "team-test"
+    """ATen's threading and pybind11 only (not torch/extension.h): a build of seconds, not half a minute."""
+    folder = kernels.build_directory().parent / "team-test"
     folder.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load_inline("llmserve_team_test", _SOURCE, extra_cflags=["-O1", "-fopenmp"],
-                                     extra_include_paths=[str(Path(kernels.__file__).parent)],
-                                     build_directory=str(folder))
+    source = folder / "team_test.cpp"
+    if not source.exists() or source.read_text() != _SOURCE:
+        source.write_text(_SOURCE)
+    header = Path(kernels.__file__).with_name("team.h")
+    version = hashlib.sha256(header.read_bytes()).hexdigest()[:16]  # the build cache versions sources and flags only
+    return cpp_extension.load("llmserve_team_test", [str(source)], build_directory=str(folder),
+                              extra_cflags=["-O1", "-fopenmp", f"-DTEAM={version}"],
+                              extra_include_paths=[str(header.parent)])
 
 
 def test_a_team_runs_each_index_once_in_at_parallel_for_chunks(team):
