@@ -63,9 +63,10 @@ class Team {
   // The caller's: waits (at most `patience`) for the workers, then closes the team to latecomers
   void close(int64_t wanted, std::chrono::microseconds patience) {
     const auto deadline = std::chrono::steady_clock::now() + patience;
-    while ((arrived_.load(std::memory_order_acquire) & ~kClosed) < wanted - 1 &&
-           std::chrono::steady_clock::now() < deadline)
-      LLMSERVE_TEAM_PAUSE();
+    wait_until([&] {
+      return (arrived_.load(std::memory_order_acquire) & ~kClosed) >= wanted - 1 ||
+             std::chrono::steady_clock::now() >= deadline;
+    });
     size_ = 1 + (arrived_.fetch_or(kClosed, std::memory_order_acq_rel) & ~kClosed);
   }
 
