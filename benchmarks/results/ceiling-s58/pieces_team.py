@@ -1,0 +1,57 @@
+"""Per-piece times of the fused decode stack with the team held (B) and with a fork and join per piece (A),
+stretches of 32 batch-1 steps alternated in one process (session 58, issue 20).
+
+Needs a probe build with the switches of `probe_switches.patch` (not in the committed code):
+    git worktree add /tmp/probe HEAD
+    (cd /tmp/probe && git apply $OLDPWD/benchmarks/results/ceiling-s58/probe_switches.patch)
+    PYTHONPATH=/tmp/probe LLMSERVE_CACHE=/tmp/cache-probe python benchmarks/results/ceiling-s58/pieces_team.py 12
+"""
+
+from __future__ import annotations
+
+import pathlib
+import statistics
+import sys
+import time
+
+import torch
+
+HERE = pathlib.Path(__file__).parent
+sys.path.insert(0, str(HERE.parent / "step-rest-s55"))
+sys.path.insert(0, str(HERE.parents[1]))
+from bandwidth_ceiling import TimedStack, core_probes  # noqa: E402
+from steady import decoding_engine  # noqa: E402  (session 55's probe engine)
+
+
+def timed_stretches(engine, use, variants: list, rounds: int, steps: int = 32) -> dict:
+    """Each variant's per-piece us a layer (and the step's ms, last), per stretch, the order reversed each round."""
+    runner = engine.runner
+    plain, layers = runner.fused_stack, len(runner.model.layers)
+    rows: dict = {v: [] for v in variants}
+    for r in range(rounds):
+        for v in variants if r % 2 == 0 else variants[::-1]:
+            use(v)
+            runner.fused_stack = timed = TimedStack(plain)
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            step = (time.perf_counter() - start) / steps
+            runner.fused_stack = plain
+            rows[v].append([s / steps / layers * 1e6 for s in timed.seconds.tolist()] + [step * 1e3])
+    rows["names"] = list(timed.pieces) + ["step ms"]
+    return rows
+
+
+def print_medians(rows: dict, variants: list, labels: list[str]) -> None:
+    for i, name in enumerate(rows["names"]):
+        cells = "  ".join(f"{label} {statistics.median(x[i] for x in rows[v]):8.2f}"
+                          for v, label in zip(variants, labels, strict=True))
+        print(f"{name:18s} {cells}")
+
+
+if __name__ == "__main__":
+    llm, engine = decoding_engine()
+    probe = core_probes()
+    rows = timed_stretches(engine, lambda v: torch.ops.llmserve.probe_team(v == "B"), ["A", "B"], int(sys.argv[1]))
+    print("state", probe())
+    print_medians(rows, ["A", "B"], ["fork/join", "team"])
