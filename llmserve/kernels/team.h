@@ -8,10 +8,11 @@
 // ~1 us at the join. Here the other threads stay in the step's region: a piece is posted as one store to a line they
 // watch, and each reports on a line of its own (a barrier of two flags: 0.05 / 0.19 us on that host, session 46).
 //
-// The split of each piece is `at::parallel_for`'s (contiguous chunks by thread index), so every product and
-// attention computes the same bits with or without a team. Code that is not handed to the team (an op reached
-// through the dispatcher, oneDNN) runs on the calling thread, as any `at::parallel_for` inside a region does: the
-// stack holds a team only for steps whose every product is one of ours.
+// The split of each piece is `at::parallel_for`'s (contiguous chunks by thread index); a team that a late worker
+// missed (`close`) splits among the threads that came. Every product and attention computes the same bits either
+// way: their rows and tasks do not depend on the thread or chunk that runs them. Code that is not handed to the team
+// (an op reached through the dispatcher, oneDNN) runs on the calling thread, as any `at::parallel_for` inside a region
+// does: the stack holds a team only for steps whose every product is one of ours.
 #pragma once
 
 #include <ATen/Parallel.h>

@@ -25,27 +25,37 @@ _SOURCE = r"""
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace team = llmserve::team;
 
-// Each index of [0, n) with the thread-chunk it ran in (its chunk's first index), from a team or from at::parallel_for
-std::vector<int64_t> chunks(int64_t n, bool with_team, int64_t throw_at) {
+// Each index of [0, n) with the thread-chunk it ran in (its chunk's first index), from a team or from at::parallel_for;
+// the team's size (1 without one); and the error the piece raised to this caller ("" if none)
+std::tuple<std::vector<int64_t>, int64_t, std::string> chunks(int64_t n, bool with_team, int64_t throw_at) {
   std::vector<int64_t> first(n, -1), count(n, 0);
   std::mutex lock;
+  int64_t size = 1;
   auto piece = [&] {
+    size = team::active ? team::active->size() : 1;
     team::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
       if (begin <= throw_at && throw_at < end) throw std::runtime_error("share " + std::to_string(begin) + " failed");
       std::lock_guard<std::mutex> guard(lock);
       for (int64_t i = begin; i < end; ++i) first[i] = begin, ++count[i];
     });
   };
-  if (with_team)
-    team::with_team(piece);
-  else
-    piece();
-  for (int64_t c : count) TORCH_CHECK(c == 1, "an index ran ", c, " times");
-  return first;
+  std::string error;
+  try {
+    if (with_team)
+      team::with_team(piece);
+    else
+      piece();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  if (error.empty())
+    for (int64_t c : count) TORCH_CHECK(c == 1, "an index ran ", c, " times");
+  return {first, size, error};
 }
 
 // Outer pieces whose shares each split an inner piece: how many inner indices ran, each once
@@ -60,16 +70,9 @@ int64_t nested(int64_t outer, int64_t inner) {
   return ran.load();
 }
 
-int64_t team_size() {
-  int64_t size = 0;
-  team::with_team([&] { size = team::active ? team::active->size() : 1; });
-  return size;
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("chunks", &chunks);
   m.def("nested", &nested);
-  m.def("team_size", &team_size);
 }
 """
 
@@ -89,19 +92,32 @@ def team():
                               extra_include_paths=[str(header.parent)])
 
 
+def whole_team(team, n: int, throw_at: int = -1) -> tuple[list[int], str]:
+    """`chunks` from a team that all torch's threads joined. A worker the OS wakes after the team's patience (200 us:
+    under load, seen once in CI) is left out and the piece runs on the threads that came, each index still once (the
+    library checks it); such a run is tried again."""
+    for _ in range(50):
+        first, size, error = team.chunks(n, True, throw_at)
+        if size == torch.get_num_threads():
+            return first, error
+    pytest.fail("no team of all torch's threads formed in 50 tries")
+
+
 def test_a_team_runs_each_index_once_in_at_parallel_for_chunks(team):
     assert torch.get_num_threads() >= 2
-    assert team.team_size() == torch.get_num_threads()
     for n in (2, 3, 7, 64, 1000):
-        assert team.chunks(n, True, -1) == team.chunks(n, False, -1)
+        plain, size, error = team.chunks(n, False, -1)
+        assert size == 1 and not error
+        assert whole_team(team, n) == (plain, "")
 
 
 def test_an_error_in_any_share_reaches_the_caller_and_the_team_goes_on(team):
     n = 10
-    for share in sorted(set(team.chunks(n, True, -1))):  # the caller's share first, then the other members'
-        with pytest.raises(RuntimeError, match=f"share {share} failed"):
-            team.chunks(n, True, share)
-        assert team.chunks(n, True, -1) == team.chunks(n, False, -1)
+    plain = team.chunks(n, False, -1)[0]
+    assert len(set(plain)) == torch.get_num_threads()
+    for share in sorted(set(plain)):  # the caller's share first, then the other members'
+        assert whole_team(team, n, share)[1] == f"share {share} failed"
+        assert whole_team(team, n) == (plain, "")
 
 
 def test_a_piece_inside_a_share_runs_on_its_caller(team):
