@@ -114,7 +114,7 @@ def test_a_team_runs_each_index_once_in_at_parallel_for_chunks(team):
 def test_an_error_in_any_share_reaches_the_caller_and_the_team_goes_on(team):
     n = 10
     plain = team.chunks(n, False, -1)[0]
-    assert len(set(plain)) == torch.get_num_threads()
+    assert len(set(plain)) == min(n, torch.get_num_threads())  # a share each
     for share in sorted(set(plain)):  # the caller's share first, then the other members'
         assert whole_team(team, n, share)[1] == f"share {share} failed"
         assert whole_team(team, n) == (plain, "")
