@@ -232,23 +232,27 @@ PRODUCTS = {"q/k/v": "self_attn.qkv_proj", "o": "self_attn.o_proj", "gate/up": "
             "down": "mlp.down_proj"}
 
 
+def timed_stretch(engine, steps: int) -> tuple[float, TimedStack]:
+    """`steps` engine steps with the fused stack timed piece by piece: seconds a step, and the timed stack."""
+    runner = engine.runner
+    plain = runner.fused_stack
+    try:
+        runner.fused_stack = timed = TimedStack(plain)
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        return (time.perf_counter() - start) / steps, timed
+    finally:
+        runner.fused_stack = plain
+
+
 def piece_split(engine, steps: int, repeats: int) -> list[dict]:
     """Per piece of a decoder layer: us a layer and share of the step, the best of `repeats` stretches (by step
     time) of `steps` steps with the fused stack timed; a product's row also its weights' read rate."""
-    runner, model = engine.runner, engine.runner.model
+    model = engine.runner.model
     layers = len(model.layers)
     weight_bytes = {piece: step_weight_bytes(model.layers[0].get_submodule(name)) for piece, name in PRODUCTS.items()}
-    plain = runner.fused_stack
-    stretches = []  # (seconds a step, its timed stack)
-    try:
-        for _ in range(repeats):
-            runner.fused_stack = timed = TimedStack(plain)
-            start = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
-            stretches.append(((time.perf_counter() - start) / steps, timed))
-    finally:
-        runner.fused_stack = plain
+    stretches = [timed_stretch(engine, steps) for _ in range(repeats)]  # (seconds a step, its timed stack)
     step, timed = min(stretches, key=lambda stretch: stretch[0])
     rows = []
     for name, seconds in zip(timed.pieces, timed.seconds.tolist(), strict=True):

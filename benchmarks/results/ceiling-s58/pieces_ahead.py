@@ -15,6 +15,6 @@ if __name__ == "__main__":
     llm, engine = decoding_engine()
     probe = core_probes()
     variants = [int(v) for v in sys.argv[2].split(",")]
-    rows = timed_stretches(engine, torch.ops.llmserve.probe_ahead, variants, int(sys.argv[1]))
+    names, rows = timed_stretches(engine, torch.ops.llmserve.probe_ahead, variants, int(sys.argv[1]))
     print("state", probe(), "context", engine.requests["probe"].num_computed_tokens)
-    print_medians(rows, variants, [f"{v}:" for v in variants])
+    print_medians(names, rows, variants, [f"{v}:" for v in variants])

@@ -12,38 +12,31 @@ from __future__ import annotations
 import pathlib
 import statistics
 import sys
-import time
 
 import torch
 
 HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE.parent / "step-rest-s55"))
 sys.path.insert(0, str(HERE.parents[1]))
-from bandwidth_ceiling import TimedStack, core_probes  # noqa: E402
+from bandwidth_ceiling import core_probes, timed_stretch  # noqa: E402
 from steady import decoding_engine  # noqa: E402  (session 55's probe engine)
 
 
-def timed_stretches(engine, use, variants: list, rounds: int, steps: int = 32) -> dict:
-    """Each variant's per-piece us a layer (and the step's ms, last), per stretch, the order reversed each round."""
-    runner = engine.runner
-    plain, layers = runner.fused_stack, len(runner.model.layers)
+def timed_stretches(engine, use, variants: list, rounds: int, steps: int = 32) -> tuple[list[str], dict]:
+    """The pieces' names (and "step ms"), and for each variant, per stretch, each piece's us a layer and the step's
+    ms; the variants' order reversed each round."""
+    layers = len(engine.runner.model.layers)
     rows: dict = {v: [] for v in variants}
     for r in range(rounds):
         for v in variants if r % 2 == 0 else variants[::-1]:
             use(v)
-            runner.fused_stack = timed = TimedStack(plain)
-            start = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
-            step = (time.perf_counter() - start) / steps
-            runner.fused_stack = plain
+            step, timed = timed_stretch(engine, steps)
             rows[v].append([s / steps / layers * 1e6 for s in timed.seconds.tolist()] + [step * 1e3])
-    rows["names"] = list(timed.pieces) + ["step ms"]
-    return rows
+    return list(timed.pieces) + ["step ms"], rows
 
 
-def print_medians(rows: dict, variants: list, labels: list[str]) -> None:
-    for i, name in enumerate(rows["names"]):
+def print_medians(names: list[str], rows: dict, variants: list, labels: list[str]) -> None:
+    for i, name in enumerate(names):
         cells = "  ".join(f"{label} {statistics.median(x[i] for x in rows[v]):8.2f}"
                           for v, label in zip(variants, labels, strict=True))
         print(f"{name:18s} {cells}")
@@ -52,6 +45,7 @@ def print_medians(rows: dict, variants: list, labels: list[str]) -> None:
 if __name__ == "__main__":
     llm, engine = decoding_engine()
     probe = core_probes()
-    rows = timed_stretches(engine, lambda v: torch.ops.llmserve.probe_team(v == "B"), ["A", "B"], int(sys.argv[1]))
+    names, rows = timed_stretches(engine, lambda v: torch.ops.llmserve.probe_team(v == "B"), ["A", "B"],
+                                  int(sys.argv[1]))
     print("state", probe())
-    print_medians(rows, ["A", "B"], ["fork/join", "team"])
+    print_medians(names, rows, ["A", "B"], ["fork/join", "team"])
