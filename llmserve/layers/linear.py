@@ -1,15 +1,17 @@
-"""Dense linear layers with their weight prepacked once for oneDNN (bf16 on CPU).
+"""Dense linear layers with their weight prepacked once for oneDNN (bf16 and float32 on CPU).
 
 Why: a bf16 `F.linear` on CPU reorders the weight into oneDNN's blocked layout on every call. At decode
 sizes that reorder is a large part of the matmul (measured here, SmolLM2's shapes: 1 token 1.5-2.4x, 32
-tokens 1.2-1.4x faster prepacked; the same at 256 tokens). The packed product is bit-identical to
+tokens 1.2-1.4x faster prepacked; the same at 256 tokens). The packed bf16 product is bit-identical to
 `F.linear`. A compiled graph does not need this: Inductor's freezing packs its weights itself (see
 engine/decode_graph.py), so while compiling the layers trace the plain `F.linear`.
 
-In float32 `F.linear` is MKL's sgemm, which on AMD hosts ran 1.2-2.2x slower than oneDNN's packed product at 17-64
-tokens (2-3x on SmolLM2's output head; 1.2-2.3x with oneDNN held to AVX2; benchmarks/README.md, session 49): a quantized
-layer's large-step weight is packed in float32 too. Its rounding is oneDNN's, as its small steps' are already the
-int4 kernels'. A dense float32 model keeps `F.linear`, transformers' own product, which its greedy output is held to.
+In float32 `F.linear` is MKL's sgemm, which on AMD hosts runs far behind oneDNN's packed product: SmolLM2's and
+Qwen2.5's shapes, 1-20 tokens, 1.3-10x (MKL's 3-token product of Qwen's head 167 ms, oneDNN's 26); a dense float32
+model's steps 1.5-2.2x faster (benchmarks/README.md, sessions 49 and 59). So float32 weights are packed too, dense
+ones and a quantized layer's large-step copy alike. The rounding is oneDNN's, not MKL's (a few 1e-6 apart), as a batched
+step's MKL product was never the one-token product transformers' greedy reference computes either: greedy output is
+held to transformers by the tests, whatever the product.
 """
 
 from __future__ import annotations
@@ -18,19 +20,18 @@ import torch
 from torch import nn
 
 
-def packs(weight: torch.Tensor, quantized: bool = False) -> bool:
-    """Whether the weight has a packed form here: bf16 on a CPU that oneDNN runs bf16 on; float32 too for a
-    quantized layer's large-step weight (`quantized`)."""
+def packs(weight: torch.Tensor) -> bool:
+    """Whether the weight has a packed form here: float32, and bf16 on a CPU that oneDNN runs bf16 on."""
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
     if weight.dtype == torch.bfloat16:
         return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return quantized and weight.dtype == torch.float32
+    return weight.dtype == torch.float32
 
 
-def prepack_weight(weight: torch.Tensor, quantized: bool = False) -> torch.Tensor | None:
+def prepack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's packed copy of a [out, in] weight, or None where the plain matmul is the one to use."""
-    if not packs(weight, quantized):
+    if not packs(weight):
         return None
     with torch.no_grad():
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)  # 32: the batch size to tune for
@@ -72,7 +73,7 @@ def prepack_linears(model: nn.Module, release_plain: bool = False) -> int:
                 setattr(module, name, child)
                 packed += 1
             elif getattr(child, "packed", False) is None:
-                child.packed = prepack_weight(child.weight, quantized=True)
+                child.packed = prepack_weight(child.weight)
                 packed += child.packed is not None
             else:
                 continue

@@ -1,4 +1,5 @@
-"""Prepacked dense linears: the same product as `F.linear`, bit for bit, eager and compiled."""
+"""Prepacked dense linears: the same product as `F.linear`, bit for bit in bf16, eager and compiled; float32's
+within its rounding."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ from torch import nn
 from llmserve.layers.linear import PackedLinear, packs, prepack_linears, release_plain_weights
 from llmserve.quantization.weight_only import WeightOnlyLinear
 
-pytestmark = pytest.mark.skipif(
-    not packs(torch.zeros(1, 1, dtype=torch.bfloat16)), reason="oneDNN runs no bf16 on this CPU"
-)
+NEEDS_BF16 = pytest.mark.skipif(not packs(torch.zeros(1, 1, dtype=torch.bfloat16)),
+                                reason="oneDNN runs no bf16 on this CPU")
 
 
+@NEEDS_BF16
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 7, 32, 300])
 def test_packed_linear_equals_f_linear(rows, bias):
@@ -25,12 +26,13 @@ def test_packed_linear_equals_f_linear(rows, bias):
     assert torch.equal(packed(x), nn.functional.linear(x, linear.weight, linear.bias))
 
 
+@NEEDS_BF16
 def test_prepack_linears_swaps_dense_layers_and_fills_quantized_ones():
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Linear(128, 64, bias=False, dtype=torch.bfloat16),
         WeightOnlyLinear(torch.randn(32, 64, dtype=torch.bfloat16), "int4"),
-        nn.Linear(64, 8, dtype=torch.float32),  # not bf16: left as it is
+        nn.Linear(64, 8, dtype=torch.float16),  # no packed form: left as it is
     )
     x = torch.randn(40, 128, dtype=torch.bfloat16)  # 40 rows: the quantized layer's dense path
     before = model[1](model[0](x))
@@ -40,6 +42,7 @@ def test_prepack_linears_swaps_dense_layers_and_fills_quantized_ones():
     assert torch.equal(model[1](model[0](x)), before)
 
 
+@NEEDS_BF16
 def test_compiled_packed_linear_traces_the_plain_weight():
     linear = PackedLinear(nn.Linear(64, 32, bias=False, dtype=torch.bfloat16))
     x = torch.randn(5, 64, dtype=torch.bfloat16)
@@ -56,16 +59,17 @@ def _tied_model() -> nn.Sequential:
         nn.Linear(128, 128, dtype=torch.bfloat16),
         WeightOnlyLinear(torch.randn(128, 128, dtype=torch.bfloat16), "int4"),
         head,
-        nn.Linear(64, 8, dtype=torch.float32),
+        nn.Linear(64, 8, dtype=torch.float16),
         embedding,
     )
 
 
+@NEEDS_BF16
 @pytest.mark.parametrize("as_packed", [False, True])
 def test_released_plain_weights_leave_the_same_products(as_packed):
     """Once packed, the plain copies go (eager steps read only the packed ones), after packing them all or each as it
     is packed (the engine's way: one layer's weight twice at a time); a weight another module holds (a tied
-    embedding) stays there, and the unpacked float32 layer keeps its own."""
+    embedding) stays there, and the unpacked float16 layer keeps its own."""
     model = _tied_model()
     x = torch.randn(40, 128, dtype=torch.bfloat16)  # 40 rows: the quantized layer's dense path
     prepack_linears(model)
@@ -80,14 +84,19 @@ def test_released_plain_weights_leave_the_same_products(as_packed):
     assert model[4].weight is not None and model[3].weight is not None
 
 
-def test_float32_packs_only_a_quantized_layers_large_step_weight():
-    """In float32 a quantized layer's large steps take oneDNN's packed product (MKL's sgemm ran 1.2-3x slower on AMD
-    hosts); a dense float32 linear keeps `F.linear`, transformers' own product."""
-    torch.manual_seed(0)
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_float32_dense_and_quantized_layers_pack(rows):
+    """In float32 dense layers and a quantized layer's large steps take oneDNN's packed product (MKL's sgemm ran
+    1.3-10x slower on AMD hosts); its sums round in their own order, within float32's rounding of `F.linear`."""
+    torch.manual_seed(rows)
     model = nn.Sequential(nn.Linear(128, 128), WeightOnlyLinear(torch.randn(128, 128), "int4"))
-    dequantized = model[1].weight.clone()
-    assert prepack_linears(model, release_plain=True) == 1
-    assert isinstance(model[0], nn.Linear) and model[0].weight is not None  # not packed, kept
+    dense, bias, dequantized = model[0].weight.clone(), model[0].bias.clone(), model[1].weight.clone()
+    assert prepack_linears(model, release_plain=True) == 2
+    assert isinstance(model[0], PackedLinear) and model[0].weight is None and model[0].packed is not None
     assert model[1].packed is not None and model[1].weight is None
+    x = torch.randn(rows, 128)
+    h = model[0](x)
+    torch.testing.assert_close(h, nn.functional.linear(x, dense, bias), rtol=1e-5, atol=1e-5)
     x = torch.randn(40, 128)  # past the int4 kernel's tokens: the large step
     torch.testing.assert_close(model[1](x), nn.functional.linear(x, dequantized), rtol=1e-5, atol=1e-5)
