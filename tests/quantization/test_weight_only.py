@@ -62,10 +62,10 @@ def test_large_steps_use_the_dequantized_weight():
     torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight))
 
 
-def test_q4_1_weights_requantize_to_their_shipped_values(llm_fp32: LLM):
+def test_q4_1_weights_requantize_to_their_shipped_values():
     # The embedded model is Q4_1: per group of 32, every weight is min + q * scale. Re-quantizing
     # the loader's dequantized weights must find the same grid (fp32 rounding aside).
-    weight = llm_fp32.engine.runner.model.layers[0].mlp.down_proj.weight
+    weight = load_checkpoint(None).weights["model.layers.0.mlp.down_proj.weight"].float()
     layer = WeightOnlyLinear(weight, "int4")
     scale = (weight.view(weight.shape[0], -1, 32).amax(-1) - weight.view(weight.shape[0], -1, 32).amin(-1)) / 15
     assert (layer.weight - weight).abs().max() < 1e-3 * scale.max()
