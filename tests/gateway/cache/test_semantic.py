@@ -51,6 +51,26 @@ def test_embeddings_are_unit_rows_and_computed_off_the_event_loop(embedder):
     assert asyncio.run(main()) >= 5  # the loop kept running while the batch was embedded
 
 
+def test_embeddings_equal_the_plain_model_s_mean_pooling(embedder):
+    """The embedder's linears run oneDNN's packed product (layers/linear.py): its embeddings are the unpacked
+    model's, pooled as sentence-transformers pools them, within float32 rounding (~1e-7 measured)."""
+    import torch
+    from transformers import AutoModel
+
+    from llmserve.evaluate.datasets import MINILM, package_file
+    from llmserve.layers.linear import PackedLinear
+
+    texts = [QUESTION, "What is the capital of France?", "a long text " * 100]
+    vectors = embedder.embed(texts)
+    assert any(isinstance(m, PackedLinear) for m in embedder._model.modules())
+    plain = AutoModel.from_pretrained(str(package_file(MINILM))).eval()
+    batch = embedder._tokenizer(texts, padding=True, truncation=True, max_length=256, return_tensors="pt")
+    with torch.inference_mode():
+        mask = batch["attention_mask"].unsqueeze(-1).float()
+        pooled = (plain(**batch).last_hidden_state * mask).sum(1) / mask.sum(1)
+    np.testing.assert_allclose(vectors, torch.nn.functional.normalize(pooled, dim=-1).numpy(), atol=2e-6)
+
+
 def test_a_paraphrase_hits_and_an_unrelated_question_misses(embedder):
     async def main() -> None:
         cache = SemanticCache(MemoryStore(), embedder)
