@@ -88,7 +88,7 @@ def test_released_plain_weights_leave_the_same_products(as_packed):
 @pytest.mark.parametrize("rows", [1, 3, 40])
 def test_float32_dense_and_quantized_layers_pack(rows):
     """In float32 dense layers and a quantized layer's large steps take oneDNN's packed product (MKL's sgemm ran
-    1.3-10x slower on AMD hosts); its sums round in their own order, within float32's rounding of `F.linear`."""
+    1.2-12x slower on AMD hosts); its sums round in their own order, within float32's rounding of `F.linear`."""
     torch.manual_seed(rows)
     model = nn.Sequential(nn.Linear(128, 128), WeightOnlyLinear(torch.randn(128, 128), "int4"))
     dense, bias, dequantized = model[0].weight.clone(), model[0].bias.clone(), model[1].weight.clone()
