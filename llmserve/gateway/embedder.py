@@ -79,9 +79,9 @@ class Embedder:
                 if self._model is None:
                     from transformers import AutoModel, AutoTokenizer
 
-                    folder = str(self.folder or package_file(MINILM))
                     from llmserve.layers.linear import prepack_linears
 
+                    folder = str(self.folder or package_file(MINILM))
                     self._tokenizer = AutoTokenizer.from_pretrained(folder)
                     model = AutoModel.from_pretrained(folder).eval()
                     prepack_linears(model, release_plain=True)  # MKL's float32 products ran 1.3x slower (linear.py)

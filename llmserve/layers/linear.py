@@ -8,7 +8,7 @@ engine/decode_graph.py), so while compiling the layers trace the plain `F.linear
 
 In float32 `F.linear` is MKL's sgemm, which on AMD hosts runs far behind oneDNN's packed product: SmolLM2's and
 Qwen2.5's shapes, 1-20 tokens, 1.2-12x (MKL's 3-token product of Qwen's head 161 ms, oneDNN's 20); a dense float32
-model's steps 1.5-2.2x faster (benchmarks/README.md, sessions 49 and 59). So float32 weights are packed too, dense
+model's steps 1.5-4x faster (benchmarks/README.md, sessions 49 and 59). So float32 weights are packed too, dense
 ones and a quantized layer's large-step copy alike. The rounding is oneDNN's, not MKL's (a few 1e-6 apart), as a batched
 step's MKL product was never the one-token product transformers' greedy reference computes either: greedy output is
 held to transformers by the tests, whatever the product.
