@@ -8,30 +8,17 @@ import pathlib
 import statistics
 import sys
 
-import torch
-
 HERE = pathlib.Path(__file__).parent
+sys.path.insert(0, str(HERE.parent / "step-rest-s55"))
 sys.path.insert(0, str(HERE.parents[1]))
 from bandwidth_ceiling import core_probes, timed_stretch  # noqa: E402
-
-from llmserve import LLM, SamplingParams  # noqa: E402
+from steady import decoding_engine  # noqa: E402  (session 55's probe engine)
 
 
 def main(contexts: list[int], rounds: int, steps: int = 32) -> None:
-    torch.set_num_threads(2)
     probe = core_probes()
     print("state before", probe(), flush=True)
-    engines = {}
-    for ctx in contexts:
-        llm = LLM(speculative_config="off", kv_cache_memory_gb=0.5, max_model_len=4096)
-        engine = llm.engine
-        prompt = torch.randint(3, engine.model_config.vocab_size, (ctx,), generator=torch.Generator().manual_seed(0))
-        engine.add_request("probe", prompt.tolist(), SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True))
-        while engine.requests["probe"].num_computed_tokens < ctx:
-            engine.step()
-        for _ in range(8):
-            engine.step()
-        engines[ctx] = (llm, engine)
+    engines = {ctx: decoding_engine(max_tokens=2000, prompt_tokens=ctx) for ctx in contexts}
     layers = len(engines[contexts[0]][1].runner.model.layers)
     rows: dict[int, list] = {c: [] for c in contexts}
     names: list[str] = []
