@@ -51,9 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     ref = reference_model(args.model, torch.float32)
     if args.quantization != "none":
         ckpt = load_checkpoint(args.model)
-        grids, int6_grids = ckpt.int4_grids, ckpt.int6_grids
+        grids, int8_grids = ckpt.int4_grids, ckpt.int8_grids
         del ckpt
-        ref = quantized_reference(ref, args.quantization, grids, int6_grids)
+        ref = quantized_reference(ref, args.quantization, grids, int8_grids)
         gc.collect()
     expected = [reference_greedy(ref, ids, args.tokens) for ids in prompts]
     del ref

@@ -151,10 +151,10 @@ def shard_model(model: nn.Module, tp: TensorParallel) -> None:
     model.tp = tp
 
 
-def shard_grids(grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None, cfg: LlamaConfig, tp: TensorParallel
-                ) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
-    """A checkpoint's grids (Hugging Face names -> two tensors [out, in / group], `int4_grids`' scale and minimum
-    per 32 inputs or `int6_grids`' d per 256 and sc per 16) cut as `shard_model` cuts their weights: the rows of
+def shard_grids(grids: dict[str, tuple[torch.Tensor, ...]] | None, cfg: LlamaConfig, tp: TensorParallel
+                ) -> dict[str, tuple[torch.Tensor, ...]] | None:
+    """A checkpoint's grids (Hugging Face names -> tensors [out, in / group], `int4_grids`' scale and minimum per 32
+    inputs or `int8_grids`' d per 256 and sc per 16, or d per 32) cut as `shard_model` cuts their weights: the rows of
     q/k/v and gate/up, the groups of o and down. A grid whose groups this rank's columns would split is left out
     (that layer re-quantizes its slice)."""
     if not grids:

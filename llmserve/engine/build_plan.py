@@ -332,9 +332,12 @@ _Q8_MEASURED = "Q8_0 inputs cost Qwen2.5-Coder-1.5B's Q4_K_M +0.13 % perplexity,
 # grid holds Q4_0 and Q4_1 exactly, and Q4_K up to the fp16 rounding of its scales and minimums): the
 # loader's, which reads those grids
 _INT4_GRIDS = INT4_GRID_FORMATS | {AWQ_FORMAT}  # and an AWQ checkpoint's groups (loader/awq_format.py)
-# GGML types with more than 4 bits a weight, which int8 (per output channel, Q6_K's own 6-bit values) stands in for
-# beside int4
-_WIDER = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0"}
+# GGML types with more than 4 bits a weight whose values int8 holds exactly (`Checkpoint.int8_grids`: Q6_K in the
+# int8 kernel's 6-bit layout, Q8_0 and Q5_0 as int8 with their fp16 d per 32 inputs)
+_INT8_GRIDS = {"Q6_K", "Q8_0", "Q5_0"}
+# GGML types with more than 4 bits a weight, which int8 (on their own grid above, else per output channel) stands
+# in for beside int4
+_WIDER = {"Q5_1", "Q5_K"} | _INT8_GRIDS
 _DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -342,11 +345,11 @@ def _weights(choice: str | None, formats: dict[str, str] | None, on_cpu: bool, r
     """"as loaded", "int8", "int4" or "int4+int8". auto: int4 where the file's decoder weights are 4-bit,
     on their own grid, so the int4 path computes with the values shipped (as llama.cpp does, activations
     quantized to 8 bits in the small steps). A K-quant mix (mostly 4-bit, some tensors in 5-8 bits, as
-    Q4_K_M files are) runs int4 on the 4-bit tensors and int8 on the others ("int4+int8"): Q6_K ones at the
-    file's own values (the int8 kernel's 6-bit layout, `Checkpoint.int6_grids`), the rest per channel, each
-    value changed by at most half an int8 step of its row (`llmserve eval` measured +0.1 % perplexity when Q6_K
-    was re-quantized too, benchmarks/README.md). Any other file keeps its weights as
-    loaded (int4 would change them: measure its cost with `llmserve eval` first)."""
+    Q4_K_M files are) runs int4 on the 4-bit tensors and int8 on the others ("int4+int8"): Q6_K, Q8_0 and Q5_0
+    ones at the file's own values (`Checkpoint.int8_grids`), the rest per channel, each value changed by at most
+    half an int8 step of its row (`llmserve eval` measured +0.1 % perplexity when Q6_K was re-quantized too,
+    benchmarks/README.md), which only a mostly 4-bit file takes. A file of those int8 grids alone runs "int8". Any
+    other file keeps its weights as loaded (int4 would change them: measure its cost with `llmserve eval` first)."""
     if choice in ("int8", "int4", "int4+int8"):
         reasons["weights"] = "as asked"
         return choice
@@ -365,11 +368,18 @@ def _weights(choice: str | None, formats: dict[str, str] | None, on_cpu: bool, r
     if on_cpu and stored and stored <= _INT4_GRIDS:
         reasons["weights"] = f"auto: the file's linear weights are {'/'.join(sorted(stored))}, on a grid int4 holds"
         return "int4"
-    if on_cpu and stored and stored <= _INT4_GRIDS | _WIDER and 2 * four_bit >= len(linear):
+    if on_cpu and stored and stored <= _INT8_GRIDS:
+        reasons["weights"] = (f"auto: the file's linear weights are {'/'.join(sorted(stored))}, on a grid int8 "
+                              "holds (the file's values)")
+        return "int8"
+    exact = stored <= _INT4_GRIDS | _INT8_GRIDS  # every value kept: int4 or int8 on the file's own grids
+    if on_cpu and stored and stored <= _INT4_GRIDS | _WIDER and (exact or 2 * four_bit >= len(linear)):
+        on_grid, per_channel = sorted(stored & _INT8_GRIDS), sorted(stored - _INT4_GRIDS - _INT8_GRIDS)
+        how = "; ".join([f"{'/'.join(on_grid)} at the file's values"] * bool(on_grid) +
+                        [f"{'/'.join(per_channel)} per channel"] * bool(per_channel))
         reasons["weights"] = (f"auto: {four_bit} of the file's {len(linear)} linear weights are 4-bit "
-                              f"({'/'.join(sorted(stored & _INT4_GRIDS))}: int4 on their grid), the others "
-                              f"{'/'.join(sorted(stored - _INT4_GRIDS))} (int8"
-                              f"{': Q6_K at its own 6 bits' if 'Q6_K' in stored else ' per channel'})")
+                              f"({'/'.join(sorted(stored & _INT4_GRIDS))}: int4 on their grid), the others int8 "
+                              f"({how})")
         return "int4+int8"
     reasons["weights"] = ("auto: " + (f"the file's linear weights are {'/'.join(sorted(stored))}, which int4 would "
                           "change" if stored else "a dense file") if on_cpu else "auto: quantization is CPU-only")

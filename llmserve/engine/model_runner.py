@@ -91,17 +91,17 @@ class ModelRunner:
                               if plan.kv_cache.dtype == torch.int8 else None)
         if self.key_smoothing:
             logger.info(self.key_smoothing.describe())
-        grids, int6_grids = ckpt.int4_grids, ckpt.int6_grids
+        grids, int8_grids = ckpt.int4_grids, ckpt.int8_grids
         kv_spec = plan.kv_cache
         if tp is not None:  # the dense model cut to this rank's heads, units and vocabulary rows, then quantized
             shard_model(model, tp)
             grids = shard_grids(grids, ckpt.config, tp)
-            int6_grids = shard_grids(int6_grids, ckpt.config, tp)
+            int8_grids = shard_grids(int8_grids, ckpt.config, tp)
             self.config = shard_config(ckpt.config, tp.size)
             kv_spec = dataclasses.replace(kv_spec, num_kv_heads=self.config.num_kv_heads)
         if plan.weights != "as loaded":
             quantize_model(model, plan.weights, plan.small_step_kernels == "native", plan.small_step_max_tokens,
-                           grids, plan.head, plan.activation_parts, int6_grids)
+                           grids, plan.head, plan.activation_parts, int8_grids)
         # eager steps read the packed copies only: the plain ones go, unless a compiled graph (it traces `F.linear`) or
         # int8-activation calibration (it smooths the plain weight) reads them
         if packed := prepack_linears(model, release_plain=plan.compile == "off" and not plan.int8_activations):

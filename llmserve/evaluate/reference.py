@@ -29,28 +29,28 @@ def reference_model(model: str | None = None, dtype: torch.dtype = torch.float32
 
 
 def quantized_reference(model, method: str, grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
-                        int6_grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None):
+                        int8_grids: dict[str, tuple[torch.Tensor, ...]] | None = None):
     """A copy of a transformers Llama model whose linear weights are exactly the values llmserve's
     `--quantization method` computes with (the output head int8, its own copy where it was tied to the
-    embedding). `grids`: the checkpoint's `int4_grids`, which int4 keeps, `int6_grids` its `int6_grids`, which
+    embedding). `grids`: the checkpoint's `int4_grids`, which int4 keeps, `int8_grids` its `int8_grids`, which
     int8 keeps (see quantization/weight_only.py)."""
     import copy
 
     from torch import nn
 
-    from llmserve.quantization.weight_only import WeightOnlyLinear, layer_method_of
+    from llmserve.quantization.weight_only import WeightOnlyLinear, head_int8_grid, layer_method_of
 
     ref = copy.deepcopy(model)
-    grids, int6_grids = grids or {}, int6_grids or {}
+    grids, int8_grids = grids or {}, int8_grids or {}
     with torch.no_grad():
         for name, module in ref.model.layers.named_modules(prefix="model.layers"):
             if isinstance(module, nn.Linear):
                 grid = grids.get(f"{name}.weight")
                 module.weight.copy_(WeightOnlyLinear(module.weight, layer_method_of(method, grid), grid=grid,
-                                                     int6_grid=int6_grids.get(f"{name}.weight")).weight)
+                                                     int8_grid=int8_grids.get(f"{name}.weight")).weight)
         head_source = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
         # the embedding, where they are tied
-        head = WeightOnlyLinear(ref.lm_head.weight, "int8", int6_grid=int6_grids.get(head_source)).weight
+        head = WeightOnlyLinear(ref.lm_head.weight, "int8", int8_grid=head_int8_grid(int8_grids, head_source)).weight
         ref.lm_head.weight = nn.Parameter(head.clone())
     return ref
 
@@ -96,7 +96,7 @@ class _ServedInt8Projection(torch.nn.Module):
 
 def q8_input_reference(model, method: str, grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
                        max_tokens: int | None = None,
-                       int6_grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None):
+                       int8_grids: dict[str, tuple[torch.Tensor, ...]] | None = None):
     """`quantized_reference`, each projection computed as llmserve's int4 and int8 kernels do under
     `q8_activations` in calls of at most `max_tokens` rows (default: Q8_MAX_TOKENS): the inputs at their Q8_0 levels
     (per group of 32: round(x / step) * step, step = max|x| / 127, float32 as the kernel rounds them) times q * scale
@@ -106,7 +106,7 @@ def q8_input_reference(model, method: str, grids: dict[str, tuple[torch.Tensor, 
 
     from llmserve.quantization.weight_only import Q8_MAX_TOKENS, layer_method_of
 
-    ref = quantized_reference(model, method, grids, int6_grids)
+    ref = quantized_reference(model, method, grids, int8_grids)
     grids = grids or {}
     limit = Q8_MAX_TOKENS if max_tokens is None else max_tokens
     for name, module in list(ref.model.layers.named_modules(prefix="model.layers")):

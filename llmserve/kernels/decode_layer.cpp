@@ -143,11 +143,11 @@ struct LargeStep {
 
 // A linear's weights, one part or more (a `StackedLinear`'s runs of rows, each in its file's format), each with its
 // rows of the bias (undefined: none). Steps up to `small_max_tokens` take the small-step kernel: weights packed by
-// `pack_int4` (no scales), by `pack_int8` with its row scales or by `pack_int6` (ones); activations split into
-// `activation_parts` int8 parts; the bias added after, as `WeightOnlyLinear` adds it. Larger steps take the
-// large-step product. The small-step kernels write into the step's buffer (`out`, [tokens, out_features]) through
-// their own entry points, not the dispatcher: a dispatched product allocated its output, ~0.2 us of the ~0.6 a call
-// costs beside its weights (benchmarks/README.md, session 45). Returns the tensor holding the product (see LargeStep).
+// `pack_int4` (no scales), by `pack_int8` with its row scales or by `pack_int6` or `pack_int8_grouped` (ones);
+// activations split into `activation_parts` int8 parts; the bias added after, as `WeightOnlyLinear` adds it. Larger
+// steps take the large-step product. The small-step kernels write into the step's buffer (`out`, [tokens,
+// out_features]) through their own entry points, not the dispatcher: a dispatched product allocated its output,
+// ~0.2 us of the ~0.6 a call costs beside its weights (benchmarks/README.md, session 45). Returns the tensor holding the product (see LargeStep).
 struct LinearPart {
   at::Tensor packed, scales, bias;  // scales undefined: int4
   int64_t activation_parts, out_features, small_max_tokens;

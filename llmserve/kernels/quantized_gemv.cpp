@@ -566,16 +566,28 @@ at::Tensor int4_gemv_portable(const at::Tensor& x, const at::Tensor& packed, int
 // comes back out per token and group in integers, sum(u x) - 128 sum(x): each group's dot product is exact.
 // The row scales are applied once, at the end.
 constexpr int64_t kInt8GroupBytes = kGroup * kRows;
+// The grouped layout: where a weight is stored as Q8_0 (w = d q, q in [-127, 127]) or Q5_0 (w = d (q - 16), q in
+// [0, 31]), an fp16 d per 32 inputs, the int8 op reads q (as q - 16 for Q5_0) in the bytes above, each group's 16
+// rows' d (fp16) after them (`pack_int8_grouped`): 8.5 bits a weight, the file's values exactly, where per row they
+// were re-quantized (or, unquantized, read as 16-bit values: twice the bytes). The integer dot products are the
+// per-row layout's; each group's d multiplies its step, as the 6-bit layout's d does, and the row scales are ones.
+constexpr int64_t kInt8GroupedBytes = kInt8GroupBytes + kRows * 2;
 
-template <typename T>
+template <bool Grouped>
+constexpr int64_t int8_group_bytes() {
+  return Grouped ? kInt8GroupedBytes : kInt8GroupBytes;
+}
+
+template <bool Grouped, typename T>
 void int8_rows_portable(const uint8_t* w, SplitTokens a, const float* scales, T* out, int64_t m, int64_t k,
                         int64_t n, int64_t block_begin, int64_t block_end) {
   const int64_t groups = k / kGroup;
+  constexpr int64_t group_bytes = int8_group_bytes<Grouped>();
   for (int64_t b = block_begin; b < block_end; ++b) {
     for (int64_t t = 0; t < m; ++t) {
       float total[kRows] = {};
-      const uint8_t* p = w + b * groups * kInt8GroupBytes;
-      for (int64_t g = 0; g < groups; ++g, p += kInt8GroupBytes) {
+      const uint8_t* p = w + b * groups * group_bytes;
+      for (int64_t g = 0; g < groups; ++g, p += group_bytes) {
         const int8_t* hi = a.hi + t * k + g * kGroup;
         const int8_t* lo = a.lo ? a.lo + t * k + g * kGroup : nullptr;
         int32_t dot_hi[kRows] = {}, dot_lo[kRows] = {};
@@ -593,7 +605,12 @@ void int8_rows_portable(const uint8_t* w, SplitTokens a, const float* scales, T*
         for (int r = 0; r < kRows; ++r) {
           const float dot = static_cast<float>(dot_hi[r] - hi_offset) +
                             static_cast<float>(dot_lo[r] - lo_offset) * (1.f / 254.f);
-          total[r] += dot * a.step[tg];
+          if constexpr (Grouped) {
+            const float d = static_cast<float>(reinterpret_cast<const at::Half*>(p + kInt8GroupBytes)[r]);
+            total[r] += dot * (d * a.step[tg]);
+          } else {
+            total[r] += dot * a.step[tg];
+          }
         }
       }
       for (int r = 0; r < kRows; ++r) total[r] *= scales[b * kRows + r];
@@ -605,18 +622,19 @@ void int8_rows_portable(const uint8_t* w, SplitTokens a, const float* scales, T*
 #if LLMSERVE_GEMV_AVX512
 // Per 64 weight bytes (16 rows x 4 inputs): one `vpdpbusd` per token and part, spread over at least eight
 // dependency chains (a token and part's own vectors alternate between 8 / (tokens x parts) of them).
-template <int M, int Parts, typename T>
+template <int M, int Parts, bool Grouped, typename T>
 void int8_rows_avx512(const uint8_t* w, SplitTokens a, const float* scales, T* out, int64_t k, int64_t n,
                       int64_t block_begin, int64_t block_end, WeightStream stream) {
   const int64_t groups = k / kGroup;
+  constexpr int64_t group_bytes = int8_group_bytes<Grouped>();
   constexpr int S = M * Parts >= 8 ? 1 : 8 / (M * Parts);
   const __m512 lo_weight = _mm512_set1_ps(1.f / 254.f);
-  const uint8_t* p = w + block_begin * groups * kInt8GroupBytes;
+  const uint8_t* p = w + block_begin * groups * group_bytes;
   for (int64_t b = block_begin; b < block_end; ++b) {
     __m512 total[M];
     for (int t = 0; t < M; ++t) total[t] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g, p += kInt8GroupBytes) {
-      prefetch_ahead(p, kInt8GroupBytes, stream);
+    for (int64_t g = 0; g < groups; ++g, p += group_bytes) {
+      prefetch_ahead(p, group_bytes, stream);
       __m512i dot_hi[M][S], dot_lo[M][S];
       for (int t = 0; t < M; ++t) {
         for (int s = 0; s < S; ++s) dot_hi[t][s] = dot_lo[t][s] = _mm512_setzero_si512();
@@ -645,7 +663,12 @@ void int8_rows_avx512(const uint8_t* w, SplitTokens a, const float* scales, T* o
           dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(l, _mm512_set1_epi32(128 * a.lo_group_sum(tg)))),
                                 lo_weight, dot);
         }
-        total[t] = _mm512_fmadd_ps(dot, _mm512_set1_ps(a.step[tg]), total[t]);
+        if constexpr (Grouped) {
+          const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kInt8GroupBytes)));
+          total[t] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(a.step[tg])), total[t]);
+        } else {
+          total[t] = _mm512_fmadd_ps(dot, _mm512_set1_ps(a.step[tg]), total[t]);
+        }
       }
     }
     const __m512 s = _mm512_loadu_ps(scales + b * kRows);
@@ -664,17 +687,18 @@ void int8_rows_avx512(const uint8_t* w, SplitTokens a, const float* scales, T* o
 // parts; at most 32385 in size, exact), summing pairs into int32. A 128-bit load is 4 rows x 4 inputs, so
 // each row gets two int32 lanes; one `vphaddd` a group adds them, leaving the rows in the order
 // 0 1 4 5 2 3 6 7 (`kHaddOrder`), put back once per row block. Integer sums exact, as the AVX-512 loop's.
-template <int M, int Parts, typename T>
+template <int M, int Parts, bool Grouped, typename T>
 void int8_rows_avx2(const uint8_t* w, SplitTokens a, const float* scales, T* out, int64_t k, int64_t n,
                     int64_t block_begin, int64_t block_end, WeightStream stream) {
   const int64_t groups = k / kGroup;
+  constexpr int64_t group_bytes = int8_group_bytes<Grouped>();
   const __m256i hadd_order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
-  const uint8_t* p = w + block_begin * groups * kInt8GroupBytes;
+  const uint8_t* p = w + block_begin * groups * group_bytes;
   for (int64_t b = block_begin; b < block_end; ++b) {
     __m256 total[M][2];
     for (int t = 0; t < M; ++t) total[t][0] = total[t][1] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g, p += kInt8GroupBytes) {
-      prefetch_ahead(p, kInt8GroupBytes, stream);
+    for (int64_t g = 0; g < groups; ++g, p += group_bytes) {
+      prefetch_ahead(p, group_bytes, stream);
       for (int t = 0; t < M; ++t) {
         const int64_t tg = t * groups + g;
         alignas(32) int16_t x[kGroup];
@@ -693,7 +717,14 @@ void int8_rows_avx2(const uint8_t* w, SplitTokens a, const float* scales, T* out
             dot[1] = _mm256_add_epi32(dot[1], _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(bytes + 1)), xv));
           }
           const __m256i rows = _mm256_sub_epi32(_mm256_hadd_epi32(dot[0], dot[1]), _mm256_set1_epi32(offset));
-          total[t][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rows), step, total[t][half]);
+          if constexpr (Grouped) {  // the half's 8 d, in the rows' order here (the order is its own inverse)
+            const __m256 d = _mm256_permutevar8x32_ps(
+                _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + kInt8GroupBytes + 16 * half))),
+                hadd_order);
+            total[t][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rows), _mm256_mul_ps(d, step), total[t][half]);
+          } else {
+            total[t][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rows), step, total[t][half]);
+          }
         }
       }
     }
@@ -946,31 +977,36 @@ void int6_rows_avx2(const uint8_t* w, SplitTokens a, const float* scales, T* out
 }
 #endif
 
-// The int8 op's two layouts: bytes of a row block, and its loops
-template <bool Six>
+// The int8 op's three layouts (per row: `pack_int8`; 6-bit: `pack_int6`; grouped: `pack_int8_grouped`): bytes of
+// a row block, and its loops
+enum class Int8Layout { kPerRow, kSix, kGrouped };
+
+template <Int8Layout L>
 constexpr int64_t int8_block_bytes(int64_t k) {
-  return Six ? k / kInt6SuperInputs * kInt6BlockBytes : k / kGroup * kInt8GroupBytes;
+  return L == Int8Layout::kSix ? k / kInt6SuperInputs * kInt6BlockBytes
+                               : k / kGroup * int8_group_bytes<L == Int8Layout::kGrouped>();
 }
 
-template <int Parts, bool Six, typename T>
+template <int Parts, Int8Layout L, typename T>
 void int8_product(const at::Tensor& x, const uint8_t* w, const float* scales, at::Tensor& out, bool portable) {
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1), num_blocks = n / kRows;
   const SplitTokens a = split_activations(x.data_ptr<T>(), m, k, Parts == 2, /*part_sums=*/true);
   T* o = out.data_ptr<T>();
-  const auto rows_portable = Six ? int6_rows_portable<T> : int8_rows_portable<T>;
+  constexpr bool six = L == Int8Layout::kSix, grouped = L == Int8Layout::kGrouped;
+  const auto rows_portable = six ? int6_rows_portable<T> : int8_rows_portable<grouped, T>;
   if (portable) return rows_portable(w, a, scales, o, m, k, n, 0, num_blocks);
-  for_token_passes(num_blocks, m, int8_block_bytes<Six>(k), [&](int64_t t0, int64_t mt, int64_t begin, int64_t end,
-                                                                [[maybe_unused]] WeightStream stream) {
+  for_token_passes(num_blocks, m, int8_block_bytes<L>(k), [&](int64_t t0, int64_t mt, int64_t begin, int64_t end,
+                                                              [[maybe_unused]] WeightStream stream) {
 #if LLMSERVE_GEMV_AVX512
     with_token_count<kMaxTokens>(mt, [&](auto tokens) {
       constexpr int M = decltype(tokens)::value;
-      const auto rows = Six ? int6_rows_avx512<M, Parts, T> : int8_rows_avx512<M, Parts, T>;
+      const auto rows = six ? int6_rows_avx512<M, Parts, T> : int8_rows_avx512<M, Parts, grouped, T>;
       rows(w, a.from(t0, k), scales, o + t0 * n, k, n, begin, end, stream);
     });
 #elif LLMSERVE_GEMV_AVX2
     with_token_count<kMaxTokens>(mt, [&](auto tokens) {
       constexpr int M = decltype(tokens)::value;
-      const auto rows = Six ? int6_rows_avx2<M, Parts, T> : int8_rows_avx2<M, Parts, T>;
+      const auto rows = six ? int6_rows_avx2<M, Parts, T> : int8_rows_avx2<M, Parts, grouped, T>;
       rows(w, a.from(t0, k), scales, o + t0 * n, k, n, begin, end, stream);
     });
 #else
@@ -979,14 +1015,14 @@ void int8_product(const at::Tensor& x, const uint8_t* w, const float* scales, at
   });
 }
 
-template <bool Six>
+template <Int8Layout L>
 void int8_dispatch(const at::Tensor& x, const uint8_t* w, const float* s, at::Tensor& out, int64_t activation_parts,
                    bool portable) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   if (activation_parts == 2) {
-    bf16 ? int8_product<2, Six, at::BFloat16>(x, w, s, out, portable) : int8_product<2, Six, float>(x, w, s, out, portable);
+    bf16 ? int8_product<2, L, at::BFloat16>(x, w, s, out, portable) : int8_product<2, L, float>(x, w, s, out, portable);
   } else {
-    bf16 ? int8_product<1, Six, at::BFloat16>(x, w, s, out, portable) : int8_product<1, Six, float>(x, w, s, out, portable);
+    bf16 ? int8_product<1, L, at::BFloat16>(x, w, s, out, portable) : int8_product<1, L, float>(x, w, s, out, portable);
   }
 }
 
@@ -1000,16 +1036,24 @@ void int8_gemv_into(const at::Tensor& x_in, const at::Tensor& packed, const at::
   const int64_t k = x.size(1);
   TORCH_CHECK(k % kGroup == 0 && n % kRows == 0, "int8_gemv: in_features must be a multiple of 32 and "
               "out_features of 16");
-  // the layout is the one whose size the packed weight has (6.625 bits a weight or 8)
-  const bool six = k % kInt6SuperInputs == 0 && packed.numel() == n / kRows * int8_block_bytes<true>(k);
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && (six || packed.numel() == n * k),
+  // the layout is the one whose size the packed weight has (6.625 bits a weight, 8 or 8.5)
+  const bool six = k % kInt6SuperInputs == 0 &&
+                   packed.numel() == n / kRows * int8_block_bytes<Int8Layout::kSix>(k);
+  const bool grouped = packed.numel() == n / kRows * int8_block_bytes<Int8Layout::kGrouped>(k);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+              (six || grouped || packed.numel() == n * k),
               "int8_gemv: packed weight does not match [", n, ", ", k, "]");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == n,
               "int8_gemv: scales must be [", n, "] float32");
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const float* s = scales.data_ptr<float>();
-  six ? int8_dispatch<true>(x, w, s, out, activation_parts, portable)
-      : int8_dispatch<false>(x, w, s, out, activation_parts, portable);
+  if (six) {
+    int8_dispatch<Int8Layout::kSix>(x, w, s, out, activation_parts, portable);
+  } else if (grouped) {
+    int8_dispatch<Int8Layout::kGrouped>(x, w, s, out, activation_parts, portable);
+  } else {
+    int8_dispatch<Int8Layout::kPerRow>(x, w, s, out, activation_parts, portable);
+  }
 }
 
 at::Tensor int8_gemv_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t n,

@@ -124,6 +124,18 @@ def pack_int8(q: torch.Tensor) -> torch.Tensor:
     return blocks.permute(0, 2, 3, 1, 4).contiguous().view(-1)
 
 
+def pack_int8_grouped(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """q [out, in] integers in [-128, 127], d [out, in / 32] (fp16 values), w = d * q: GGUF Q8_0's and Q5_0's
+    values. Returns the flat uint8 layout `llmserve::int8_gemv` reads as its grouped one (its row scales ones):
+    per block of 16 rows and group of 32 inputs, `pack_int8`'s 512 bytes, then the 16 rows' d as fp16."""
+    out_features, in_features = q.shape
+    if not int8_packs(out_features, in_features):
+        raise ValueError(f"int8 packing needs out_features % {ROWS} == 0 and in_features % {INT4_GROUP} == 0")
+    blocks, groups = out_features // ROWS, in_features // INT4_GROUP
+    body = pack_int8(q.to(torch.int8)).view(blocks, groups, -1)
+    return torch.cat([body, _per_row_block(d.half())], dim=2).contiguous().view(-1)
+
+
 INT6_SUPER = 256  # inputs per d (Q6_K's block): in_features must be a multiple of it
 INT6_SUB = 16  # inputs per sc
 

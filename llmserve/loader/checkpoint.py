@@ -25,10 +25,12 @@ class Checkpoint:
     # scale and minimum with w = q * scale + min, q in [0, 15], float32 [out, in / 32]. The int4 path takes
     # its groups from here, so it holds the shipped values instead of re-fitting a grid to them.
     int4_grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
-    # the file's own 6-bit grid for tensors stored as Q6_K: d per 256 inputs (float32 [out, in / 256]) and an int8
-    # sc per 16 ([out, in / 16]), w = d * sc * (q - 32), q in [0, 63]. The int8 layers' native kernel computes with
-    # these values in a layout of 6.625 bits a weight instead of re-quantizing them to 8 bits per row.
-    int6_grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+    # the file's own grid for tensors stored in more than 4 bits that int8 holds exactly: Q6_K's d per 256 inputs
+    # (float32 [out, in / 256]) and int8 sc per 16 ([out, in / 16]), w = d * sc * (q - 32), q in [0, 63]; or Q8_0's
+    # and Q5_0's d per 32 inputs alone (a 1-tuple, float32 [out, in / 32]), w = d * q, q in [-128, 127]. The int8
+    # layers' native kernel computes with these values (6.625 or 8.5 bits a weight) instead of re-quantizing them
+    # to 8 bits per row.
+    int8_grids: dict[str, tuple[torch.Tensor, ...]] | None = None
     # weights on int4 groups of any size in AWQ's form (w = (q - z) * s): an AWQ-layout checkpoint's, or what
     # AWQ / round to nearest made in memory (quantization/quantize_checkpoint.py). Their dequantized values
     # are in `weights` and their per-32 form in `int4_grids`; kept whole so that `llmserve quantize` can

@@ -91,18 +91,18 @@ def load_gguf(path: str, name: str, tokenizer: object | None = None) -> Checkpoi
     if arch not in _ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {sorted(_ARCHITECTURES)})")
     config = _config_from_metadata(meta, arch, header.tensor_shapes)
-    weights, formats, grids, grids6 = {}, {}, {}, {}
+    weights, formats, grids, grids8 = {}, {}, {}, {}
     for tensor in tqdm(read_tensors(path, header), desc=f"Dequantizing {os.path.basename(path)}", unit="tensor"):
         hf_name = _hf_name(tensor.name)
-        array, grid, grid6 = _dense(tensor), int4_grid(tensor), int6_grid(tensor)
+        array, grid, grid8 = _dense(tensor), int4_grid(tensor), int8_grid(tensor)
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_heads if "q_proj" in hf_name else config.num_kv_heads
             array = _unpermute_rope_rows(array, heads)
             grid = grid and tuple(_unpermute_rope_rows(g, heads) for g in grid)
-            grid6 = grid6 and tuple(_unpermute_rope_rows(g, heads) for g in grid6)
+            grid8 = grid8 and tuple(_unpermute_rope_rows(g, heads) for g in grid8)
         weights[hf_name] = array.contiguous()
         formats[hf_name] = tensor.tensor_type.name
-        for found, into in ((grid, grids), (grid6, grids6)):
+        for found, into in ((grid, grids), (grid8, grids8)):
             if found is not None:
                 into[hf_name] = tuple(torch.from_numpy(np.ascontiguousarray(g)) for g in found)
     if tokenizer is None:
@@ -118,7 +118,7 @@ def load_gguf(path: str, name: str, tokenizer: object | None = None) -> Checkpoi
         eos_token_ids=eos_ids,
         source_formats=formats,
         int4_grids=grids,
-        int6_grids=grids6,
+        int8_grids=grids8,
     )
 
 
@@ -195,14 +195,20 @@ def int4_grid(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray] | None:
 
 
 _Q6_K_BLOCK_BYTES = 210  # 128 bytes of low nibbles, 64 of top bits, 16 int8 sc, an fp16 d; 256 inputs
+# bytes per block of 32 inputs of the types whose values are an fp16 d times an integer that int8 holds, d first
+_D32_BLOCKS = {GGMLQuantizationType.Q8_0: 34, GGMLQuantizationType.Q5_0: 22}
 
 
-def int6_grid(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray] | None:
-    """(d [out, in / 256] float32, sc [out, in / 16] int8) for a Q6_K tensor (w = d * sc * (q - 32), q in [0, 63]);
-    None for any other type."""
+def int8_grid(tensor: GGUFTensor) -> tuple[np.ndarray, ...] | None:
+    """The grid int8 keeps a tensor's values on: (d [out, in / 256] float32, sc [out, in / 16] int8) for Q6_K
+    (w = d * sc * (q - 32), q in [0, 63]); (d [out, in / 32] float32,) for Q8_0 (w = d * q, q in [-127, 127]) and
+    Q5_0 (w = d * (q - 16), q in [0, 31]); None for any other type."""
+    out_features = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1
+    if tensor.tensor_type in _D32_BLOCKS:
+        blocks = np.asarray(tensor.data).view(np.uint8).reshape(-1, _D32_BLOCKS[tensor.tensor_type])
+        return (blocks[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(out_features, -1),)
     if tensor.tensor_type != GGMLQuantizationType.Q6_K:
         return None
-    out_features = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1
     blocks = np.asarray(tensor.data).view(np.uint8).reshape(-1, _Q6_K_BLOCK_BYTES)
     sc = blocks[:, 192:208].copy().view(np.int8)
     d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)

@@ -19,9 +19,11 @@ fitted to it (scale = (max - min) / 15, min = the group's minimum). AWQ's groups
 inputs, w = (q - z) * s: an AWQ checkpoint's, or `--quantization awq`'s) arrive the same way, as
 `int4_grids` (quantization/int4_groups.py).
 
-int8 is symmetric per output channel, except for a weight the file stored as Q6_K (`Checkpoint.int6_grids`: an
-int8 scale per 16 inputs, an fp16 factor per 256): that keeps the file's values, which the native int8 kernel
-reads in a 6-bit layout of its own (`pack_int6`, 6.625 bits a weight, fewer bytes than int8 and exact).
+int8 is symmetric per output channel, except for a weight the file stored on a grid int8 holds
+(`Checkpoint.int8_grids`): Q6_K (an int8 scale per 16 inputs, an fp16 factor per 256), which the native int8
+kernel reads in a 6-bit layout of its own (`pack_int6`, 6.625 bits a weight, fewer bytes than int8 and exact), or
+Q8_0 and Q5_0 (an fp16 d per 32 inputs), which it reads as int8 with each group's d (`pack_int8_grouped`, 8.5 bits
+a weight, exact). Those keep the file's values.
 
 A fused weight (q/k/v, gate/up) whose parts the file stored in different formats (Q4_K_M's q and k Q4_K, v Q6_K)
 becomes a `StackedLinear`: one layer per run of rows of one format, each computing as above.
@@ -46,6 +48,7 @@ from llmserve.kernels.quantized_gemv import (
     pack_int4,
     pack_int6,
     pack_int8,
+    pack_int8_grouped,
     super_blocks,
 )
 from llmserve.layers.linear import dense_linear
@@ -77,13 +80,13 @@ class WeightOnlyLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, method: str, native_kernels: bool = False,
                  max_quantized_tokens: int | None = None, bias: torch.Tensor | None = None,
                  grid: tuple[torch.Tensor, torch.Tensor] | None = None, activation_parts: int = 2,
-                 int6_grid: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 int8_grid: tuple[torch.Tensor, ...] | None = None) -> None:
         """`native_kernels`: small steps through `torch.ops.llmserve` (the caller has loaded them), which
         keep a weight copy of their own layout instead of PyTorch's. `grid`: int4's (scale, min) per group,
-        the file's own (see the module docstring); int8 has no use for it. `int6_grid`: int8's, a Q6_K weight's
-        (d, sc) (`Checkpoint.int6_grids`): the layer computes with the file's values instead of re-quantizing
-        them per row, the native kernel in its 6-bit layout (`pack_int6`); ignored where it does not give this
-        weight's values (a weight changed since it was read). `activation_parts`: how the native
+        the file's own (see the module docstring); int8 has no use for it. `int8_grid`: int8's, a Q6_K weight's
+        (d, sc) or a Q8_0 / Q5_0 weight's (d,) (`Checkpoint.int8_grids`): the layer computes with the file's values
+        instead of re-quantizing them per row, the native kernel in its 6-bit or grouped layout; ignored where it
+        does not give this weight's values (a weight changed since it was read). `activation_parts`: how the native
         int4 kernel takes a small step's inputs, 2 int8 parts (~16 bits) or 1 (Q8_0: an int8 per input, a
         scale per 32, half the integer work; the build plan chooses, see `Q8_MAX_TOKENS`). The native int8
         kernel takes its inputs the same way."""
@@ -100,12 +103,12 @@ class WeightOnlyLinear(nn.Module):
         packs = int4_packs if method == "int4" else int8_packs
         self.native = native_kernels and packs(out_features, in_features)
         with torch.no_grad():
-            six = _int6_levels(weight, int6_grid, native_kernels) if method == "int8" else None
-            self.six_bit = six is not None  # the file's Q6_K values, not re-quantized per row
-            if six is not None:  # native: the 6-bit layout, row scales ones
-                dequantized = six.dequantized
-                kernel_weights = ((pack_int6(six.q, six.d, six.sc), torch.ones(out_features)) if self.native
-                                  else (None, None))
+            levels = _int8_file_levels(weight, int8_grid, native_kernels) if method == "int8" else None
+            self.six_bit = isinstance(levels, Int6Levels)  # the file's Q6_K values, not re-quantized per row
+            self.grouped = isinstance(levels, GroupedLevels)  # the file's Q8_0 or Q5_0 values, likewise
+            if levels is not None:  # native: the 6-bit or grouped layout, row scales ones
+                dequantized = levels.dequantized
+                kernel_weights = (levels.pack(), torch.ones(out_features)) if self.native else (None, None)
             elif method == "int8":
                 q, scales, dequantized = _quantize_int8(weight.float())
                 kernel_weights = (pack_int8(q), scales.float()) if self.native else (q, scales.to(dtype))
@@ -120,7 +123,7 @@ class WeightOnlyLinear(nn.Module):
         self.register_buffer("scales", kernel_weights[1])
         self.out_features = out_features
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
-        # (none for the file's 6-bit values without the native kernels: PyTorch's int8 kernel would need them
+        # (none for the file's int8 grids without the native kernels: PyTorch's int8 kernel would need them
         # re-quantized, so every step takes the dense product of the same values)
         self._small_step = None if kernel_weights[0] is None else _SMALL_STEP_KERNELS[method, self.native]
         # the large-step path: the quantized values themselves, in the model dtype
@@ -212,6 +215,45 @@ class Int6Levels(NamedTuple):
     sc: torch.Tensor  # [out, in / 16] int8
     dequantized: torch.Tensor  # [out, in]: d * sc * (q - 32) in float32, as the file's reader computes it (the
     # native op gives them in the weight's dtype)
+
+    def pack(self) -> torch.Tensor:
+        return pack_int6(self.q, self.d, self.sc)
+
+
+class GroupedLevels(NamedTuple):
+    q: torch.Tensor  # [out, in] int8
+    d: torch.Tensor  # [out, in / 32] float32 (fp16 values)
+    dequantized: torch.Tensor  # [out, in]: d * q in float32
+
+    def pack(self) -> torch.Tensor:
+        return pack_int8_grouped(self.q, self.d)
+
+
+def _int8_file_levels(weight: torch.Tensor, grid: tuple[torch.Tensor, ...] | None,
+                      native: bool = False) -> Int6Levels | GroupedLevels | None:
+    """The weight's levels on the file's int8 grid (`Checkpoint.int8_grids`: Q6_K's two tensors or Q8_0's and
+    Q5_0's one), or None where there is none or it does not give this weight."""
+    if grid is None:
+        return None
+    return _int6_levels(weight, grid, native) if len(grid) == 2 else _grouped_levels(weight, grid)
+
+
+def _grouped_levels(weight: torch.Tensor, grid: tuple[torch.Tensor, ...]) -> GroupedLevels | None:
+    """The weight's integers on the file's d per 32 inputs, or None where that grid does not give this weight (in
+    its own dtype: bf16's rounding moves w / d by at most 128 / 256, which leaves a Q8_0 level of at most 127, and
+    any Q5_0 one, the nearest integer)."""
+    out_features, in_features = weight.shape
+    (d,) = grid
+    if not int8_packs(out_features, in_features) or d.shape != (out_features, in_features // INT4_GROUP_SIZE):
+        return None
+    scale = d.float().unsqueeze(2)
+    w = weight.detach().view(out_features, -1, INT4_GROUP_SIZE)
+    # in place after the first op (each fresh [out, in] tensor pays its page faults: start-up time)
+    q = torch.div(w, torch.where(scale != 0, scale, 1)).round_().clamp_(-128, 127)
+    dequantized = torch.mul(q, scale).view(out_features, in_features)
+    if not torch.equal(dequantized.to(weight.dtype), weight.detach()):  # float32: `to` is no copy
+        return None
+    return GroupedLevels(q.to(torch.int8).view(out_features, in_features), d.float(), dequantized)
 
 
 def _int6_levels(weight: torch.Tensor, grid: tuple[torch.Tensor, torch.Tensor] | None,
@@ -306,7 +348,7 @@ def quantize_model(model: nn.Module, method: str, native_kernels: bool = False,
                    max_quantized_tokens: int | None = None,
                    grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None, head: str = "int8",
                    activation_parts: int = 2,
-                   int6_grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> nn.Module:
+                   int8_grids: dict[str, tuple[torch.Tensor, ...]] | None = None) -> nn.Module:
     """Replace every `nn.Linear` of the decoder layers by a `WeightOnlyLinear` (its bias, if any, kept), and
     give the output head `head` weights, int8 unless asked (its logits rank every token; a speculative draft
     takes int4), a tied embedding staying as it is (a lookup reads one row).
@@ -315,23 +357,23 @@ def quantize_model(model: nn.Module, method: str, native_kernels: bool = False,
     use them. `max_quantized_tokens`: the largest step the small-step kernels take (default and ceiling:
     the layer's method's, Q8_MAX_TOKENS for int4 on Q8_0 inputs). `grids`: the checkpoint's `int4_grids`
     (Hugging Face names). `activation_parts`: the int4 layers' small-step inputs (see `WeightOnlyLinear`).
-    `int6_grids`: the checkpoint's, which int8 layers (and the int8 head) keep."""
+    `int8_grids`: the checkpoint's, which int8 layers (and the int8 head) keep."""
     grids = {k.removeprefix("model."): v for k, v in (grids or {}).items()}
-    int6_grids = {k.removeprefix("model."): v for k, v in (int6_grids or {}).items()}
+    int8_grids = {k.removeprefix("model."): v for k, v in (int8_grids or {}).items()}
 
     def quantized(weight: torch.Tensor, bias: torch.Tensor | None, sources: list[str]) -> WeightOnlyLinear:
         grid = _fused_grid(grids, sources)
         layer_method = layer_method_of(method, grid)
         return WeightOnlyLinear(weight, layer_method, native_kernels,
                                 small_step_cap(layer_method, max_quantized_tokens, activation_parts),
-                                bias, grid, activation_parts, _fused_grid(int6_grids, sources))
+                                bias, grid, activation_parts, _fused_grid(int8_grids, sources))
 
     for prefix, module in list(model.layers.named_modules(prefix="layers")):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 sources = model.checkpoint_sources(f"{prefix}.{child_name}.weight")
                 runs = _format_runs(sources, module.source_rows(child_name),
-                                    lambda s: _source_format(method, s, grids, int6_grids))
+                                    lambda s: _source_format(method, s, grids, int8_grids))
                 if len(runs) == 1:
                     setattr(module, child_name, quantized(child.weight, child.bias, sources))
                 else:  # rows the file stored in different formats: each run of rows in its own
@@ -341,15 +383,26 @@ def quantize_model(model: nn.Module, method: str, native_kernels: bool = False,
     head_source = "embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
     model.lm_head = WeightOnlyLinear(model.lm_head.weight, head, native_kernels,
                                      small_step_cap(head, max_quantized_tokens, activation_parts),
-                                     activation_parts=activation_parts, int6_grid=int6_grids.get(head_source))
+                                     activation_parts=activation_parts,
+                                     int8_grid=head_int8_grid(int8_grids, head_source))
     return model
 
 
-def _source_format(method: str, source: str, grids: dict, int6_grids: dict) -> tuple[str, bool]:
-    """How a checkpoint tensor is computed under `method`: its layer method, and whether with the file's own grid
-    (int4: Q4_K's super-blocks or a fitted fp16 one; int8: Q6_K's 6 bits or per row)."""
+def head_int8_grid(int8_grids: dict[str, tuple[torch.Tensor, ...]], source: str) -> tuple[torch.Tensor, ...] | None:
+    """The grid an int8 output head keeps: a Q6_K head's own (6.625 bits a weight, exact). A Q8_0 or Q5_0 head is
+    re-quantized per row, as every int8 head was before the grouped layout: 8 bits a weight against 8.5, on the
+    step's largest product (SmolLM2's tied Q8_0 embedding is a third of its step's bytes)."""
+    grid = int8_grids.get(source)
+    return grid if grid is not None and len(grid) == 2 else None
+
+
+def _source_format(method: str, source: str, grids: dict, int8_grids: dict) -> tuple[str, int]:
+    """How a checkpoint tensor is computed under `method`: its layer method, and the file's own grid it keeps, by
+    its tensors' count (int4: Q4_K's super-blocks or a fitted fp16 one; int8: Q6_K's 6 bits (2), Q8_0's or Q5_0's
+    d per 32 (1), or per row (0))."""
     layer_method = layer_method_of(method, grids.get(source))
-    return layer_method, source in (grids if layer_method == "int4" else int6_grids)
+    grid = (grids if layer_method == "int4" else int8_grids).get(source)
+    return layer_method, 0 if grid is None else len(grid)
 
 
 def _format_runs(sources: list[str], rows: list[int], format_of: Callable[[str], tuple[str, bool]]
@@ -389,11 +442,12 @@ class StackedLinear(nn.Module):
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
-def _fused_grid(grids: dict[str, tuple[torch.Tensor, torch.Tensor]], sources: list[str]
-                ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A fused weight's grid: its sources' in row order, where every one has one."""
+def _fused_grid(grids: dict[str, tuple[torch.Tensor, ...]], sources: list[str]) -> tuple[torch.Tensor, ...] | None:
+    """A fused weight's grid: its sources' in row order, where every one has one of the same kind."""
     found = [grids.get(s) for s in sources]
-    return None if None in found else (torch.cat([g[0] for g in found]), torch.cat([g[1] for g in found]))
+    if None in found or len({len(g) for g in found}) > 1:
+        return None
+    return tuple(torch.cat(parts) for parts in zip(*found, strict=True))
 
 
 def small_step_cap(method: str, asked: int | None, activation_parts: int) -> int:

@@ -41,7 +41,8 @@ def test_a_4_bit_file_runs_on_the_int4_path_by_default():
 
 
 def test_a_mostly_4_bit_k_quant_mix_runs_int4_and_int8():
-    """Q4_K_M: Q4_K tensors on int4, the few Q6_K ones on int8; a mix that is mostly wider stays as loaded."""
+    """Q4_K_M: Q4_K tensors on int4, the few Q6_K ones on int8; a mix that is mostly wider stays as loaded, unless
+    int8 holds every wider tensor's values (Q6_K, Q8_0, Q5_0: Qwen2.5-Coder-0.5B's Q4_K_M is mostly Q5_0)."""
     plan = _plan(_formats("Q4_K", down="Q6_K"))
     assert plan.weights == "int4+int8" and "Q6_K" in plan.reasons["weights"]
     assert not plan.int8_activations  # they would cost quality here
@@ -53,8 +54,13 @@ def test_a_mostly_4_bit_k_quant_mix_runs_int4_and_int8():
         assert "int4 and int8 layers up to 32 tokens" in plan.reasons["small steps"]
     else:
         assert plan.fused_decode_max_tokens == sixteen_bit.fused_decode_max_tokens == 0
-    assert _plan(_formats("Q5_0", down="Q4_K")).weights == "as loaded"
+    assert _plan(_formats("Q5_K", down="Q4_K")).weights == "as loaded"
     assert _plan(_formats("Q4_K", down="BF16")).weights == "as loaded"
+    mostly_q5_0 = _plan(_formats("Q5_0", down="Q4_K"))
+    assert mostly_q5_0.weights == "int4+int8" and "the file's values" in mostly_q5_0.reasons["weights"]
+    q8_0 = _plan(_formats("Q8_0"))
+    assert q8_0.weights == "int8" and "Q8_0, on a grid int8 holds" in q8_0.reasons["weights"]
+    assert _plan(_formats("Q4_K", down="Q5_K")).reasons["weights"].endswith("Q5_K per channel)")
 
 
 def test_every_decode_step_is_one_call_where_the_stack_runs():
@@ -78,7 +84,15 @@ def test_every_decode_step_is_one_call_where_the_stack_runs():
     assert _plan(_formats("Q4_1"), kernels="torch", compile=True).compile == "layers"
 
 
-@pytest.mark.parametrize("formats", [_formats("Q5_0", down="Q6_K"), _formats("Q8_0"), _formats("F16"), None])
+@pytest.mark.parametrize("formats", [_formats("Q5_0", down="Q6_K"), _formats("Q8_0"), _formats("Q6_K")])
+def test_a_file_int8_holds_runs_int8(formats):
+    """Q8_0, Q5_0 and Q6_K values are an integer int8 holds times the file's own scales: int8 keeps them all."""
+    plan = _plan(formats)
+    assert plan.weights == "int8" and "on a grid int8 holds" in plan.reasons["weights"]
+    assert not plan.int8_activations  # the auto rule keeps those to 4-bit files
+
+
+@pytest.mark.parametrize("formats", [_formats("Q5_1"), _formats("Q5_K", down="Q6_K"), _formats("F16"), None])
 def test_any_other_file_keeps_its_weights(formats):
     plan = _plan(formats)
     assert plan.weights == "as loaded" and not plan.int8_activations and plan.small_step_max_tokens == 0
@@ -93,8 +107,8 @@ def test_choices_asked_for_win():
         assert _plan(_formats("Q5_0"), quantization="int8", int8_activations=True).int8_activations
     with pytest.raises(ValueError, match="int8_activations"):
         engine_config(quantization="none", int8_activations=True)
-    with pytest.raises(ValueError, match="int8_activations needs quantized weights"):  # auto kept a Q5_0 file
-        _plan(_formats("Q5_0"), int8_activations=True)
+    with pytest.raises(ValueError, match="int8_activations needs quantized weights"):  # auto kept a Q5_K file
+        _plan(_formats("Q5_K"), int8_activations=True)
 
 
 @pytest.mark.parametrize("vnni", [True, False])
@@ -113,16 +127,16 @@ def test_int8_activations_need_vnni(monkeypatch, vnni):
 
 def test_a_draft_runs_the_fastest_weights_head_included():
     """A speculative draft's weights decide what is proposed, never what is kept: auto takes int4 for it, output
-    head included, even for a file it would keep as loaded for a target (where the native int4 kernels run)."""
+    head included, even for a file it would keep on int8 for a target (where the native int4 kernels run)."""
     from llmserve.kernels import load_cpu_kernels, native_quantized_kernels
 
     target, draft = _plan(_formats("Q5_0", down="Q8_0")), _plan(_formats("Q5_0", down="Q8_0"), draft=True)
-    assert target.weights == "as loaded" and target.head == "int8"
+    assert target.weights == "int8" and target.head == "int8"
     if load_cpu_kernels() and native_quantized_kernels():
         assert (draft.weights, draft.head) == ("int4", "int4") and "draft" in draft.reasons["weights"]
         assert "output head int4" in draft.describe()
     else:  # PyTorch's int4 kernel would make a draft step dearer than the target's
-        assert draft.weights == "as loaded"
+        assert draft.weights == "int8"
     asked = _plan(_formats("Q5_0"), draft=True, quantization="int8")
     assert (asked.weights, asked.head) == ("int8", "int8")
 

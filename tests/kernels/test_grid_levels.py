@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llmserve.kernels import load_cpu_kernels
-from llmserve.loader.gguf import _dense, int4_grid, int6_grid, read_tensors
+from llmserve.loader.gguf import _dense, int4_grid, int8_grid, read_tensors
 from llmserve.quantization.weight_only import _int6_levels, _quantize_int4
 from tests.model_files import gguf_files
 
@@ -82,7 +82,7 @@ def test_the_files_tensors_give_the_same_levels(path):
     tensors = [t for t in read_tensors(path) if len(t.shape) == 2]
     checked = set()
     for type_name, read_grid, check in (("Q4_1", int4_grid, assert_same_int4), ("Q4_K", int4_grid, assert_same_int4),
-                                        ("Q6_K", int6_grid, assert_same_int6)):
+                                        ("Q6_K", int8_grid, assert_same_int6)):
         of_type = [t for t in tensors if t.tensor_type.name == type_name]
         for tensor in of_type[:1] + of_type[-1:]:
             grid = tuple(torch.from_numpy(g.copy()) for g in read_grid(tensor))

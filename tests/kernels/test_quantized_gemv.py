@@ -10,7 +10,7 @@ import torch
 from llmserve.evaluate.reference import q8_0_levels
 from llmserve.host import cpu_flags
 from llmserve.kernels import load_cpu_kernels, native_quantized_kernels
-from llmserve.kernels.quantized_gemv import pack_int4, pack_int6, pack_int8, super_block_factors
+from llmserve.kernels.quantized_gemv import pack_int4, pack_int6, pack_int8, pack_int8_grouped, super_block_factors
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,13 +52,20 @@ def _int4_case(out_features, in_features, seed=0, mins_only=False, layout="fp16"
 
 
 def _int8_case(out_features, in_features, seed=0, layout="int8"):
-    """(packed weight, row scales, dense weight). `layout`: "int8" (an int8 per weight) or "six" (a Q6_K weight,
-    w = d * sc * (q - 32) per 16 inputs, in the 6-bit layout, times row scales as any int8 weight)."""
+    """(packed weight, row scales, dense weight). `layout`: "int8" (an int8 per weight), "six" (a Q6_K weight,
+    w = d * sc * (q - 32) per 16 inputs, in the 6-bit layout) or "grouped" (a Q8_0 weight, w = d * q with an fp16 d
+    per 32 inputs), each times row scales as any int8 weight."""
     gen = torch.Generator().manual_seed(seed)
     scales = torch.rand(out_features, generator=gen) * 0.01
     if layout == "int8":
         q = torch.randint(-127, 128, (out_features, in_features), generator=gen).to(torch.int8)
         return pack_int8(q), scales, q.float() * scales[:, None]
+    if layout == "grouped":
+        q = torch.randint(-128, 128, (out_features, in_features), generator=gen).to(torch.int8)
+        d = (torch.rand(out_features, in_features // 32, generator=gen) * 4).half().float()
+        packed = pack_int8_grouped(q, d)
+        assert packed.numel() == out_features * in_features * 8.5 / 8
+        return packed, scales, q.float() * d.repeat_interleave(32, dim=1) * scales[:, None]
     q = torch.randint(0, 64, (out_features, in_features), generator=gen)
     d = (torch.rand(out_features, in_features // 256, generator=gen) * 0.02).half().float()
     sc = torch.randint(-128, 128, (out_features, in_features // 16), generator=gen).to(torch.int8)
@@ -147,7 +154,8 @@ def test_activation_parts_are_one_or_two():
 
 
 # the int8 op's layouts: an int8 per weight, or Q6_K's 6 bits (inputs by 256)
-INT8_LAYOUT_SHAPES = [*[("int8", shape) for shape in SHAPES], *[("six", shape) for shape in SUPER_SHAPES]]
+INT8_LAYOUT_SHAPES = [*[(layout, shape) for layout in ("int8", "grouped") for shape in SHAPES],
+                      *[("six", shape) for shape in SUPER_SHAPES]]
 
 
 @pytest.mark.parametrize("tokens", TOKENS)
@@ -167,7 +175,8 @@ def test_int8_product_equals_the_dequantized_weight(tokens, layout, shape, dtype
 
 
 @pytest.mark.parametrize("tokens", [*TOKENS, 33])
-@pytest.mark.parametrize(("layout", "shape"), [*INT8_LAYOUT_SHAPES, ("int8", (2048, 1536)), ("six", (2048, 1536))])
+@pytest.mark.parametrize(("layout", "shape"), [*INT8_LAYOUT_SHAPES,
+                                               *[(layout, (2048, 1536)) for layout in ("int8", "six", "grouped")]])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_product_of_q8_inputs_is_exact_on_their_levels(tokens, layout, shape, dtype):
     """One activation part: x's Q8_0 levels times the int8 weight, up to float32 sums. The weights are stored as
@@ -198,6 +207,18 @@ def test_int8_sums_hold_at_the_extremes(weight, sign):
     for parts in (1, 2):
         out = torch.ops.llmserve.int8_gemv(x, pack_int8(q), scales, 32, parts)
         torch.testing.assert_close(out, torch.full((2, 32), sign * 3.0 * weight * 0.01 * 256))
+
+
+@pytest.mark.parametrize("q", [127, -128])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_grouped_sums_hold_at_the_extremes(q, sign):
+    # q at -128 or 127 (stored as 0 or 255) and every activation part at +-127, each group's own d (one of them 0)
+    d = torch.tensor([0.5, 0.0, 2.0, 0.25, 1.0, 0.125, 4.0, 0.75]).repeat(32, 1)
+    x = torch.full((2, 256), sign * 3.0)
+    packed = pack_int8_grouped(torch.full((32, 256), q, dtype=torch.int8), d)
+    for parts in (1, 2):
+        out = torch.ops.llmserve.int8_gemv(x, packed, torch.ones(32), 32, parts)
+        torch.testing.assert_close(out, torch.full((2, 32), sign * 3.0 * q * float(d[0].sum()) * 32))
 
 
 @pytest.mark.parametrize(("q", "sc"), [(63, 127), (0, -128), (0, 127)])
@@ -274,6 +295,8 @@ def test_packing_refuses_shapes_the_kernels_do_not_take():
         pack_int8(torch.zeros(24, 64, dtype=torch.int8))
     with pytest.raises(ValueError, match="in_features"):
         pack_int8(torch.zeros(32, 48, dtype=torch.int8))
+    with pytest.raises(ValueError, match="out_features"):
+        pack_int8_grouped(torch.zeros(24, 64, dtype=torch.int8), torch.ones(24, 2))
 
 
 def test_this_machine_runs_the_vector_loops():

@@ -36,10 +36,10 @@ def prompts(checkpoint) -> list[list[int]]:
 
 @pytest.mark.parametrize("method", ["int4+int8", "int4", "int8"])
 def test_rows_of_two_formats_each_keep_their_own(mixed_kquant_gguf, reference, checkpoint, prompts, method):
-    grids, int6_grids = checkpoint.int4_grids, checkpoint.int6_grids
+    grids, int8_grids = checkpoint.int4_grids, checkpoint.int8_grids
     assert {n.split(".")[-2] for n in grids} >= {"q_proj", "k_proj", "gate_proj", "up_proj"}
-    assert {n.split(".")[-2] for n in int6_grids} == {"v_proj", "down_proj", "lm_head"}
-    ref = quantized_reference(reference, method, grids, int6_grids)
+    assert {n.split(".")[-2] for n in int8_grids} == {"v_proj", "down_proj", "lm_head"}
+    ref = quantized_reference(reference, method, grids, int8_grids)
     expected = [reference_greedy(ref, ids, 12) for ids in prompts]
     assert len({tuple(e) for e in expected}) == len(expected)
     if method == "int4+int8":  # every weight at the file's own values: transformers on the file as it is

@@ -106,10 +106,10 @@ def test_a_q6_k_layer_computes_with_the_file_s_values(dtype):
     also when the model's weight arrived rounded to bf16 (the levels are recovered from it), and without the native
     kernels (dense products of the same values); a grid that no longer gives the weight (a changed weight) is not
     used: that layer re-quantizes per row."""
-    from llmserve.loader.gguf import int6_grid
+    from llmserve.loader.gguf import int8_grid
 
-    weight, grid = _a_qwen_tensor("Q6_K", int6_grid)
-    layer = WeightOnlyLinear(weight.to(dtype), "int8", native_kernels=True, int6_grid=grid)
+    weight, grid = _a_qwen_tensor("Q6_K", int8_grid)
+    layer = WeightOnlyLinear(weight.to(dtype), "int8", native_kernels=True, int8_grid=grid)
     assert layer.six_bit and torch.equal(layer.weight, weight.to(dtype))
     assert layer.qweight.numel() == weight.numel() * 6.625 / 8
     x = torch.randn(4, weight.shape[1], generator=torch.Generator().manual_seed(0))
@@ -121,13 +121,43 @@ def test_a_q6_k_layer_computes_with_the_file_s_values(dtype):
     if dtype == torch.float32:  # re-quantized per row, the product was ~1e3 times further from the file's
         assert (per_row(x).double() - expected).abs().max() > 100 * error * expected.abs().max()
     if dtype == torch.float32:  # without the native kernels: the same values, every step on the dense product
-        plain = WeightOnlyLinear(weight, "int8", native_kernels=False, int6_grid=grid)
+        plain = WeightOnlyLinear(weight, "int8", native_kernels=False, int8_grid=grid)
         assert plain.six_bit and plain.qweight is None
         torch.testing.assert_close(plain(x), x @ weight.T)
     changed = weight.clone()
     changed[3, 5] += float(changed[3].abs().max()) / 7
-    stale = WeightOnlyLinear(changed, "int8", native_kernels=True, int6_grid=grid)
+    stale = WeightOnlyLinear(changed, "int8", native_kernels=True, int8_grid=grid)
     assert not stale.six_bit and stale.qweight.numel() == weight.numel()
+
+
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q8_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q5_0_and_q8_0_layers_compute_with_the_file_s_values(type_name, dtype):
+    """Qwen2.5-Coder-0.5B's Q5_0 and Q8_0 tensors on int8: the layer's weights are the file's values (an fp16 d per
+    32 inputs times the file's integers, not re-quantized per row), packed at 8.5 bits a weight, the product on
+    ~16-bit inputs within that split's rounding of the file's, also from a weight rounded to bf16; without the native
+    kernels the same values through dense products; a changed weight is re-quantized per row."""
+    from llmserve.loader.gguf import int8_grid
+
+    weight, grid = _a_qwen_tensor(type_name, int8_grid)
+    assert len(grid) == 1 and grid[0].shape == (weight.shape[0], weight.shape[1] // 32)
+    layer = WeightOnlyLinear(weight.to(dtype), "int8", native_kernels=True, int8_grid=grid)
+    assert layer.grouped and not layer.six_bit and torch.equal(layer.weight, weight.to(dtype))
+    assert layer.qweight.numel() == weight.numel() * 8.5 / 8
+    x = torch.randn(4, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    expected = x.double() @ weight.double().T
+    error = (layer(x.to(dtype)).double() - expected).abs().max() / expected.abs().max()
+    assert error < (1e-4 if dtype == torch.float32 else 2**-8)
+    if dtype == torch.float32:  # re-quantized per row, the product was further from the file's
+        per_row = WeightOnlyLinear(weight, "int8", native_kernels=True)
+        assert (per_row(x).double() - expected).abs().max() > 10 * error * expected.abs().max()
+        plain = WeightOnlyLinear(weight, "int8", native_kernels=False, int8_grid=grid)
+        assert plain.grouped and plain.qweight is None
+        torch.testing.assert_close(plain(x), x @ weight.T)
+    changed = weight.clone()
+    changed[3, 5] += float(changed[3].abs().max()) / 7
+    stale = WeightOnlyLinear(changed, "int8", native_kernels=True, int8_grid=grid)
+    assert not stale.grouped and stale.qweight.numel() == weight.numel()
 
 
 def test_bad_quantization_is_refused():
