@@ -99,65 +99,43 @@ def test_a_q4_k_layer_computes_with_the_file_s_values():
     assert (layer(x).double() - expected).abs().max() < 1e-4 * expected.abs().max()
 
 
+# the file's types int8 keeps on their own grid: the layer's flag, its bits a weight, and how much further from the
+# file's product the same weight re-quantized per row lands (at least)
+INT8_FILE_GRIDS = {"Q6_K": ("six_bit", 6.625, 100), "Q5_0": ("grouped", 8.5, 10), "Q8_0": ("grouped", 8.5, 10)}
+
+
+@pytest.mark.parametrize("type_name", list(INT8_FILE_GRIDS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_q6_k_layer_computes_with_the_file_s_values(dtype):
-    """Qwen2.5-Coder-0.5B's Q6_K ffn_down on int8: the layer's weights are the file's values (not re-quantized per
-    row), packed at 6.625 bits a weight, its product on ~16-bit inputs within that split's rounding of the file's,
-    also when the model's weight arrived rounded to bf16 (the levels are recovered from it), and without the native
-    kernels (dense products of the same values); a grid that no longer gives the weight (a changed weight) is not
-    used: that layer re-quantizes per row."""
+def test_int8_layers_compute_with_the_file_s_values(type_name, dtype):
+    """Qwen2.5-Coder-0.5B's Q6_K ffn_down, and its Q5_0 and Q8_0 tensors, on int8: the layer's weights are the file's
+    values (not re-quantized per row), packed at 6.625 bits a weight (Q6_K's d and sc) or 8.5 (Q5_0's and Q8_0's d per
+    32 inputs), its product on ~16-bit inputs within that split's rounding of the file's, also when the model's weight
+    arrived rounded to bf16 (the levels are recovered from it), and without the native kernels (dense products of
+    the same values); a grid that no longer gives the weight (a changed weight) is not used: that layer re-quantizes
+    per row."""
     from llmserve.loader.gguf import int8_grid
 
-    weight, grid = _a_qwen_tensor("Q6_K", int8_grid)
+    flag, bits, per_row_factor = INT8_FILE_GRIDS[type_name]
+    weight, grid = _a_qwen_tensor(type_name, int8_grid)
     layer = WeightOnlyLinear(weight.to(dtype), "int8", native_kernels=True, int8_grid=grid)
-    assert layer.six_bit and torch.equal(layer.weight, weight.to(dtype))
-    assert layer.qweight.numel() == weight.numel() * 6.625 / 8
+    assert getattr(layer, flag) and layer.six_bit + layer.grouped == 1 and torch.equal(layer.weight, weight.to(dtype))
+    assert layer.qweight.numel() == weight.numel() * bits / 8
     x = torch.randn(4, weight.shape[1], generator=torch.Generator().manual_seed(0))
     expected = x.double() @ weight.double().T
     per_row = WeightOnlyLinear(weight, "int8", native_kernels=True)
-    assert not per_row.six_bit
-    error = (layer(x.to(dtype)).double() - expected).abs().max() / expected.abs().max()
-    assert error < (1e-4 if dtype == torch.float32 else 2**-8)
-    if dtype == torch.float32:  # re-quantized per row, the product was ~1e3 times further from the file's
-        assert (per_row(x).double() - expected).abs().max() > 100 * error * expected.abs().max()
-    if dtype == torch.float32:  # without the native kernels: the same values, every step on the dense product
-        plain = WeightOnlyLinear(weight, "int8", native_kernels=False, int8_grid=grid)
-        assert plain.six_bit and plain.qweight is None
-        torch.testing.assert_close(plain(x), x @ weight.T)
-    changed = weight.clone()
-    changed[3, 5] += float(changed[3].abs().max()) / 7
-    stale = WeightOnlyLinear(changed, "int8", native_kernels=True, int8_grid=grid)
-    assert not stale.six_bit and stale.qweight.numel() == weight.numel()
-
-
-@pytest.mark.parametrize("type_name", ["Q5_0", "Q8_0"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_q5_0_and_q8_0_layers_compute_with_the_file_s_values(type_name, dtype):
-    """Qwen2.5-Coder-0.5B's Q5_0 and Q8_0 tensors on int8: the layer's weights are the file's values (an fp16 d per
-    32 inputs times the file's integers, not re-quantized per row), packed at 8.5 bits a weight, the product on
-    ~16-bit inputs within that split's rounding of the file's, also from a weight rounded to bf16; without the native
-    kernels the same values through dense products; a changed weight is re-quantized per row."""
-    from llmserve.loader.gguf import int8_grid
-
-    weight, grid = _a_qwen_tensor(type_name, int8_grid)
-    assert len(grid) == 1 and grid[0].shape == (weight.shape[0], weight.shape[1] // 32)
-    layer = WeightOnlyLinear(weight.to(dtype), "int8", native_kernels=True, int8_grid=grid)
-    assert layer.grouped and not layer.six_bit and torch.equal(layer.weight, weight.to(dtype))
-    assert layer.qweight.numel() == weight.numel() * 8.5 / 8
-    x = torch.randn(4, weight.shape[1], generator=torch.Generator().manual_seed(0))
-    expected = x.double() @ weight.double().T
+    assert not per_row.six_bit and not per_row.grouped
     error = (layer(x.to(dtype)).double() - expected).abs().max() / expected.abs().max()
     assert error < (1e-4 if dtype == torch.float32 else 2**-8)
     if dtype == torch.float32:  # re-quantized per row, the product was further from the file's
-        per_row = WeightOnlyLinear(weight, "int8", native_kernels=True)
-        assert (per_row(x).double() - expected).abs().max() > 10 * error * expected.abs().max()
+        assert (per_row(x).double() - expected).abs().max() > per_row_factor * error * expected.abs().max()
+    if dtype == torch.float32:  # without the native kernels: the same values, every step on the dense product
         plain = WeightOnlyLinear(weight, "int8", native_kernels=False, int8_grid=grid)
-        assert plain.grouped and plain.qweight is None
+        assert getattr(plain, flag) and plain.qweight is None
         torch.testing.assert_close(plain(x), x @ weight.T)
     changed = weight.clone()
     changed[3, 5] += float(changed[3].abs().max()) / 7
     stale = WeightOnlyLinear(changed, "int8", native_kernels=True, int8_grid=grid)
-    assert not stale.grouped and stale.qweight.numel() == weight.numel()
+    assert not getattr(stale, flag) and stale.qweight.numel() == weight.numel()
 
 
 def test_bad_quantization_is_refused():
