@@ -357,7 +357,7 @@ def quantize_model(model: nn.Module, method: str, native_kernels: bool = False,
     use them. `max_quantized_tokens`: the largest step the small-step kernels take (default and ceiling:
     the layer's method's, Q8_MAX_TOKENS for int4 on Q8_0 inputs). `grids`: the checkpoint's `int4_grids`
     (Hugging Face names). `activation_parts`: the int4 layers' small-step inputs (see `WeightOnlyLinear`).
-    `int8_grids`: the checkpoint's, which int8 layers (and the int8 head) keep."""
+    `int8_grids`: the checkpoint's, which int8 layers (and an int8 head of Q6_K: `head_int8_grid`) keep."""
     grids = {k.removeprefix("model."): v for k, v in (grids or {}).items()}
     int8_grids = {k.removeprefix("model."): v for k, v in (int8_grids or {}).items()}
 
@@ -405,7 +405,7 @@ def _source_format(method: str, source: str, grids: dict, int8_grids: dict) -> t
     return layer_method, 0 if grid is None else len(grid)
 
 
-def _format_runs(sources: list[str], rows: list[int], format_of: Callable[[str], tuple[str, bool]]
+def _format_runs(sources: list[str], rows: list[int], format_of: Callable[[str], tuple[str, int]]
                  ) -> list[tuple[list[str], slice]]:
     """A fused weight's sources (their row counts `rows`) grouped into runs of one format: (sources, their rows)."""
     runs: list[tuple[list[str], slice]] = []
