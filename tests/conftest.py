@@ -61,10 +61,20 @@ def hf_reference(hf_model, prompt_token_ids) -> list[list[int]]:
 def mixed_kquant_gguf(tmp_path_factory) -> str:
     """A small Qwen2 GGUF whose fused linears mix Q4_K and Q6_K rows, as Qwen2.5-Coder-1.5B's file does
     (tests/models/mixed_gguf.py); its vocabulary is the 0.5B's."""
+    return _small_qwen_gguf(tmp_path_factory, "mixed.gguf")
+
+
+@pytest.fixture(scope="session")
+def legacy_quant_gguf(tmp_path_factory) -> str:
+    """The same small Qwen2 GGUF with its linears Q5_0 and Q8_0, as most of Qwen2.5-Coder-0.5B's are."""
+    return _small_qwen_gguf(tmp_path_factory, "legacy.gguf", legacy=True)
+
+
+def _small_qwen_gguf(tmp_path_factory, name: str, **kinds) -> str:
     from llmserve.loader.default_models import PARTED_MODELS, installed_path
     from tests.models.mixed_gguf import write_mixed_gguf
 
     vocabulary = installed_path(PARTED_MODELS["qwen2.5-coder-0.5b"])
     if vocabulary is None:
         pytest.skip("qwen2.5-coder-0.5b (whose vocabulary the test model takes) is not assembled here")
-    return str(write_mixed_gguf(tmp_path_factory.mktemp("mixed-kquants") / "mixed.gguf", str(vocabulary)))
+    return str(write_mixed_gguf(tmp_path_factory.mktemp("small-qwen") / name, str(vocabulary), **kinds))

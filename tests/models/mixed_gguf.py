@@ -1,5 +1,6 @@
 """A small Qwen2 GGUF made here whose fused linears mix K-quant formats as Qwen2.5-Coder-1.5B's Q4_K_M does (q and
-k Q4_K, v Q6_K; gate and up Q4_K, down Q6_K; head Q6_K), for what CI cannot load the 1.5B for.
+k Q4_K, v Q6_K; gate and up Q4_K, down Q6_K; head Q6_K), for what CI cannot load the 1.5B for; or (`legacy=True`)
+whose linears are Q5_0 and Q8_0 alone, as most of Qwen2.5-Coder-0.5B's are, a file the default runs on int8.
 
 Its hidden size is 256 (K-quants need rows of 256 inputs; the 0.5B's 896 are not). The blocks are random but valid:
 random 4- and 6-bit levels, scales and factors written in the formats' own bit layouts (ggml's
@@ -8,11 +9,12 @@ tokenizer are the 0.5B's, copied from its file."""
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, quants
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, LAYERS = 256, 512, 4, 2, 2
 HEAD_DIM = HIDDEN // HEADS
@@ -49,13 +51,31 @@ def q6_k_rows(rows: int, cols: int, rng: np.random.Generator, d: float) -> np.nd
     return np.concatenate([bits, sc.view(np.uint8), d.view(np.uint8).reshape(blocks, 2)], axis=1).reshape(rows, -1)
 
 
-def write_mixed_gguf(path: Path, vocabulary_from: str, seed: int = 0) -> Path:
-    """The model at `path`, its tokenizer fields copied from the GGUF `vocabulary_from` (a Qwen2 one)."""
-    rng = np.random.default_rng(seed)
-    source = GGUFReader(vocabulary_from)
+def legacy_rows(kind: GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator, d: float) -> np.ndarray:
+    """Q5_0 or Q8_0 bytes of Gaussian weights, gguf-py's own quantizer: weights of about 190 x `d` at most, as
+    `q4_k_rows`'."""
+    return quants.quantize((rng.standard_normal((rows, cols)) * 50 * d).astype(np.float32), kind)
+
+
+@functools.cache
+def _tokenizer_of(path: str) -> tuple[int, list[tuple[str, object, GGUFValueType, GGUFValueType | None]]]:
+    """A GGUF's vocabulary size and tokenizer fields (key, contents, type, element type), read once a process: the
+    reader takes ~10 s over a 151k-token vocabulary, and two test files copy it."""
+    source = GGUFReader(path)
     vocab = next(t for t in source.tensors if t.name == "token_embd.weight").shape[1]
+    fields = [(key, field.contents(), field.types[0],
+               field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None)
+              for key, field in source.fields.items() if key.startswith("tokenizer.")]
+    return vocab, fields
+
+
+def write_mixed_gguf(path: Path, vocabulary_from: str, seed: int = 0, legacy: bool = False) -> Path:
+    """The model at `path`, its tokenizer fields copied from the GGUF `vocabulary_from` (a Qwen2 one). `legacy`: the
+    4-bit tensors Q5_0 and the 6-bit ones Q8_0 (the embedding stays Q4_K)."""
+    rng = np.random.default_rng(seed)
+    vocab, tokenizer_fields = _tokenizer_of(vocabulary_from)
     writer = GGUFWriter(str(path), "qwen2")
-    writer.add_name("mixed K-quant test model")
+    writer.add_name("Q5_0 and Q8_0 test model" if legacy else "mixed K-quant test model")
     writer.add_block_count(LAYERS)
     writer.add_context_length(1024)
     writer.add_embedding_length(HIDDEN)
@@ -64,14 +84,15 @@ def write_mixed_gguf(path: Path, vocabulary_from: str, seed: int = 0) -> Path:
     writer.add_head_count_kv(KV_HEADS)
     writer.add_rope_freq_base(1e6)
     writer.add_layer_norm_rms_eps(1e-6)
-    for key, field in source.fields.items():
-        if key.startswith("tokenizer."):
-            array = field.types[0] == GGUFValueType.ARRAY
-            writer.add_key_value(key, field.contents(), field.types[0], field.types[-1] if array else None)
+    for key, contents, kind, sub_kind in tokenizer_fields:
+        writer.add_key_value(key, contents, kind, sub_kind)
     q4, q6 = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
+    if legacy:
+        q4, q6 = GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q8_0
     # the embedding and head spread (clear greedy choices), the layers' weights small (a random network's
     # attention and residual stream stay calm: no near tie turns on float rounding)
-    tensors = {"token_embd.weight": (q4, vocab, HIDDEN, 1e-3), "output.weight": (q6, vocab, HIDDEN, 5e-4)}
+    tensors = {"token_embd.weight": (GGMLQuantizationType.Q4_K, vocab, HIDDEN, 1e-3),
+               "output.weight": (q6, vocab, HIDDEN, 5e-4)}
     for i in range(LAYERS):
         tensors |= {f"blk.{i}.attn_q.weight": (q4, HIDDEN, HIDDEN, 1e-4),
                     f"blk.{i}.attn_k.weight": (q4, KV_HEADS * HEAD_DIM, HIDDEN, 1e-4),
@@ -81,7 +102,10 @@ def write_mixed_gguf(path: Path, vocabulary_from: str, seed: int = 0) -> Path:
                     f"blk.{i}.ffn_up.weight": (q4, INTERMEDIATE, HIDDEN, 1e-4),
                     f"blk.{i}.ffn_down.weight": (q6, HIDDEN, INTERMEDIATE, 5e-5)}
     for name, (kind, rows, cols, d) in tensors.items():
-        data = (q4_k_rows if kind == q4 else q6_k_rows)(rows, cols, rng, d)
+        if kind in (GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q8_0):
+            data = legacy_rows(kind, rows, cols, rng, d)
+        else:
+            data = (q4_k_rows if kind == GGMLQuantizationType.Q4_K else q6_k_rows)(rows, cols, rng, d)
         writer.add_tensor(name, data, raw_dtype=kind)
     for i in range(LAYERS):
         for norm in ("attn_norm", "ffn_norm"):

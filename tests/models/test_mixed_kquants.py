@@ -11,7 +11,7 @@ from llmserve.evaluate.reference import quantized_reference, reference_greedy, r
 from llmserve.loader import load_checkpoint
 from llmserve.quantization.weight_only import StackedLinear, WeightOnlyLinear
 from tests.greedy import assert_greedy_equals
-from tests.models.mixed_gguf import HIDDEN
+from tests.models.mixed_gguf import HIDDEN, INTERMEDIATE
 
 PROMPTS = ["def is_prime(n):", "The three laws of thermodynamics are", "# Sort a list of tuples\n"]
 # bits a weight of each q/k/v part (q and k, then v) under each method: int4 on Q4_K's grid in its super-block
@@ -56,3 +56,28 @@ def test_rows_of_two_formats_each_keep_their_own(mixed_kquant_gguf, reference, c
         assert torch.equal(qkv.bias, torch.cat(biases))  # each part adds its rows' own
     assert_greedy_equals(llm, prompts, expected, single=1)
 
+
+
+def test_a_q5_0_and_q8_0_file_runs_int8_at_its_own_values(legacy_quant_gguf):
+    """A file whose linears are Q5_0 and Q8_0 alone: the default plans int8, every decoder linear on the grouped
+    layout (8.5 bits a weight, the file's values), the Q8_0 head per row; greedy equal to transformers on those
+    weights, batched and alone, and the KV blocks all returned."""
+    checkpoint = load_checkpoint(legacy_quant_gguf)
+    formats = {fmt for name, fmt in checkpoint.source_formats.items() if "layers" in name and name.endswith("weight")
+               and "norm" not in name}
+    assert formats == {"Q5_0", "Q8_0"}
+    reference = reference_model(legacy_quant_gguf, torch.float32)
+    ref = quantized_reference(reference, "int8", checkpoint.int4_grids, checkpoint.int8_grids)
+    prompts = [checkpoint.tokenizer.encode(p) for p in PROMPTS]
+    expected = [reference_greedy(ref, ids, 12) for ids in prompts]
+    assert len({tuple(e) for e in expected}) == len(expected)
+    llm = LLM(legacy_quant_gguf, dtype="float32", kv_cache_memory_gb=0.1, max_model_len=512)
+    assert llm.engine.plan.weights == "int8" and "on a grid int8 holds" in llm.engine.plan.reasons["weights"]
+    model = llm.engine.runner.model
+    linears = [(linear, inputs) for layer in model.layers for linear, inputs in (
+        (layer.self_attn.qkv_proj, HIDDEN), (layer.self_attn.o_proj, HIDDEN), (layer.mlp.gate_up_proj, HIDDEN),
+        (layer.mlp.down_proj, INTERMEDIATE))]
+    assert all(m.grouped and m.qweight.numel() * 16 == m.out_features * inputs * 17 for m, inputs in linears)
+    assert not model.lm_head.grouped and model.lm_head.qweight.numel() == model.lm_head.out_features * HIDDEN
+    assert_greedy_equals(llm, prompts, expected, single=1)
+    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
