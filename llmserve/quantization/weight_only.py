@@ -246,14 +246,25 @@ def _grouped_levels(weight: torch.Tensor, grid: tuple[torch.Tensor, ...]) -> Gro
     (d,) = grid
     if not int8_packs(out_features, in_features) or d.shape != (out_features, in_features // INT4_GROUP_SIZE):
         return None
-    scale = d.float().unsqueeze(2)
-    w = weight.detach().view(out_features, -1, INT4_GROUP_SIZE)
+    levels = _levels_on(weight, d.float().unsqueeze(2), -128, 127)
+    if levels is None:
+        return None
+    q, dequantized = levels
+    return GroupedLevels(q.to(torch.int8).view(out_features, in_features), d.float(), dequantized)
+
+
+def _levels_on(weight: torch.Tensor, scale: torch.Tensor, lowest: int, highest: int
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """PyTorch's ops: the integers q in [lowest, highest] with weight = q * scale (`scale` [out, groups, 1], one per
+    run of in / groups inputs) and those values in float32, or None where they do not give the weight."""
+    out_features, in_features = weight.shape
+    w = weight.detach().view(out_features, scale.shape[1], -1)
     # in place after the first op (each fresh [out, in] tensor pays its page faults: start-up time)
-    q = torch.div(w, torch.where(scale != 0, scale, 1)).round_().clamp_(-128, 127)
+    q = torch.div(w, torch.where(scale != 0, scale, 1)).round_().clamp_(lowest, highest)
     dequantized = torch.mul(q, scale).view(out_features, in_features)
     if not torch.equal(dequantized.to(weight.dtype), weight.detach()):  # float32: `to` is no copy
         return None
-    return GroupedLevels(q.to(torch.int8).view(out_features, in_features), d.float(), dequantized)
+    return q, dequantized
 
 
 def _int6_levels(weight: torch.Tensor, grid: tuple[torch.Tensor, torch.Tensor] | None,
@@ -273,12 +284,10 @@ def _int6_levels(weight: torch.Tensor, grid: tuple[torch.Tensor, torch.Tensor] |
         if not torch.equal(dequantized, weight.detach()):
             return None
         return Int6Levels(q, d.float(), sc.to(torch.int8), dequantized)
-    w = weight.detach().view(out_features, -1, INT6_SUB)
-    # in place after the first op (each fresh [out, in] tensor pays its page faults: start-up time)
-    q = torch.div(w, torch.where(scale != 0, scale, 1)).round_().clamp_(-32, 31)
-    dequantized = torch.mul(q, scale).view(out_features, in_features)
-    if not torch.equal(dequantized.to(weight.dtype), weight.detach()):  # float32: `to` is no copy
+    levels = _levels_on(weight, scale, -32, 31)
+    if levels is None:
         return None
+    q, dequantized = levels
     return Int6Levels(q.add_(32).to(torch.uint8).view(out_features, in_features), d.float(), sc.to(torch.int8),
                       dequantized)
 
