@@ -60,7 +60,7 @@ def hf_reference(hf_model, prompt_token_ids) -> list[list[int]]:
 @pytest.fixture(scope="session")
 def mixed_kquant_gguf(tmp_path_factory) -> str:
     """A small Qwen2 GGUF whose fused linears mix Q4_K and Q6_K rows, as Qwen2.5-Coder-1.5B's file does
-    (tests/models/mixed_gguf.py); its vocabulary is the 0.5B's."""
+    (tests/models/mixed_gguf.py); its tokenizer is the 0.5B's, cut to 4,096 tokens."""
     return _small_qwen_gguf(tmp_path_factory, "mixed.gguf")
 
 
@@ -76,5 +76,5 @@ def _small_qwen_gguf(tmp_path_factory, name: str, **kinds) -> str:
 
     vocabulary = installed_path(PARTED_MODELS["qwen2.5-coder-0.5b"])
     if vocabulary is None:
-        pytest.skip("qwen2.5-coder-0.5b (whose vocabulary the test model takes) is not assembled here")
+        pytest.skip("qwen2.5-coder-0.5b (whose tokenizer the test model takes) is not assembled here")
     return str(write_mixed_gguf(tmp_path_factory.mktemp("small-qwen") / name, str(vocabulary), **kinds))
