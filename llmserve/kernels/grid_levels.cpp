@@ -1,18 +1,21 @@
 // A weight's levels on a given quantization grid, and the values they stand for, in one pass over the weight.
 //
-// Why: every start re-derives the levels of the file's int4 (Q4_0/Q4_1/Q4_K) and 6-bit (Q6_K) weights from their
-// decoded values. PyTorch's ops made it six passes over a float32 copy of each weight (widen, subtract, divide,
+// Why: every start re-derives the levels of the file's int4 (Q4_0/Q4_1/Q4_K) and int8-held (Q6_K, Q8_0, Q5_0)
+// weights from their decoded values. PyTorch's ops made it six passes over a float32 copy of each weight (widen, subtract, divide,
 // round, clamp, and the dequantized values' multiply and add), each fresh tensor paying its page faults:
 // Qwen2.5-Coder-1.5B's start spent 4.8 s on int4 levels and 1.7 s on 6-bit ones (benchmarks/README.md,
-// "Session 53"). Here each thread reads its rows once and writes the levels and the dequantized values.
+// "Session 53"), the 0.5B's 0.9 s on its Q8_0 and Q5_0 ones ("Session 61"). Here each thread reads its rows once
+// and writes the levels and the dequantized values.
 //
 // The arithmetic is PyTorch's, operation for operation, in float32 with IEEE rounding (no fast-math, no fused
 // multiply-add), so the levels and values are the ones `weight_only.py`'s PyTorch path computes, bit for bit
 // (tests/kernels/test_grid_levels.py):
 //   int4: q = clamp(round((w - lo) / step), 0, 15), step = scale where scale > 0 else 1;
 //         value = q * value_scale + value_lo (two roundings), in the weight's dtype;
-//   int6: q = clamp(round(w / step), -32, 31), step = scale where scale != 0 else 1; value = q * scale,
-//         q stored as q + 32.
+//   on a grid of one scale per run of inputs (Q6_K's d * sc per 16, Q8_0's and Q5_0's d per 32), integers in
+//   [lowest, highest]: q = clamp(round(w / step), lowest, highest), step = scale where scale != 0 else 1;
+//   q stored as q - lowest (an unsigned byte), and whether q * scale in the weight's dtype is the weight everywhere
+//   (the values themselves are then the weight: no copy written, none compared after).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -21,6 +24,7 @@
 #include "elementwise.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -29,7 +33,6 @@
 namespace {
 
 constexpr int64_t kInt4Group = 32;
-constexpr int64_t kInt6Sub = 16;
 
 // bfloat16 <-> float32 as bit operations the loops vectorize (c10::BFloat16's conversions kept the loops scalar,
 // and their clamps became branches: 3x slower on real weights), with c10's rounding: to nearest even, NaN quiet
@@ -71,24 +74,30 @@ LLMSERVE_IEEE_LOOPS void int4_rows(const T* w, const float* scale, const float* 
   }
 }
 
+// Returns whether every value q * scale, in the weight's dtype, equals the weight (as `torch.equal`: by value)
 template <typename T>
-LLMSERVE_IEEE_LOOPS void int6_rows(const T* w, const float* scale, uint8_t* q, T* value, int64_t row_begin,
-                             int64_t row_end, int64_t in) {
-  const int64_t subs = in / kInt6Sub;
+LLMSERVE_IEEE_LOOPS bool signed_rows(const T* w, const float* scale, float lowest, float highest, uint8_t* q,
+                                     int64_t row_begin, int64_t row_end, int64_t in, int64_t run) {
+  const int64_t runs = in / run;
+  int off_grid = 0;
   for (int64_t r = row_begin; r < row_end; ++r) {
-    for (int64_t s = 0; s < subs; ++s) {
-      const float sc = scale[r * subs + s];
+    for (int64_t s = 0; s < runs; ++s) {
+      const float sc = scale[r * runs + s];
       const float step = sc != 0.f ? sc : 1.f;
-      const int64_t base = r * in + s * kInt6Sub;
+      const int64_t base = r * in + s * run;
 #pragma GCC ivdep
-      for (int64_t i = 0; i < kInt6Sub; ++i) {
-        float level = __builtin_nearbyintf(widen(w[base + i]) / step);
-        level = level < -32.f ? -32.f : (level > 31.f ? 31.f : level);
-        q[base + i] = static_cast<uint8_t>(static_cast<int32_t>(level) + 32);
-        narrow(level * sc, value + base + i);
+      for (int64_t i = 0; i < run; ++i) {
+        const float weight = widen(w[base + i]);
+        float level = __builtin_nearbyintf(weight / step);
+        level = level < lowest ? lowest : (level > highest ? highest : level);
+        q[base + i] = static_cast<uint8_t>(static_cast<int32_t>(level - lowest));
+        T value;
+        narrow(level * sc, &value);
+        off_grid |= widen(value) != weight;
       }
     }
   }
+  return off_grid == 0;
 }
 
 void check_weight(const at::Tensor& w, int64_t group, const char* op) {
@@ -131,28 +140,42 @@ std::tuple<at::Tensor, at::Tensor> int4_levels(const at::Tensor& w, const at::Te
   return {q, value};
 }
 
-std::tuple<at::Tensor, at::Tensor> int6_levels(const at::Tensor& w, const at::Tensor& scale) {
-  check_weight(w, kInt6Sub, "int6_levels");
-  check_grid(scale, w, kInt6Sub, "int6_levels");
+std::tuple<at::Tensor, bool> signed_levels(const at::Tensor& w, const at::Tensor& scale, int64_t lowest,
+                                           int64_t highest) {
+  TORCH_CHECK(lowest <= 0 && 0 <= highest && highest - lowest <= 255, "signed_levels: [lowest, highest] must hold 0 "
+              "and at most 256 integers, got [", lowest, ", ", highest, "]");
+  check_weight(w, 1, "signed_levels");
+  TORCH_CHECK(scale.dim() == 2 && scale.size(1) > 0 && w.size(1) % scale.size(1) == 0,
+              "signed_levels: the scale must be [out, runs], the runs dividing in_features");
+  const int64_t run = w.size(1) / scale.size(1);
+  check_grid(scale, w, run, "signed_levels");
   at::Tensor q = at::empty(w.sizes(), w.options().dtype(at::kByte));
-  at::Tensor value = at::empty_like(w);
   const int64_t in = w.size(1);
-  with_storage(w, value, [&](const auto* wp, auto* vp) {
+  std::atomic<bool> exact{true};
+  const auto rows = [&](const auto* wp) {
     at::parallel_for(0, w.size(0), grain(w), [&](int64_t begin, int64_t end) {
-      int6_rows(wp, scale.data_ptr<float>(), q.data_ptr<uint8_t>(), vp, begin, end, in);
+      if (!signed_rows(wp, scale.data_ptr<float>(), static_cast<float>(lowest), static_cast<float>(highest),
+                       q.data_ptr<uint8_t>(), begin, end, in, run)) {
+        exact = false;
+      }
     });
-  });
-  return {q, value};
+  };
+  if (w.scalar_type() == at::kFloat) {
+    rows(w.data_ptr<float>());
+  } else {
+    rows(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()));
+  }
+  return {q, exact.load()};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmserve, m) {
   m.def("int4_levels(Tensor w, Tensor scale, Tensor lo, Tensor value_scale, Tensor value_lo) -> (Tensor, Tensor)");
-  m.def("int6_levels(Tensor w, Tensor scale) -> (Tensor, Tensor)");
+  m.def("signed_levels(Tensor w, Tensor scale, int lowest, int highest) -> (Tensor, bool)");
 }
 
 TORCH_LIBRARY_IMPL(llmserve, CPU, m) {
   m.impl("int4_levels", &int4_levels);
-  m.impl("int6_levels", &int6_levels);
+  m.impl("signed_levels", &signed_levels);
 }

@@ -112,27 +112,29 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
 
 
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
-    """q [out, in] int8. Returns the flat uint8 layout `llmserve::int8_gemv` reads: per block of 16 rows and
-    group of 32 inputs, 8 vectors of 64 bytes, vector c holding inputs 4c..4c+3 of each row in turn, as
-    q + 128 (the kernel multiplies unsigned weight bytes by signed activation bytes)."""
+    """q [out, in] int8 (or uint8 holding q + 128, as `signed_levels` gives it). Returns the flat uint8 layout
+    `llmserve::int8_gemv` reads: per block of 16 rows and group of 32 inputs, 8 vectors of 64 bytes, vector c
+    holding inputs 4c..4c+3 of each row in turn, as q + 128 (the kernel multiplies unsigned weight bytes by signed
+    activation bytes)."""
     out_features, in_features = q.shape
     if not int8_packs(out_features, in_features):
         raise ValueError(f"int8 packing needs out_features % {ROWS} == 0 and in_features % {INT4_GROUP} == 0")
-    unsigned = (q.to(torch.int16) + 128).to(torch.uint8)
+    unsigned = q if q.dtype == torch.uint8 else (q.to(torch.int16) + 128).to(torch.uint8)
     # [block, row, group, c, s] -> [block, group, c, row, s]
     blocks = unsigned.view(out_features // ROWS, ROWS, in_features // INT4_GROUP, 8, 4)
     return blocks.permute(0, 2, 3, 1, 4).contiguous().view(-1)
 
 
 def pack_int8_grouped(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """q [out, in] integers in [-128, 127], d [out, in / 32] (fp16 values), w = d * q: GGUF Q8_0's and Q5_0's
-    values. Returns the flat uint8 layout `llmserve::int8_gemv` reads as its grouped one (its row scales ones):
-    per block of 16 rows and group of 32 inputs, `pack_int8`'s 512 bytes, then the 16 rows' d as fp16."""
+    """q [out, in] integers in [-128, 127] (as `pack_int8` takes them), d [out, in / 32] (fp16 values), w = d * q:
+    GGUF Q8_0's and Q5_0's values. Returns the flat uint8 layout `llmserve::int8_gemv` reads as its grouped one (its
+    row scales ones): per block of 16 rows and group of 32 inputs, `pack_int8`'s 512 bytes, then the 16 rows' d as
+    fp16."""
     out_features, in_features = q.shape
     if not int8_packs(out_features, in_features):
         raise ValueError(f"int8 packing needs out_features % {ROWS} == 0 and in_features % {INT4_GROUP} == 0")
     blocks, groups = out_features // ROWS, in_features // INT4_GROUP
-    body = pack_int8(q.to(torch.int8)).view(blocks, groups, -1)
+    body = pack_int8(q).view(blocks, groups, -1)
     return torch.cat([body, _per_row_block(d.half())], dim=2).contiguous().view(-1)
 
 

@@ -165,20 +165,19 @@ def _dense(tensor: GGUFTensor) -> torch.Tensor:
     return dequantize(tensor.data, tensor.tensor_type).reshape(shape)
 
 
-# bytes per block of each 4-bit GGML type, and the inputs one block covers
-_INT4_BLOCKS = {GGMLQuantizationType.Q4_0: (18, 32), GGMLQuantizationType.Q4_1: (20, 32),
-                GGMLQuantizationType.Q4_K: (144, 256)}
+# the 4-bit GGML types (a block's bytes and inputs: `GGML_QUANT_SIZES`)
+_INT4_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K})
 # their names, as `Checkpoint.source_formats` gives them: the formats that come with an int4 grid
-INT4_GRID_FORMATS = frozenset(t.name for t in _INT4_BLOCKS)
+INT4_GRID_FORMATS = frozenset(t.name for t in _INT4_TYPES)
 
 
 def int4_grid(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray] | None:
     """(scale, min) per group of 32 inputs, float32 [out, in / 32], for a tensor stored on a 4-bit grid
     (w = q * scale + min, q in [0, 15]); None for any other type. Q4_0: w = d (q - 8); Q4_1: w = d q + m;
     Q4_K: eight groups of 32 per block of 256, w = (d sc) q - (dmin m), sc and m 6-bit."""
-    if tensor.tensor_type not in _INT4_BLOCKS:
+    if tensor.tensor_type not in _INT4_TYPES:
         return None
-    block_bytes, per_block = _INT4_BLOCKS[tensor.tensor_type]
+    per_block, block_bytes = GGML_QUANT_SIZES[tensor.tensor_type]
     out_features = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1
     blocks = np.asarray(tensor.data).view(np.uint8).reshape(-1, block_bytes)
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [n, 1]
@@ -194,9 +193,8 @@ def int4_grid(tensor: GGUFTensor) -> tuple[np.ndarray, np.ndarray] | None:
     return scale.reshape(out_features, groups), low.reshape(out_features, groups)
 
 
-_Q6_K_BLOCK_BYTES = 210  # 128 bytes of low nibbles, 64 of top bits, 16 int8 sc, an fp16 d; 256 inputs
-# bytes per block of 32 inputs of the types whose values are an fp16 d times an integer that int8 holds, d first
-_D32_BLOCKS = {GGMLQuantizationType.Q8_0: 34, GGMLQuantizationType.Q5_0: 22}
+# the types whose values are an fp16 d (a block's first bytes) per 32 inputs times an integer that int8 holds
+_D32_TYPES = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q5_0})
 
 
 def int8_grid(tensor: GGUFTensor) -> tuple[np.ndarray, ...] | None:
@@ -204,12 +202,13 @@ def int8_grid(tensor: GGUFTensor) -> tuple[np.ndarray, ...] | None:
     (w = d * sc * (q - 32), q in [0, 63]); (d [out, in / 32] float32,) for Q8_0 (w = d * q, q in [-127, 127]) and
     Q5_0 (w = d * (q - 16), q in [0, 31]); None for any other type."""
     out_features = int(tensor.shape[-1]) if len(tensor.shape) > 1 else 1
-    if tensor.tensor_type in _D32_BLOCKS:
-        blocks = np.asarray(tensor.data).view(np.uint8).reshape(-1, _D32_BLOCKS[tensor.tensor_type])
+    if tensor.tensor_type in _D32_TYPES:
+        blocks = np.asarray(tensor.data).view(np.uint8).reshape(-1, GGML_QUANT_SIZES[tensor.tensor_type][1])
         return (blocks[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(out_features, -1),)
     if tensor.tensor_type != GGMLQuantizationType.Q6_K:
         return None
-    blocks = np.asarray(tensor.data).view(np.uint8).reshape(-1, _Q6_K_BLOCK_BYTES)
+    # per 256 inputs: 128 bytes of low nibbles, 64 of top bits, 16 int8 sc, an fp16 d
+    blocks = np.asarray(tensor.data).view(np.uint8).reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType.Q6_K][1])
     sc = blocks[:, 192:208].copy().view(np.int8)
     d = blocks[:, 208:210].copy().view(np.float16).astype(np.float32)
     return d.reshape(out_features, -1), sc.reshape(out_features, -1)

@@ -110,7 +110,7 @@ class WeightOnlyLinear(nn.Module):
                 dequantized = levels.dequantized
                 kernel_weights = (levels.pack(), torch.ones(out_features)) if self.native else (None, None)
             elif method == "int8":
-                q, scales, dequantized = _quantize_int8(weight.float())
+                q, scales, dequantized = _quantize_int8(weight)
                 kernel_weights = (pack_int8(q), scales.float()) if self.native else (q, scales.to(dtype))
             else:
                 q, scales, mins, dequantized, blocks = _quantize_int4(weight, grid, self.native)
@@ -203,10 +203,19 @@ _SMALL_STEP_KERNELS = {("int4", True): _native_int4, ("int8", True): _native_int
                        ("int4", False): _torch_int4, ("int8", False): _torch_int8}
 
 
-def _quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Symmetric per output channel: w ~ q * scale, q in [-127, 127]."""
-    q, scales = quantize_rows(w)
-    return q, scales.squeeze(1), q.float() * scales
+def _quantize_int8(w: torch.Tensor, rows_at_a_time: int = 2048) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Symmetric per output channel: w ~ q * scale, q in [-127, 127], computed in float32, the values q * scale given
+    in w's dtype. A few thousand rows at a time: a whole output head's float32 temporaries (Qwen2.5-Coder-0.5B's
+    151,936 x 896) cost its start ~1 s of fresh pages and passes over memory."""
+    q = torch.empty(w.shape, dtype=torch.int8)
+    scales = torch.empty(w.shape[0])
+    dequantized = torch.empty_like(w, memory_format=torch.contiguous_format)
+    for start in range(0, w.shape[0], rows_at_a_time):
+        rows = slice(start, start + rows_at_a_time)
+        q[rows], scale = quantize_rows(w[rows].float())
+        scales[rows] = scale.squeeze(1)
+        dequantized[rows] = q[rows].float() * scale
+    return q, scales, dequantized
 
 
 class Int6Levels(NamedTuple):
@@ -214,16 +223,16 @@ class Int6Levels(NamedTuple):
     d: torch.Tensor  # [out, in / 256] float32
     sc: torch.Tensor  # [out, in / 16] int8
     dequantized: torch.Tensor  # [out, in]: d * sc * (q - 32) in float32, as the file's reader computes it (the
-    # native op gives them in the weight's dtype)
+    # native op: the weight itself, which it checked equals them)
 
     def pack(self) -> torch.Tensor:
         return pack_int6(self.q, self.d, self.sc)
 
 
 class GroupedLevels(NamedTuple):
-    q: torch.Tensor  # [out, in] int8
+    q: torch.Tensor  # [out, in] uint8: the integers in [-128, 127] plus 128
     d: torch.Tensor  # [out, in / 32] float32 (fp16 values)
-    dequantized: torch.Tensor  # [out, in]: d * q in float32
+    dequantized: torch.Tensor  # [out, in]: d * (q - 128) in float32 (the native op: the weight itself, as Int6Levels')
 
     def pack(self) -> torch.Tensor:
         return pack_int8_grouped(self.q, self.d)
@@ -235,10 +244,11 @@ def _int8_file_levels(weight: torch.Tensor, grid: tuple[torch.Tensor, ...] | Non
     Q5_0's one), or None where there is none or it does not give this weight."""
     if grid is None:
         return None
-    return _int6_levels(weight, grid, native) if len(grid) == 2 else _grouped_levels(weight, grid)
+    return _int6_levels(weight, grid, native) if len(grid) == 2 else _grouped_levels(weight, grid, native)
 
 
-def _grouped_levels(weight: torch.Tensor, grid: tuple[torch.Tensor, ...]) -> GroupedLevels | None:
+def _grouped_levels(weight: torch.Tensor, grid: tuple[torch.Tensor, ...], native: bool = False
+                    ) -> GroupedLevels | None:
     """The weight's integers on the file's d per 32 inputs, or None where that grid does not give this weight (in
     its own dtype: bf16's rounding moves w / d by at most 128 / 256, which leaves a Q8_0 level of at most 127, and
     any Q5_0 one, the nearest integer)."""
@@ -246,50 +256,47 @@ def _grouped_levels(weight: torch.Tensor, grid: tuple[torch.Tensor, ...]) -> Gro
     (d,) = grid
     if not int8_packs(out_features, in_features) or d.shape != (out_features, in_features // INT4_GROUP_SIZE):
         return None
-    levels = _levels_on(weight, d.float().unsqueeze(2), -128, 127)
-    if levels is None:
-        return None
-    q, dequantized = levels
-    return GroupedLevels(q.to(torch.int8).view(out_features, in_features), d.float(), dequantized)
+    levels = _levels_on(weight, d.float(), -128, 127, native)
+    return None if levels is None else GroupedLevels(levels[0], d.float(), levels[1])
 
 
-def _levels_on(weight: torch.Tensor, scale: torch.Tensor, lowest: int, highest: int
+def _levels_on(weight: torch.Tensor, scale: torch.Tensor, lowest: int, highest: int, native: bool
                ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """PyTorch's ops: the integers q in [lowest, highest] with weight = q * scale (`scale` [out, groups, 1], one per
-    run of in / groups inputs) and those values in float32, or None where they do not give the weight."""
+    """The integers q in [lowest, highest] with weight = q * scale (`scale` [out, runs], one per run of in / runs
+    inputs), as uint8 q - lowest, and those values; None where they do not give the weight. `native`: the kernels
+    are loaded, and `grid_levels.cpp`'s `signed_levels` finds the integers and checks them in one pass (the values
+    are then the weight's own), else PyTorch's ops (the values in float32): the same integers and values."""
     out_features, in_features = weight.shape
-    w = weight.detach().view(out_features, scale.shape[1], -1)
+    w = weight.detach()
+    if _native_levels(weight, native):
+        q, exact = torch.ops.llmserve.signed_levels(w.contiguous(), scale.contiguous(), lowest, highest)
+        if not exact:
+            return None
+        # a view into a larger tensor (a run of a fused weight's rows) would keep all of it alive in the layer
+        return q, w if w.is_contiguous() and w.untyped_storage().nbytes() == w.nbytes else w.clone()
+    scale = scale.unsqueeze(2)
     # in place after the first op (each fresh [out, in] tensor pays its page faults: start-up time)
-    q = torch.div(w, torch.where(scale != 0, scale, 1)).round_().clamp_(lowest, highest)
+    q = torch.div(w.view(out_features, scale.shape[1], -1), torch.where(scale != 0, scale, 1)).round_()
+    q = q.clamp_(lowest, highest)
     dequantized = torch.mul(q, scale).view(out_features, in_features)
-    if not torch.equal(dequantized.to(weight.dtype), weight.detach()):  # float32: `to` is no copy
+    if not torch.equal(dequantized.to(weight.dtype), w):  # float32: `to` is no copy
         return None
-    return q, dequantized
+    return q.sub_(lowest).to(torch.uint8).view(out_features, in_features), dequantized
 
 
 def _int6_levels(weight: torch.Tensor, grid: tuple[torch.Tensor, torch.Tensor] | None,
                  native: bool = False) -> Int6Levels | None:
     """The weight's Q6_K levels on the file's grid (d, sc), or None where that grid does not give this weight (in
-    its own dtype: bf16's rounding moves w / (d * sc) by at most 32 / 256, so q is still the nearest integer).
-    `native`: the kernels are loaded; their `int6_levels` computes the same levels and values in one pass."""
+    its own dtype: bf16's rounding moves w / (d * sc) by at most 32 / 256, so q is still the nearest integer)."""
     out_features, in_features = weight.shape
     if grid is None or not int6_packs(out_features, in_features):
         return None
     d, sc = grid
     if d.shape != (out_features, in_features // INT6_SUPER) or sc.shape != (out_features, in_features // INT6_SUB):
         return None
-    scale = (d.float().repeat_interleave(INT6_SUPER // INT6_SUB, dim=1) * sc.float()).unsqueeze(2)  # [out, in/16, 1]
-    if _native_levels(weight, native):
-        q, dequantized = torch.ops.llmserve.int6_levels(weight.detach().contiguous(), scale.view(out_features, -1))
-        if not torch.equal(dequantized, weight.detach()):
-            return None
-        return Int6Levels(q, d.float(), sc.to(torch.int8), dequantized)
-    levels = _levels_on(weight, scale, -32, 31)
-    if levels is None:
-        return None
-    q, dequantized = levels
-    return Int6Levels(q.add_(32).to(torch.uint8).view(out_features, in_features), d.float(), sc.to(torch.int8),
-                      dequantized)
+    scale = d.float().repeat_interleave(INT6_SUPER // INT6_SUB, dim=1) * sc.float()  # [out, in / 16]
+    levels = _levels_on(weight, scale, -32, 31, native)
+    return None if levels is None else Int6Levels(levels[0], d.float(), sc.to(torch.int8), levels[1])
 
 
 def _native_levels(weight: torch.Tensor, native: bool) -> bool:

@@ -1,6 +1,6 @@
 """`grid_levels.cpp` gives the levels and values PyTorch's ops give (`weight_only.py`'s two paths), bit for bit: on
-random grids, fitted ones, ties, zero scales, weights rounded to bfloat16, and the real files' Q4_1, Q4_K and Q6_K
-tensors."""
+random grids, fitted ones, ties, zero scales, weights rounded to bfloat16, and the real files' Q4_1, Q4_K, Q6_K, Q5_0
+and Q8_0 tensors."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from llmserve.kernels import load_cpu_kernels
 from llmserve.loader.gguf import _dense, int4_grid, int8_grid, read_tensors
-from llmserve.quantization.weight_only import _int6_levels, _quantize_int4
+from llmserve.quantization.weight_only import _grouped_levels, _int6_levels, _quantize_int4
 from tests.model_files import gguf_files
 
 
@@ -28,12 +28,21 @@ def assert_same_int4(w: torch.Tensor, grid) -> None:
 
 
 def assert_same_int6(w: torch.Tensor, grid) -> bool:
-    """Both paths agree; returns whether the grid gives the weight."""
-    ref, got = _int6_levels(w, grid, native=False), _int6_levels(w, grid, native=True)
+    """Both paths agree on a Q6_K grid; returns whether the grid gives the weight."""
+    return _assert_same_levels(_int6_levels, w, grid, ("q", "d", "sc"))
+
+
+def assert_same_grouped(w: torch.Tensor, grid) -> bool:
+    """Both paths agree on a Q8_0 / Q5_0 grid (d per 32 inputs); returns whether the grid gives the weight."""
+    return _assert_same_levels(_grouped_levels, w, grid, ("q", "d"))
+
+
+def _assert_same_levels(levels_of, w: torch.Tensor, grid, fields: tuple[str, ...]) -> bool:
+    ref, got = levels_of(w, grid, native=False), levels_of(w, grid, native=True)
     assert (got is None) == (ref is None)
     if ref is None:
         return False
-    assert torch.equal(got.q, ref.q) and torch.equal(got.d, ref.d) and torch.equal(got.sc, ref.sc)
+    assert got.q.dtype == torch.uint8 and all(torch.equal(getattr(got, f), getattr(ref, f)) for f in fields)
     assert got.dequantized.dtype == w.dtype and torch.equal(got.dequantized, ref.dequantized.to(w.dtype))
     return True
 
@@ -76,19 +85,38 @@ def test_int6_levels_on_a_grid_and_off_it(dtype):
     assert not assert_same_int6(changed, (d, sc))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lowest, highest", [(-128, 127), (-16, 15)])  # Q8_0's integers, Q5_0's
+def test_grouped_levels_on_a_grid_and_off_it(dtype, lowest, highest):
+    gen = torch.Generator().manual_seed(4)
+    out, inp = 32, 256
+    d = (torch.rand(out, inp // 32, generator=gen) * 1e-2 + 1e-4).half().float()
+    d[0, :2] = 0  # an all-zero group
+    levels = torch.randint(lowest, highest + 1, (out, inp // 32, 32), generator=gen).float()
+    levels[1, 0, :2] = torch.tensor([-128.0, 127.0])  # int8's two ends
+    w = (levels * d[..., None]).view(out, inp).to(dtype)
+    assert assert_same_grouped(w, (d,))
+    got = _grouped_levels(w, (d,), native=True)
+    assert torch.equal(got.q.int() - 128, levels.view(out, inp).int().where(d.repeat_interleave(32, 1) != 0, 0))
+    changed = w.clone()
+    changed[5, 40] = 0.4 * float(d[5, 1])  # 0.4 of a level: off the grid
+    assert not assert_same_grouped(changed, (d,))
+
+
 @pytest.mark.parametrize("path", gguf_files())
 def test_the_files_tensors_give_the_same_levels(path):
-    """The first and last tensor of each 4-bit and 6-bit type in the file, as the model holds them (bfloat16)."""
+    """The first and last tensor of each 4-bit and int8-held type in the file, as the model holds them (bfloat16)."""
     tensors = [t for t in read_tensors(path) if len(t.shape) == 2]
     checked = set()
     for type_name, read_grid, check in (("Q4_1", int4_grid, assert_same_int4), ("Q4_K", int4_grid, assert_same_int4),
-                                        ("Q6_K", int8_grid, assert_same_int6)):
+                                        ("Q6_K", int8_grid, assert_same_int6), ("Q8_0", int8_grid, assert_same_grouped),
+                                        ("Q5_0", int8_grid, assert_same_grouped)):
         of_type = [t for t in tensors if t.tensor_type.name == type_name]
         for tensor in of_type[:1] + of_type[-1:]:
             grid = tuple(torch.from_numpy(g.copy()) for g in read_grid(tensor))
             if check(_dense(tensor).to(torch.bfloat16), grid) is not False:
                 checked.add(type_name)
-    assert checked, "no 4-bit or 6-bit tensor in the file"
+    assert checked, "no 4-bit or int8-held tensor in the file"
 
 
 def test_bad_inputs_raise():
@@ -97,5 +125,7 @@ def test_bad_inputs_raise():
         torch.ops.llmserve.int4_levels(w.half(), grid, grid, grid, grid)
     with pytest.raises(RuntimeError, match=r"contiguous float32 \[out, in / 32\]"):
         torch.ops.llmserve.int4_levels(w, torch.ones(4, 3), grid, grid, grid)
-    with pytest.raises(RuntimeError, match="multiple of 16"):
-        torch.ops.llmserve.int6_levels(torch.randn(4, 40), torch.ones(4, 2))
+    with pytest.raises(RuntimeError, match="the runs dividing in_features"):
+        torch.ops.llmserve.signed_levels(torch.randn(4, 40), torch.ones(4, 3), -32, 31)
+    with pytest.raises(RuntimeError, match="at most 256 integers"):
+        torch.ops.llmserve.signed_levels(w, grid, -128, 128)
