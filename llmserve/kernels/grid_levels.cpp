@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 
 namespace {
 
@@ -74,10 +75,14 @@ LLMSERVE_IEEE_LOOPS void int4_rows(const T* w, const float* scale, const float* 
   }
 }
 
-// Returns whether every value q * scale, in the weight's dtype, equals the weight (as `torch.equal`: by value)
-template <typename T>
+// Returns whether every value q * scale, in the weight's dtype, equals the weight (as `torch.equal`: by value).
+// `Run`: the inputs per scale where known when compiled (Q6_K's 16, Q8_0's and Q5_0's 32), else 0: with a fixed trip
+// count GCC vectorizes the loop at its full width (Q6_K's runs of 16 bf16 inputs: 23 -> 11 ms on a 8960 x 1536
+// weight, Zen 4), with a runtime one on 128-bit vectors.
+template <int64_t Run, typename T>
 LLMSERVE_IEEE_LOOPS bool signed_rows(const T* w, const float* scale, float lowest, float highest, uint8_t* q,
-                                     int64_t row_begin, int64_t row_end, int64_t in, int64_t run) {
+                                     int64_t row_begin, int64_t row_end, int64_t in, int64_t runtime_run) {
+  const int64_t run = Run > 0 ? Run : runtime_run;
   const int64_t runs = in / run;
   int off_grid = 0;
   for (int64_t r = row_begin; r < row_end; ++r) {
@@ -153,9 +158,11 @@ std::tuple<at::Tensor, bool> signed_levels(const at::Tensor& w, const at::Tensor
   const int64_t in = w.size(1);
   std::atomic<bool> exact{true};
   const auto rows = [&](const auto* wp) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(wp)>>;
+    const auto loop = run == 16 ? signed_rows<16, T> : run == 32 ? signed_rows<32, T> : signed_rows<0, T>;
     at::parallel_for(0, w.size(0), grain(w), [&](int64_t begin, int64_t end) {
-      if (!signed_rows(wp, scale.data_ptr<float>(), static_cast<float>(lowest), static_cast<float>(highest),
-                       q.data_ptr<uint8_t>(), begin, end, in, run)) {
+      if (!loop(wp, scale.data_ptr<float>(), static_cast<float>(lowest), static_cast<float>(highest),
+                q.data_ptr<uint8_t>(), begin, end, in, run)) {
         exact = false;
       }
     });
