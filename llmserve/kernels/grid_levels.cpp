@@ -1,11 +1,11 @@
 // A weight's levels on a given quantization grid, and the values they stand for, in one pass over the weight.
 //
 // Why: every start re-derives the levels of the file's int4 (Q4_0/Q4_1/Q4_K) and int8-held (Q6_K, Q8_0, Q5_0)
-// weights from their decoded values. PyTorch's ops made it six passes over a float32 copy of each weight (widen, subtract, divide,
-// round, clamp, and the dequantized values' multiply and add), each fresh tensor paying its page faults:
-// Qwen2.5-Coder-1.5B's start spent 4.8 s on int4 levels and 1.7 s on 6-bit ones (benchmarks/README.md,
+// weights from their decoded values. PyTorch's ops made it six passes over a float32 copy of each weight (widen,
+// subtract, divide, round, clamp, and the dequantized values' multiply and add), each fresh tensor paying its page
+// faults: Qwen2.5-Coder-1.5B's start spent 4.8 s on int4 levels and 1.7 s on 6-bit ones (benchmarks/README.md,
 // "Session 53"), the 0.5B's 0.9 s on its Q8_0 and Q5_0 ones ("Session 61"). Here each thread reads its rows once
-// and writes the levels and the dequantized values.
+// and writes the levels, and for int4 the dequantized values.
 //
 // The arithmetic is PyTorch's, operation for operation, in float32 with IEEE rounding (no fast-math, no fused
 // multiply-add), so the levels and values are the ones `weight_only.py`'s PyTorch path computes, bit for bit

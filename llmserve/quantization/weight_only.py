@@ -269,11 +269,13 @@ def _levels_on(weight: torch.Tensor, scale: torch.Tensor, lowest: int, highest: 
     out_features, in_features = weight.shape
     w = weight.detach()
     if _native_levels(weight, native):
-        q, exact = torch.ops.llmserve.signed_levels(w.contiguous(), scale.contiguous(), lowest, highest)
+        dense = w.contiguous()
+        q, exact = torch.ops.llmserve.signed_levels(dense, scale.contiguous(), lowest, highest)
         if not exact:
             return None
-        # a view into a larger tensor (a run of a fused weight's rows) would keep all of it alive in the layer
-        return q, w if w.is_contiguous() and w.untyped_storage().nbytes() == w.nbytes else w.clone()
+        # the layer keeps these values: not as a view into a larger tensor (a run of a fused weight's rows), which
+        # would keep all of it alive
+        return q, dense if dense.untyped_storage().nbytes() == dense.nbytes else dense.clone()
     scale = scale.unsqueeze(2)
     # in place after the first op (each fresh [out, in] tensor pays its page faults: start-up time)
     q = torch.div(w.view(out_features, scale.shape[1], -1), torch.where(scale != 0, scale, 1)).round_()

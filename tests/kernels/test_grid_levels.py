@@ -103,6 +103,18 @@ def test_grouped_levels_on_a_grid_and_off_it(dtype, lowest, highest):
     assert not assert_same_grouped(changed, (d,))
 
 
+def test_the_values_are_the_weight_or_a_copy_of_a_run_of_its_rows():
+    """The native op checks the values instead of writing them: a whole weight's are the weight itself; a run of a
+    fused weight's rows (a view) gets a copy of its own, so the layer does not keep the whole weight alive."""
+    gen = torch.Generator().manual_seed(5)
+    d = (torch.rand(64, 8, generator=gen) * 1e-2 + 1e-4).half().float()
+    w = (torch.randint(-128, 128, (64, 8, 32), generator=gen).float() * d[..., None]).view(64, 256).bfloat16()
+    whole = _grouped_levels(w, (d,), native=True)
+    assert whole.dequantized.data_ptr() == w.data_ptr()
+    part = _grouped_levels(w[16:48], (d[16:48],), native=True)
+    assert torch.equal(part.dequantized, w[16:48]) and part.dequantized.untyped_storage().nbytes() == 32 * 256 * 2
+
+
 @pytest.mark.parametrize("path", gguf_files())
 def test_the_files_tensors_give_the_same_levels(path):
     """The first and last tensor of each 4-bit and int8-held type in the file, as the model holds them (bfloat16)."""
