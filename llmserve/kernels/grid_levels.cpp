@@ -118,12 +118,20 @@ void check_grid(const at::Tensor& g, const at::Tensor& w, int64_t group, const c
               op, ": each grid tensor must be contiguous float32 [out, in / ", group, "]");
 }
 
-// Calls f(weights, values) with float32's storage or bfloat16's bits (uint16_t)
+// Calls f(weights) with float32's storage or bfloat16's bits (uint16_t)
+template <typename F>
+void with_weight(const at::Tensor& w, const F& f) {
+  if (w.scalar_type() == at::kFloat) return f(w.data_ptr<float>());
+  f(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()));
+}
+
+// Calls f(weights, values), the values a tensor of the weight's dtype, stored the same way
 template <typename F>
 void with_storage(const at::Tensor& w, at::Tensor& value, const F& f) {
-  if (w.scalar_type() == at::kFloat) return f(w.data_ptr<float>(), value.data_ptr<float>());
-  f(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
-    reinterpret_cast<uint16_t*>(value.data_ptr<at::BFloat16>()));
+  with_weight(w, [&](const auto* wp) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(wp)>>;
+    f(wp, static_cast<T*>(value.data_ptr()));
+  });
 }
 
 // rows a thread takes at a time: whole rows, ~64 Ki values
@@ -157,7 +165,7 @@ std::tuple<at::Tensor, bool> signed_levels(const at::Tensor& w, const at::Tensor
   at::Tensor q = at::empty(w.sizes(), w.options().dtype(at::kByte));
   const int64_t in = w.size(1);
   std::atomic<bool> exact{true};
-  const auto rows = [&](const auto* wp) {
+  with_weight(w, [&](const auto* wp) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(wp)>>;
     const auto loop = run == 16 ? signed_rows<16, T> : run == 32 ? signed_rows<32, T> : signed_rows<0, T>;
     at::parallel_for(0, w.size(0), grain(w), [&](int64_t begin, int64_t end) {
@@ -166,12 +174,7 @@ std::tuple<at::Tensor, bool> signed_levels(const at::Tensor& w, const at::Tensor
         exact = false;
       }
     });
-  };
-  if (w.scalar_type() == at::kFloat) {
-    rows(w.data_ptr<float>());
-  } else {
-    rows(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()));
-  }
+  });
   return {q, exact.load()};
 }
 

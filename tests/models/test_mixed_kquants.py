@@ -57,7 +57,6 @@ def test_rows_of_two_formats_each_keep_their_own(mixed_kquant_gguf, reference, c
     assert_greedy_equals(llm, prompts, expected, single=1)
 
 
-
 def test_a_q5_0_and_q8_0_file_runs_int8_at_its_own_values(legacy_quant_gguf):
     """A file whose linears are Q5_0 and Q8_0 alone: the default plans int8, every decoder linear on the grouped
     layout (8.5 bits a weight, the file's values), the Q8_0 head per row; greedy equal to transformers on those
