@@ -134,9 +134,9 @@ class SchedulerConfig:
     """Continuous batching limits: how many sequences and tokens one step may carry."""
 
     max_num_seqs: int = _option(64, "sequences per batch")
-    # A step's cost grows with its tokens; on a 2-core CPU 512 tokens take ~0.4-1 s (more when a chunk
-    # attends to a long context), the most a running stream should wait for its next token while prompts
-    # are prefilled. 256 lowered ITL p99 but doubled TTFT p50 (benchmarks/README.md).
+    # A step's cost grows with its tokens; on a small CPU a step of 512 is the most a running stream should wait
+    # for its next token while prompts are prefilled. Smaller steps smooth the streams but lengthen the time to a
+    # first token (docs/performance.md, "Prefix caching and chunked prefill").
     max_num_batched_tokens: int = _option(512, "tokens per engine step: decodes first, then prompt chunks")
     # A prompt longer than this is prefilled in several steps so running decodes keep flowing.
     long_prefill_token_threshold: int = _option(256, "largest prompt chunk one request runs per step; longer "

@@ -115,8 +115,8 @@ class LLM:
     def _check_thread(self) -> None:
         """Say once if this thread steps while the thread that loaded the model lives on. Each thread that runs
         PyTorch's parallel ops keeps its own OpenMP pool, and with two pools' threads on the cores libgomp's
-        workers stop spinning between ops and sleep: a 1.5B decode step ran 15-40 % slower so
-        (benchmarks/README.md, session 34). The server has one thread load and step (AsyncLLM)."""
+        workers stop spinning between ops and sleep, which slows every step
+        (docs/performance.md, "The default configuration"). The server has one thread load and step (AsyncLLM)."""
         if self._warned_thread or threading.current_thread() is self._loader or not self._loader.is_alive():
             return
         self._warned_thread = True

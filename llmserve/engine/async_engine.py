@@ -9,8 +9,8 @@ they would have to wait for twice.
 The engine thread also *loads* the model, and no other thread runs a torch kernel. OpenMP keeps one
 worker team per thread that ever entered a parallel region; once the process has more OpenMP threads
 than cores, libgomp stops spinning and puts workers to sleep after every region, so each small op
-pays a futex wake-up (measured: a 64x576 multiply 6 us -> 50-65 us, a decode step 20 -> 37 ms when the
-model was loaded in one thread and stepped in another).
+pays a futex wake-up, which slows a decode step badly when the model was loaded in one thread and stepped
+in another (docs/performance.md, "The default configuration").
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ class AsyncLLM:
         """The engine lock, taken before the step loop's next step.
 
         A plain lock is unfair: the step loop re-takes it the moment it lets go, and a caller on
-        the event loop waited over a second under load (measured), stalling every HTTP request.
+        the event loop can wait through many steps under load, stalling every HTTP request.
         Callers announce themselves; the loop waits after each step until none is left.
         """
         with self._callers_lock:

@@ -36,17 +36,12 @@ logger = logging.getLogger(__name__)
 
 # Speculation by default ("auto"): n-gram prompt lookup while fewer than this many requests run. Where the one
 # native call runs the decoder, a step streams the weights once whatever its handful of tokens, so a kept
-# proposal is a token for little more than the step's own cost. Served on Zen 5, the peer comparison's workload
-# (benchmarks/README.md, session 39), speculating at every load against none: SmolLM2 c=1 1.55-1.63x, c=8
-# 0.88-0.99x, c=32 0.96-1.04x, so not under load (where a step is compute-bound on other hosts too: Zen 4 chat
-# c=32 0.90x, session 24); this default against none, three rounds: SmolLM2 c=1 1.31-1.49x, c=2 1.24-1.38x, c=4
-# and c=8 1.00x; Qwen2.5-Coder-1.5B c=1 0.97-1.05x, c=2 1.05-1.06x.
+# proposal is a token for little more than the step's own cost. Under load a step is compute-bound and the
+# proposals no longer pay, so not there (docs/performance.md, "Speculative decoding").
 AUTO_SPECULATION_BELOW = 4
 # Where the model has a registered draft (loader/default_models.py) that is installed, "auto" drafts with it instead,
-# one request at a time: Qwen2.5-Coder-1.5B with the 0.5B, on Zen 5 against no speculation, c=1: HumanEval prompts
-# 1.44-1.72x in six rounds (93 % of proposals kept), the peer workload 1.04-1.32x in three (61 % kept), where n-gram
-# lookup gave it 0.97-1.05x (30 %); but c=2 0.88-0.93x (the draft's steps for two requests cost more than they
-# keep), so not beside a second request (benchmarks/README.md, session 40).
+# one request at a time: a draft keeps far more of its proposals than n-gram lookup does, but beside a second
+# request the draft's steps cost more than they keep (docs/performance.md, "Speculative decoding").
 AUTO_DRAFT_BELOW = 2
 AUTO_DRAFT_MEASURED = "Qwen2.5-Coder-1.5B with the 0.5B, one request: 1.6x on HumanEval prompts (n-gram lookup ~1.0x)"
 
@@ -189,8 +184,8 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
         if weights == "int4+int8":  # with ~16-bit inputs (Q8_0's below)
             reasons["small steps"] = f"int8 layers up to {QUANTIZED_MAX_TOKENS['int8']} tokens"
         if mc.int8_activations is None:  # auto: where the file itself is 4-bit and int8 products are fast here
-            # not for int4+int8: on Qwen2.5-Coder-1.5B (Q4_K_M) they cost +1.8 % perplexity (1.6x faster batch
-            # steps), against +0.1 % for its weights alone (benchmarks/README.md): not the file's quality
+            # not for int4+int8: on a K-quant mix they cost far more perplexity than its weights alone do, which
+            # is not the file's quality (docs/performance.md, "Large steps: int8 activations and dense products")
             int8_activations = mc.quantization == "auto" and weights == "int4" and cpu_has_vnni()
             if int8_activations and tp > 1:
                 int8_activations = False
@@ -201,7 +196,8 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
                 reasons["large steps"] = "auto: max_num_batched_tokens leaves every step to the small-step kernels"
             elif int8_activations:
                 reasons["large steps"] = ("auto: a 4-bit file, and this CPU multiplies int8 natively; +0.2-0.3 % "
-                                          "perplexity on SmolLM2 (benchmarks/README.md)")
+                                          "perplexity on SmolLM2 (docs/performance.md, "
+                                          "\"Large steps: int8 activations and dense products\")")
             elif weights == "int4+int8":
                 reasons["large steps"] = "auto: int8 activations cost this kind of file +1.8 % perplexity"
         q8 = mc.q8_activations
@@ -229,8 +225,8 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
     # In float32 (the dtype held to transformers' rounding) the kernels sum RMSNorm's squares in another order,
     # and a last-bit difference can move an int8 activation's level: there, only when asked for by name, or
     # under int4 weights without int8 activations (the int4 kernel splits an activation into ~16 bits, so a
-    # last bit moves it by 1/508 of a level, never a whole one), where they open the one-call decode stack:
-    # on an AVX2-only AMD EPYC (float32 there) a SmolLM2 step at 1 token 28 -> 13 ms.
+    # last bit moves it by 1/508 of a level, never a whole one), where they open the one-call decode stack, which
+    # a float32 host needs most (docs/performance.md, "The one-call decode step").
     elementwise = "native" if built and (dtype == torch.bfloat16 or mc.kernels == "native" or (
         weights == "int4" and not int8_activations)) else "torch"
     if built and elementwise == "torch":
@@ -247,8 +243,8 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
              and attention == "native" and all(int4_packs(*shape) for shape in _linear_shapes(model)))
     fused_max = min(small_step_cap(m, small_max, parts) for m in weights.split("+")) if fused else 0
     # at every size: past the small-step kernels the call makes the layers' large-step products itself (int8 x int8,
-    # or dense): at 32 tokens layer by layer, ~6 ms of a ~41 ms SmolLM2 step went between the ops (Zen 4;
-    # benchmarks/README.md, session 48)
+    # or dense), as layer by layer a large step spends a good share of its time between the ops
+    # (docs/performance.md, "The one-call decode step")
     if fused:
         reasons["decode steps"] = "native quantized products, attention and elementwise ops: one call for all layers"
     if fused and compile_mode != "off":
@@ -322,10 +318,10 @@ def _check_tensor_parallel(config: EngineConfig, model: LlamaConfig, weights: st
                                   "the decoder stack layer by layer")
 
 
-# What Q8_0 inputs to the int4 kernel (llama.cpp's activations) cost, by `llmserve eval`'s perplexity on gensim's
-# text, every token through the kernel (benchmarks/README.md, issue 20, session 33): a tenth of a percent or less
-# on the Qwen2.5-Coder Q4_K_M files, but +1.45 % on SmolLM2's Q4_1, whose q/k/v and gate/up inputs carry a few
-# channels far larger than the rest (a group of 32 that holds one rounds its other 31 coarsely).
+# What Q8_0 inputs to the int4 kernel (llama.cpp's activations) cost, by `llmserve eval`'s perplexity with every
+# token through the kernel (docs/performance.md, "Weight quantization quality"): little on the Qwen2.5-Coder Q4_K_M
+# files, more on SmolLM2's Q4_1, whose q/k/v and gate/up inputs carry a few channels far larger than the rest (a
+# group of 32 that holds one rounds its other 31 coarsely).
 _Q8_MEASURED = "Q8_0 inputs cost Qwen2.5-Coder-1.5B's Q4_K_M +0.13 % perplexity, SmolLM2's Q4_1 +1.45 %"
 
 # GGML types stored on a 4-bit grid that int4 takes over (groups of 32, fp16 scale and minimum: Q4_1's
@@ -347,8 +343,8 @@ def _weights(choice: str | None, formats: dict[str, str] | None, on_cpu: bool, r
     quantized to 8 bits in the small steps). A K-quant mix (mostly 4-bit, some tensors in 5-8 bits, as
     Q4_K_M files are) runs int4 on the 4-bit tensors and int8 on the others ("int4+int8"): Q6_K, Q8_0 and Q5_0
     ones at the file's own values (`Checkpoint.int8_grids`), the rest per channel, each value changed by at most
-    half an int8 step of its row (`llmserve eval` measured +0.1 % perplexity when Q6_K was re-quantized too,
-    benchmarks/README.md), which only a mostly 4-bit file takes. A file of those int8 grids alone runs "int8". Any
+    half an int8 step of its row (docs/performance.md, "Weight quantization quality"), which only a mostly 4-bit
+    file takes. A file of those int8 grids alone runs "int8". Any
     other file keeps its weights as loaded (int4 would change them: measure its cost with `llmserve eval` first)."""
     if choice in ("int8", "int4", "int4+int8"):
         reasons["weights"] = "as asked"
@@ -386,8 +382,8 @@ def _weights(choice: str | None, formats: dict[str, str] | None, on_cpu: bool, r
     return "as loaded"
 
 
-# Offline one-token steps, both placements alternated in one process (benchmarks/README.md, session 42): Zen 5
-# 1.03-1.07x (SmolLM2, Qwen2.5-Coder-1.5B), batch 8 1.01-1.04x, batch 32 1.00x; a lent Intel Xeon 0.97-1.04x.
+# What a huge-page arena buys the one-token steps that stream every weight (quantization/weight_arena.py;
+# docs/performance.md, "Quantized weight kernels").
 _HUGE_PAGES_MEASURED = "one-token steps 3-7 % faster on a Zen 5 host, SmolLM2 and Qwen2.5-Coder-1.5B alike"
 
 
@@ -413,9 +409,8 @@ def _huge_pages(asked: bool | None, native_quantized: bool, reasons: dict[str, s
 
 
 def _device(config: EngineConfig, reasons: dict[str, str]) -> str:
-    """auto: a CUDA GPU (one a rank) unless something asked for runs on the CPU only. On an H200, decode steps
-    replayed as CUDA graphs served SmolLM2 at 373 tok/s one request at a time and 5,199 at 32 (this project's
-    2-core CPU: ~300 and ~750; benchmarks/README.md, session 40)."""
+    """auto: a CUDA GPU (one a rank) unless something asked for runs on the CPU only: decode steps replayed
+    as CUDA graphs serve far more than a CPU does (docs/performance.md, "CUDA")."""
     mc = config.model
     if mc.device != "auto":
         return mc.device

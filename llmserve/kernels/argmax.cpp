@@ -1,14 +1,12 @@
 // Greedy sampling's argmax over the vocabulary, one row per sampled request.
 //
-// PyTorch's CPU reduction with indices along the last dimension parallelises poorly for a few long rows:
-// `max(dim=-1)` over [32, 49152] float32 logits took 0.40 ms here (argmax longer still), ~2 % of a
-// batch-32 decode step; this kernel 0.11 ms (one row: 22 -> 4.5 us). Rows are split across threads, each
-// scanned once with AVX-512.
+// PyTorch's CPU reduction with indices along the last dimension parallelises poorly for a few long rows
+// (a batch's [32, 49152] float32 logits), a visible share of a batch-32 decode step
+// (docs/performance.md, "The one-call decode step"). Rows are split across threads, each scanned once with AVX-512.
 //
 // The first maximum wins, as in torch.argmax; NaN is never taken as a maximum (unlike torch, which returns
 // it): logits with NaN have no meaningful greedy token anyway. bfloat16 rows too: a greedy step needs no float32
-// copy of the head's output (widening is exact, so the same token), which cost ~50 us of a batch-1 step on a cold
-// cache (SmolLM2, Zen 4).
+// copy of the head's output (widening is exact, so the same token), a pass over a cold cache.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

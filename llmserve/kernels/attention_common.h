@@ -94,9 +94,8 @@ inline ExpSum exp_shifted8(float* s, int64_t n) {
 // division per token), or a run of tokens at once where they lie in one block. Cache layout [num_blocks,
 // num_kv_heads, block_size, head_dim]. Each block holds a (block, head)'s rows contiguously (2 KiB for SmolLM2),
 // but consecutive blocks lie anywhere in the cache, so the hardware prefetcher stops at every block edge: the walker
-// prefetches the blocks ahead itself: SmolLM2's one-request step over ~1650 tokens of context, which has left the
-// cache, 4.4-4.9 -> 3.6 ms (attention 56-59 -> 30 us a layer; benchmarks/README.md, session 43, where `prefetch`
-// was made to survive the compiler).
+// prefetches the blocks ahead itself, which matters most for a long context that has left the cache
+// (docs/performance.md, "Decode attention").
 template <typename T>
 class RowWalker {
  public:
@@ -114,8 +113,8 @@ class RowWalker {
 
   // The first of the next n rows where all n lie in the current block (each row head_dim after the one before), so
   // a loop over them computes no address per row; nullptr, the walk unmoved, where they cross a block's end. The
-  // kernels take 16 tokens at a time this way (a part starts at a multiple of 16): SmolLM2's shape, 1024 tokens on
-  // one thread, K/V in cache, Zen 5: bf16 18.7-19.7 -> 17.4-17.8 us, int8 22.1-22.5 -> 20.8-21.1 (session 45).
+  // kernels take 16 tokens at a time this way (a part starts at a multiple of 16;
+  // docs/performance.md, "Decode attention").
   const T* run(int64_t n) { return offset_ + n <= block_size_ ? take(n) : nullptr; }
 
  private:
@@ -129,13 +128,12 @@ class RowWalker {
     return row;
   }
 
-  // always inlined: as a function of its own, its body only prefetches, so GCC's pure-const analysis found it
-  // free of effects and deleted every call (GCC 12, -O1 and up: until session 43 no prefetch was ever emitted).
-  // Into L2 (prefetcht1), not L1: measured, not derived; likely a prefetch into L1 waits for one of the core's few
-  // L1 miss buffers, so 32 of them a block stall the loads they run ahead of, where L2 tracks many more misses and
-  // a row's load from L2 costs little beside the arithmetic on it. Zen 4, K/V out of the cache, SmolLM2's shape at 1024
-  // tokens, 2 threads: 52-55 -> 41-43 us a call (prefetcht0 measured the same as no prefetch at all), in the
-  // engine's step 45-49 -> 30-36 us a layer; the lent Intel host within its noise (benchmarks/README.md, session 46).
+  // always inlined: as a function of its own, its body only prefetches, so GCC's pure-const analysis finds it
+  // free of effects and deletes every call (GCC 12, -O1 and up: no prefetch would be emitted at all).
+  // Into L2 (prefetcht1), not L1: chosen by measurement, not derived (prefetcht0 did no better than no prefetch);
+  // likely a prefetch into L1 waits for one of the core's few L1 miss buffers, so 32 of them a block stall the loads
+  // they run ahead of, where L2 tracks many more misses and a row's load from L2 costs little beside the arithmetic
+  // on it (docs/performance.md, "Decode attention").
   __attribute__((always_inline)) void prefetch(const int32_t* block) const {
     if (block >= end_) return;
     const char* rows = reinterpret_cast<const char*>(
@@ -154,8 +152,8 @@ class RowWalker {
 // counter: contexts differ in length, and a static split leaves one thread waiting for the other. Interleaved:
 // thread t runs tasks t, t + threads, ... with no shared counter: where every context is split into a multiple of
 // the threads' count of parts (`split_contexts`), each thread gets its share of every context, balanced as it is,
-// and a claim is no longer a cache line passed between cores (~0.1 us a task on this host where its two cores
-// share an L3, ~0.4 where they do not: benchmarks/README.md, session 44).
+// and a claim is no longer a cache line passed between cores, which costs most where they share no L3
+// (docs/performance.md, "Decode attention").
 // `worker(next_task)` runs once per thread (so it can keep scratch buffers); next_task() returns -1 when
 // none is left.
 template <typename Worker>
@@ -351,8 +349,8 @@ struct ReduceIndex {
   }
 };
 
-// exp(x) of 16 floats (simd_exp.h). The scalar std::exp loop it replaced was a third of the kernel at
-// batch 32.
+// exp(x) of 16 floats (simd_exp.h): a scalar std::exp per score would be a large share of the kernel at large
+// batches.
 using llmserve::exp16;
 
 // exp_shifted, 16 scores at a time

@@ -1,10 +1,11 @@
 // The decoder layers of a decode step (int4 weights, native kernels throughout) as one call: from the tokens'
 // embedding rows to the final norm.
 //
-// Why: at batch 1 the step reads ~95 MB of weights, ~3 ms at this machine's memory rate, yet a compiled
-// step took ~4.3 ms. About 1 ms was the calls themselves: per layer four int4 products, K/V write, attention
+// Why: at batch 1 the step reads ~95 MB of weights (SmolLM2), yet a compiled step lost a good share of its time
+// to the calls themselves rather than to that stream: per layer four int4 products, K/V write, attention
 // and five of Inductor's elementwise loops, each entered from Inductor's Python wrapper (argument checks,
-// the dispatcher's boxed path for custom ops, an OpenMP fork). Here the whole stack is one call from Python:
+// the dispatcher's boxed path for custom ops, an OpenMP fork; docs/performance.md, "The one-call decode step").
+// Here the whole stack is one call from Python:
 // the products and the attention are our kernels, called through their C++ entry points into the step's buffers
 // (no dispatcher, no allocation); the norms, rotary, the K/V write and the gate run in place on those buffers
 // through the rows the eager ops use (elementwise.h), a layer's residual add joined to the next layer's norm. The
@@ -101,8 +102,8 @@ const LargeStepOps& large_step_ops() {
 // - kOneDnn, kAmx: int8 activations (one scale a token, after SmoothQuant's `smooth_inv`) times the smoothed int8
 //   weight, as `WeightOnlyLinear.int8_forward`: oneDNN's (`weight` prepacked, `extra` its zero points) or our AMX
 //   kernel's (`weight` in its layout, `extra` its compensation); the bias added after.
-// Why here too: at 32 tokens a layer-by-layer step spent ~6 ms of ~41 between its ops (SmolLM2, Zen 4), which the
-// compiled graph saved only after a minute and a half of compiling.
+// Why here too: layer by layer a large step spends a good share of its time between its ops, which a compiled
+// graph saves only after a long compile (docs/performance.md, "The one-call decode step").
 // Returns the tensor that holds the product: `out`, or the op's own output where the op allocates one (copying it
 // into `out` would cost a pass over it; the layer reads whichever it gets).
 enum LargeStepKind : int64_t { kDense = 0, kOneDnn = 1, kAmx = 2 };
@@ -146,8 +147,9 @@ struct LargeStep {
 // `pack_int4` (no scales), by `pack_int8` with its row scales or by `pack_int6` or `pack_int8_grouped` (ones);
 // activations split into `activation_parts` int8 parts; the bias added after, as `WeightOnlyLinear` adds it. Larger
 // steps take the large-step product. The small-step kernels write into the step's buffer (`out`, [tokens,
-// out_features]) through their own entry points, not the dispatcher: a dispatched product allocated its output,
-// ~0.2 us of the ~0.6 a call costs beside its weights (benchmarks/README.md, session 45). Returns the tensor holding the product (see LargeStep).
+// out_features]) through their own entry points, not the dispatcher: a dispatched product allocates its output, a
+// good share of what a call costs beside its weights (docs/performance.md, "The one-call decode step"). Returns the
+// tensor holding the product (see LargeStep).
 struct LinearPart {
   at::Tensor packed, scales, bias;  // scales undefined: int4
   int64_t activation_parts, out_features, small_max_tokens;
@@ -190,8 +192,8 @@ struct Linear {
   }
 };
 
-// A view of `base`'s memory from element `offset`, made without the dispatcher: a narrow + view pair costs ~0.7 us
-// (two dispatched ops, two tensors), this ~0.07. `base` must outlive the view: each one here views a tensor the
+// A view of `base`'s memory from element `offset`, made without the dispatcher: a narrow + view pair is two
+// dispatched ops and two tensors, this neither. `base` must outlive the view: each one here views a tensor the
 // layer's call holds.
 Tensor view_of(const Tensor& base, int64_t offset, at::IntArrayRef sizes, at::IntArrayRef strides) {
   return at::from_blob(static_cast<char*>(base.data_ptr()) + offset * base.element_size(), sizes, strides,
@@ -236,8 +238,8 @@ struct WallTimer {
 
 // A step's own tensors, checked once for all its layers, and the buffers every piece writes into: one allocation a
 // step, its tensors made once for all layers. The norms, rotary, the K/V write and the gate run in place on these
-// through the rows of elementwise.h (the eager ops' own code, so the same bits): dispatched, each allocated its output
-// and cost ~1-2 us a layer (benchmarks/README.md, session 44); the products and the attention write into theirs.
+// through the rows of elementwise.h (the eager ops' own code, so the same bits): dispatched, each would allocate its
+// output (docs/performance.md, "The one-call decode step"); the products and the attention write into theirs.
 template <typename T>
 struct Step {
   int64_t tokens, hidden, intermediate, num_heads, num_kv_heads, head_dim;
@@ -434,8 +436,8 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   // The tokens at their positions -> the hidden states after the final norm, [tokens, hidden]; writes each layer's
-  // K/V. The embedding rows, the rotary tables' rows and the final norm are taken here too: in Python each was an
-  // op or three run on cold caches after the step's weight stream, ~0.15 ms of a ~5 ms step (SmolLM2, Zen 4).
+  // K/V. The embedding rows, the rotary tables' rows and the final norm are taken here too: in Python each is an
+  // op or three run on cold caches after the step's weight stream.
   at::Tensor run(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slots,
                  const at::Tensor& block_table, const at::Tensor& context_lens) {
     NoTimer timer;

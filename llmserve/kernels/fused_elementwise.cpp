@@ -1,12 +1,11 @@
 // The decoder layer's elementwise work as four ops, for the steps that run eagerly (prompts, and a busy
 // server's steps that prefill one request beside the decodes). Eager PyTorch spends ~25 small kernels a
 // layer on RMSNorm (casts, square, mean, rsqrt, products), rotary (two products, a roll, a sum) and the
-// SwiGLU gate (a slow bf16 SiLU, a product): at c=32 about 15 ms of a 52 ms mixed step, nearly all of it
+// SwiGLU gate (a slow bf16 SiLU, a product): a large share of a busy server's mixed step, nearly all of it
 // dispatch and OpenMP wake-ups. Each op here reads its inputs once and writes once, in float32 inside,
 // rounding to the tensor's dtype only at the end (as Inductor's fused loops do; eager rounds after every
-// op). The compiled decode graph does not use them: Inductor fuses the same ops there itself.
-// Measured (benchmarks/mixed_step.py, one engine, alternated): a mixed step of 31 decodes and a prompt
-// 57.8 -> 49.0 ms, an eager batch-31 decode step 38.2 -> 33.3 ms.
+// op). The compiled decode graph does not use them: Inductor fuses the same ops there itself. What they save
+// in mixed and eager steps: docs/performance.md, "Prefix caching and chunked prefill" (benchmarks/mixed_step.py).
 //
 //   rms_norm(x, w, eps)            w * x / sqrt(mean(x^2) + eps), per row
 //   add_rms_norm(x, d, w, eps)     (x + d, rms_norm(x + d)): the residual add and the next norm in one pass

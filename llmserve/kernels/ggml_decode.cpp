@@ -1,8 +1,8 @@
 // GGML's block formats decoded to float32 in one pass per block (`loader/ggml_blocks.py` calls it when the kernels
 // are loaded, and keeps its PyTorch decoders otherwise).
 //
-// Why: the PyTorch decoders take several passes over each chunk (nibbles, shifts, masks, products) and were still
-// 5.2-6.3 s of Qwen2.5-Coder-1.5B's start with its draft (1.8 G values; benchmarks/README.md, "Session 53").
+// Why: the PyTorch decoders take several passes over each chunk (nibbles, shifts, masks, products), a large share
+// of a larger model's start (Qwen2.5-Coder-1.5B with its draft: 1.8 G values; docs/performance.md, "Start-up").
 //
 // Each format does the `gguf` package's float32 arithmetic in its order, as the PyTorch decoders do (IEEE, no
 // fused multiply-add): the values are the package's bit for bit (tests/loader/test_ggml_blocks.py, both paths).

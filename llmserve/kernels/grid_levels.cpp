@@ -3,8 +3,7 @@
 // Why: every start re-derives the levels of the file's int4 (Q4_0/Q4_1/Q4_K) and int8-held (Q6_K, Q8_0, Q5_0)
 // weights from their decoded values. PyTorch's ops made it six passes over a float32 copy of each weight (widen,
 // subtract, divide, round, clamp, and the dequantized values' multiply and add), each fresh tensor paying its page
-// faults: Qwen2.5-Coder-1.5B's start spent 4.8 s on int4 levels and 1.7 s on 6-bit ones (benchmarks/README.md,
-// "Session 53"), the 0.5B's 0.9 s on its Q8_0 and Q5_0 ones ("Session 61"). Here each thread reads its rows once
+// faults, seconds of a larger model's start (docs/performance.md, "Start-up"). Here each thread reads its rows once
 // and writes the levels, and for int4 the dequantized values.
 //
 // The arithmetic is PyTorch's, operation for operation, in float32 with IEEE rounding (no fast-math, no fused
@@ -35,8 +34,8 @@ namespace {
 
 constexpr int64_t kInt4Group = 32;
 
-// bfloat16 <-> float32 as bit operations the loops vectorize (c10::BFloat16's conversions kept the loops scalar,
-// and their clamps became branches: 3x slower on real weights), with c10's rounding: to nearest even, NaN quiet
+// bfloat16 <-> float32 as bit operations the loops vectorize (c10::BFloat16's conversions keep the loops scalar,
+// and their clamps become branches), with c10's rounding: to nearest even, NaN quiet
 LLMSERVE_IEEE_LOOPS inline float widen(float x) { return x; }
 LLMSERVE_IEEE_LOOPS inline float widen(uint16_t x) {
   const uint32_t bits = static_cast<uint32_t>(x) << 16;
@@ -77,8 +76,7 @@ LLMSERVE_IEEE_LOOPS void int4_rows(const T* w, const float* scale, const float* 
 
 // Returns whether every value q * scale, in the weight's dtype, equals the weight (as `torch.equal`: by value).
 // `Run`: the inputs per scale where known when compiled (Q6_K's 16, Q8_0's and Q5_0's 32), else 0: with a fixed trip
-// count GCC vectorizes the loop at its full width (Q6_K's runs of 16 bf16 inputs: 23 -> 11 ms on a 8960 x 1536
-// weight, Zen 4), with a runtime one on 128-bit vectors.
+// count GCC vectorizes the loop at its full width, with a runtime one on 128-bit vectors.
 template <int64_t Run, typename T>
 LLMSERVE_IEEE_LOOPS bool signed_rows(const T* w, const float* scale, float lowest, float highest, uint8_t* q,
                                      int64_t row_begin, int64_t row_end, int64_t in, int64_t runtime_run) {

@@ -1,14 +1,13 @@
 // int8 activations x int8 weights (the int8-activation path, quantization/int8_activations.py) on AMX.
 //
 // Why a kernel of our own: a busy server's decode step (32 tokens) multiplies by ~106 MB of int8 weights
-// per step, streamed from memory. oneDNN's AMX matmul, called through `onednn::qlinear_pointwise`, read
-// them at 12-18 GB/s (of the ~27 GB/s this machine reads) and the op added ~27 us per call on top of its
-// own time: 9.9 ms of a 31 ms batch-32 step (torch profiler, in the engine). Here the weight is stored in
-// the order the tile loads consume it, one contiguous stream per thread, prefetched ahead, and the
-// epilogue (zero-point compensation, weight and token scales, the cast to the model dtype) is fused:
-// SmolLM2's 120 products at 32 tokens, weights streamed, 12.5 -> 6.0-6.4 ms (benchmarks/int8_gemm.py);
-// 5.6 ms in the engine's step. What is left is the tile products themselves (~150 cycles per 64 inputs of
-// a strip, measured with the weights in cache) not overlapping the memory reads fully.
+// per step, streamed from memory. oneDNN's AMX matmul, called through `onednn::qlinear_pointwise`, reads
+// them well short of the rate memory delivers, and the op adds a fixed cost per call on top of its own time:
+// together a large share of a batch-32 step. Here the weight is stored in the order the tile loads consume it,
+// one contiguous stream per thread, prefetched ahead, and the epilogue (zero-point compensation, weight and token
+// scales, the cast to the model dtype) is fused
+// (docs/performance.md, "Large steps: int8 activations and dense products"; benchmarks/int8_gemm.py). What keeps it from the memory's rate is the tile products themselves not
+// overlapping the memory reads fully.
 //
 // Math, the same as oneDNN's (the tests check it bit for bit against the `onednn::qlinear_pointwise` path):
 //     acc[m, n] = sum_k xu[m, k] * w[n, k]            exact int32; xu = x_q + 128 in [1, 255]

@@ -2,7 +2,7 @@
 // top bits), written in one pass from the levels; the small per-group headers stay in PyTorch.
 //
 // Why: PyTorch made each a chain of whole-weight temporaries (mask, shift, or, a permuted copy; six shifted copies
-// summed for the top bits), ~3 s of Qwen2.5-Coder-1.5B's start (benchmarks/README.md, "Session 53"). The bytes are
+// summed for the top bits), seconds of a larger model's start (docs/performance.md, "Start-up"). The bytes are
 // the ones those ops give (tests/kernels/test_pack_layouts.py):
 //   int4: out[block, group, 64 c + 4 r + s] = q[16 block + r, 32 group + 8 c + s]
 //                                            | q[16 block + r, 32 group + 8 c + 4 + s] << 4;

@@ -13,9 +13,8 @@
 // bf16 caches: vector loops with vdpbf16ps (AVX512-BF16); on CPUs with AMX the scores (K rows as one tile
 // per 16 tokens against the G queries) and the weighted sum of V (the probabilities against V rows
 // interleaved in pairs, per 32 tokens) run as tile products instead, the same bf16 products with float32
-// sums. Batch 32 at ~280 tokens, 30 layers (kernel alone): 186 -> 128 us a layer with the KV in cache,
-// 376-408 -> 245 us with a 200-token prefix shared and the rest streamed from memory; in the engine's
-// batch-32 step 363 -> 266 us a layer.
+// sums, faster than the vector loops for a large batch whether its KV is in cache or streamed
+// (docs/performance.md, "Decode attention").
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -158,7 +157,7 @@ inline void score_chunk_amx(const uint16_t* rows, const uint16_t (*q_pairs)[16 *
 
 // The query heads per KV head (G) and the 32-wide chunks of head_dim (C) are template parameters: every
 // loop over them unrolls and the queries, partial sums and accumulators stay in registers (with runtime
-// bounds they lived on the stack and the loop control was a third of the kernel's time).
+// bounds they would live on the stack, and the loop control would take a large share of the kernel's time).
 template <int G, int C>
 void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_table, const at::Tensor& context_lens, double scale,
@@ -183,7 +182,7 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
   const int64_t parts = split.parts;
   // per task and query head: the scores' max, the sum of their exponentials, the unnormalised V sum
   constexpr int64_t stride = head_dim + 2;
-  // not zeroed: every task writes its own (and a zeroing here passed each line written on another core twice)
+  // not zeroed: every task writes its own (and a zeroing here would pass each line written on another core twice)
   std::unique_ptr<float[]> partial(new float[pairs * parts * G * stride]);
 
 #if LLMSERVE_ATTENTION_AMX
@@ -380,14 +379,10 @@ constexpr auto kBf16Kernels = bf16_kernel_table(std::make_integer_sequence<int, 
 // float32 caches (hosts without native bfloat16 run float32: AVX2-only ones) and bf16 caches on CPUs without
 // AVX512-BF16: 8 float32 lanes of each row at a time (a bf16 row widened in registers, a shift of each 16-bit
 // value), float32 products and sums, the contexts split into parts as the AVX512-BF16 kernel's. The portable loop
-// this replaces reads each row through a buffer, keeps its sums in memory and never splits a context: for bf16,
-// ~128 cycles per (token, KV head) for SmolLM2's shape on Zen 4 (an AVX2 build), the attention 2.5-3x the AVX-512
-// kernel's in the engine's step; here, the same host and build, K/V out of the cache, 1024 tokens, 2 threads
-// 104-111 -> 58 us a call, in SmolLM2's step 38-41 -> 26-27 us a layer (benchmarks/README.md, session 46).
-// float32 ran the portable loop too until session 50; SmolLM2's shape, KV out of the cache, an AVX2 build on Zen 4:
-// batch 32 x 280 tokens 1030-1570 -> 810-870 us a call, batch 8 240-266 -> 188-220, one request 28-36 -> 16. The
-// scores of eight tokens are reduced together (`sum8x8`), not one horizontal sum per token and query head: batch 32
-// with K/V in the L3 430 -> 355 us; from memory, where the step's K/V come from, 3-10 % (the stream bounds it).
+// (decode_portable) reads each row through a buffer, keeps its sums in memory and never splits a context, which
+// makes it far slower for either dtype (docs/performance.md, "Decode attention"). The scores of eight tokens are
+// reduced together (`sum8x8`), not one horizontal sum per token and query head: it matters most with K/V in
+// cache; from memory, where the step's K/V come from, the stream bounds it.
 constexpr int kMaxGroupAvx2 = 8;  // query heads per KV head
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }

@@ -107,7 +107,7 @@ void decode_int8_vnni(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const ContextSplit split = split_contexts(pairs, lens, batch);
   const int64_t parts = split.parts;
   constexpr int64_t stride = head_dim + 2;  // max, sum, then the unnormalised V sum
-  // not zeroed: every task writes its own (and a zeroing here passed each line written on another core twice)
+  // not zeroed: every task writes its own (and a zeroing here would pass each line written on another core twice)
   std::unique_ptr<float[]> partial(new float[pairs * parts * G * stride]);
 
   run_tasks(pairs * parts, [&](auto next_task) {

@@ -3,15 +3,13 @@
 //
 // Why a kernel of our own: such a step reads every weight once, so it runs at the rate weight bytes stream
 // from memory. PyTorch's `_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm` are compute-bound at one
-// row and reach ~15-17 GB/s on weights streamed from memory, of the ~27 GB/s this machine reads
-// (benchmarks/quantized_gemv.py, one token, weights streamed: SmolLM2's 120 int4 products 4.6 ms, its int8
-// head 1.7 ms). Here the weights are stored in the order the loop consumes them, one contiguous stream per
-// thread, prefetched ahead, and the int4 inner loop is four integer dot instructions (`vpdpbusd`) per 128
-// weights: 3.6 ms and 0.8 ms there; in the engine's step 2.45 ms (~27 GB/s) and 0.8-0.9 ms.
+// row and stay well short of the rate memory delivers. Here the weights are stored in the order the loop consumes
+// them, one contiguous stream per thread, prefetched ahead, and the int4 inner loop is four integer dot
+// instructions (`vpdpbusd`) per 128 weights, so that a step runs at about the rate memory delivers
+// (docs/performance.md, "Quantized weight kernels"; benchmarks/quantized_gemv.py).
 // CPUs with AVX2 but no AVX-512 (an AMD EPYC of the first Zen generation, float32 activations) get 8-lane
-// loops of the same arithmetic (a SmolLM2 step at 1 token: 14 ms, against 383 ms on PyTorch's int4 kernel
-// there). They are compute-bound on that core, whose 256-bit ops run as two 128-bit halves: 30 gate/up
-// products (33 MB) at 1 token in 3.4 ms, 9.7 GB/s of the 25.5 it reads (5.6 GB/s on one thread).
+// loops of the same arithmetic, far faster than PyTorch's int4 kernel there. They are compute-bound on that core,
+// whose 256-bit ops run as two 128-bit halves, short of the rate its memory delivers.
 //
 // int4 layout, per row block of 16 output rows (a float32 vector lane per row, so no horizontal sums),
 // per group of 32 inputs, 320 bytes:
@@ -24,12 +22,12 @@
 // minimums (scale = factor * u8, exact in float32), then per group the 4 vectors of nibbles, each on cache lines
 // of its own as in the other layout. 4.625 bits a weight instead of
 // 5: 7.5 % fewer bytes (Qwen2.5-Coder-1.5B's int4 products 670.9 -> 620.6 MB a step), and Q4_K's scales exactly
-// instead of rounded to fp16. The op tells the two apart by the packed weight's size. Measured against the fp16
-// layout on the same Q4_K values (every linear of that model's 28 layers, weights streamed, alternated 12 times,
-// Zen 5, Q8_0 inputs; two runs): 1 token 1.04-1.10x (819 -> 757 MB), 8 tokens 1.06-1.20x, 32 tokens 0.94-1.02x
-// (bound by arithmetic there). A first version put each group's u8 bytes after its nibbles (half the vectors
-// across two lines), held the factors in registers (spilled at 8 tokens) and did not prefetch the headers: 0.95x
-// at 1 token and 0.90x at 8.
+// instead of rounded to fp16. The op tells the two apart by the packed weight's size. Against the fp16 layout on
+// the same Q4_K values it is faster where the weights' bytes bound a step (up to 8 tokens), about even where the
+// arithmetic does (32 tokens). Its u8 bytes sit in the header, not after a group's nibbles (which would put half
+// the vectors across two lines), the headers are prefetched with the stream, and the factors are read from L1, not
+// held in registers (which spill at 8 tokens): without these it is slower than the fp16 layout
+// (docs/performance.md, "Quantized weight kernels").
 // The activations of each group become two int8 parts, x ~ step * (hi + lo / 254): `vpdpbusd` multiplies
 // the unsigned nibbles by them exactly, so the only rounding is that ~16-bit split (|error| <= step / 508,
 // step = max|x| / 127 over the group) and float32 sums. Or one part, x ~ step * hi: llama.cpp's Q8_0
@@ -39,10 +37,9 @@
 // inputs each (see the int8 section); the activations split as int4's, the row scales applied at the end. Or,
 // for a weight the file stored as Q6_K, the int8 op's 6-bit layout (its section): the file's values at 6.625 bits
 // a weight instead of re-quantized to 8 per row, the op again telling the two apart by the packed size.
-// Until session 35 the int8 loop widened each weight to float32 for a `vfmadd` with x in float32: ~28 GB/s a
-// core with the weights in L2 at 1 token (memory-bound all the same, streamed), 13 at 8 tokens, where `vpdpbusd`
-// on Q8_0 inputs now runs 1.34x faster streamed (Zen 5; a K-quant mix's Q6_K tensors run on it: 470 MB of the
-// Qwen2.5-Coder-1.5B's 1.13 GB step, benchmarks/README.md, session 35).
+// The int8 loop multiplies in integers (`vpdpbusd`) rather than widening each weight to float32 for a `vfmadd`,
+// which is compute-bound from a few tokens on and slower even on streamed weights. A K-quant mix's Q6_K tensors run
+// on it: 470 MB of Qwen2.5-Coder-1.5B's 1.13 GB step (docs/performance.md, "Quantized weight kernels").
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -78,24 +75,19 @@ constexpr int64_t kSuperBlockBytes = kSuperHeaderBytes + kSuperGroups * kSuperGr
 constexpr int64_t kMaxTokens = 8;    // activation rows per pass over the weights (accumulators in registers)
 // From this many tokens on, the int4 loop keeps one dependency chain per token and activation part instead
 // of two (one per nibble): the tokens give the multiplier enough independent chains, and 5 accumulators a
-// token spill out of the 32 vector registers past 5 tokens. Qwen2.5-Coder-1.5B's int4 products (28 layers),
-// weights streamed, on a Zen 5 host, alternated in one session: 8 tokens 42-44 ms -> 29-31 (1 token 18-19).
+// token spill out of the 32 vector registers past 5 tokens (docs/performance.md, "Quantized weight kernels").
 constexpr int kMergeChainsFrom = 5;
 // How far ahead of the loops the weight stream is prefetched, into L2 rather than L1: an L1 prefetch holds one
-// of the core's few line-fill buffers until its line arrives, which capped how many misses each core kept in
-// flight. SmolLM2's 120 int4 products at 1 token, weights streamed, on a host whose 1 GiB sum read 25.9 GB/s:
-// 4.17 ms (T0, 4 KiB ahead) -> 3.57 ms (T2, 8 KiB ahead), 15.9 -> 18.6 GB/s (T1 the same within noise).
+// of the core's few line-fill buffers until its line arrives, which caps how many misses each core keeps in
+// flight (docs/performance.md, "Quantized weight kernels").
 constexpr int64_t kPrefetchBytes = 8192;
 // Weights a step reads once (one pass: at most kMaxTokens tokens) are prefetched non-temporally on AMD CPUs: a
 // step streams 95 MB (SmolLM2) to 1.1 GB (Qwen2.5-Coder-1.5B) of them through an L3 (32 MB on the Zen 5 host)
-// that, on AMD, takes every line L2 evicts, so they pushed out what the step reads again (the KV cache, the
-// activations, the next layer's small tensors) and slowed their own stream. Zen 5, offline decode steps, builds
-// alternated one process each (ms a step, median; L2 -> NTA): SmolLM2 one request 2.73-3.44 -> 2.50-2.98, 10 of
-// 11 pairs faster, median 0.89x (attention 18-23 -> 9-22 us a layer); eight requests 7.3-8.3 -> 6.3-7.7 (three
-// of three); the 1.5B one request, pairs at the same `sum` rate: 23.7 -> 22.9 at 48 GB/s, 19.4 -> 16.9 and
-// 18.4 -> 15.1 at 76-80 GB/s (the weights at ~75 GB/s, the rate of a 1 GiB `sum`, from ~60). Elsewhere (Intel:
-// NTA fills L1 only, the line-fill-buffer limit above; not measured) and for steps that pass over a tile more than
-// once (it must stay in L2 between passes), L2 as before.
+// that, on AMD, takes every line L2 evicts, so they would push out what the step reads again (the KV cache, the
+// activations, the next layer's small tensors) and slow their own stream
+// (docs/performance.md, "Quantized weight kernels"). Elsewhere (Intel: NTA fills L1 only, the line-fill-buffer
+// limit above; not measured) and for steps that pass over a tile more than once (it must stay in L2 between
+// passes), into L2.
 enum class WeightStream { kCached, kOnce };
 
 inline WeightStream weight_stream(bool one_pass) {
@@ -103,8 +95,8 @@ inline WeightStream weight_stream(bool one_pass) {
   return amd && one_pass ? WeightStream::kOnce : WeightStream::kCached;
 }
 
-// Prefetches the `bytes` of weight stream that lie kPrefetchBytes after `p` (each line once: a line skipped here
-// is a demand miss later, which cost the super-block layout 5 % at 1 token when its headers were not prefetched)
+// Prefetches the `bytes` of weight stream that lie kPrefetchBytes after `p` (each line once, a super-block's header
+// included: a line skipped here is a demand miss later)
 #if LLMSERVE_GEMV_AVX512 || LLMSERVE_GEMV_AVX2
 inline void prefetch_ahead(const uint8_t* p, int64_t bytes, WeightStream stream) {
   const char* ahead = reinterpret_cast<const char*>(p) + kPrefetchBytes;
@@ -1091,8 +1083,8 @@ bool quantized_gemv_vectorized() {
 namespace llmserve::gemv {
 
 // The vector products into a caller's output (the decode stack's step buffers, decode_layer.cpp): the ops' own
-// checks and loops without the dispatcher's call and an allocation per product (~0.2 us each, benchmarks/README.md,
-// session 45). out: [tokens, out_features], contiguous, in x's dtype.
+// checks and loops without the dispatcher's call and an allocation per product
+// (docs/performance.md, "The one-call decode step"). out: [tokens, out_features], contiguous, in x's dtype.
 void int4_gemv_out(const at::Tensor& x, const at::Tensor& packed, int64_t activation_parts, at::Tensor& out) {
   int4_gemv_into(x, packed, activation_parts, out, false);
 }

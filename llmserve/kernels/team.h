@@ -1,12 +1,11 @@
 // torch's threads held in one parallel region for a whole decode step (decode_layer.cpp), its products and
 // attentions handed to them through a flag each instead of a fork and a join each.
 //
-// Why: a small model's step is ~150 parallel pieces (SmolLM2: four products and an attention a layer, 30 layers)
-// of 5-40 us. Each `at::parallel_for` is an OpenMP fork and join: on the Zen 4 host, measured inside the step
-// (per-thread timestamps around each product, benchmarks/README.md, session 57), the calling thread started its
-// share 0.6 us after the call with its two cores sharing an L3 and 1.2-1.5 us with the cores on two dies, and waited
-// ~1 us at the join. Here the other threads stay in the step's region: a piece is posted as one store to a line they
-// watch, and each reports on a line of its own (a barrier of two flags: 0.05 / 0.19 us on that host, session 46).
+// Why: a small model's step is ~150 parallel pieces (SmolLM2: four products and an attention a layer, 30 layers),
+// each a few microseconds to tens of them. Each `at::parallel_for` is an OpenMP fork and join, whose start and join
+// cost a noticeable share of so short a piece, most where the cores sit on two dies
+// (docs/performance.md, "The one-call decode step"). Here the other threads stay in the step's region: a piece is posted as one store to a
+// line they watch, and each reports on a line of its own (a barrier of two flags).
 //
 // The split of each piece is `at::parallel_for`'s (contiguous chunks by thread index); a team that a late worker
 // missed (`close`) splits among the threads that came. Every product and attention computes the same bits either
@@ -35,7 +34,7 @@
 
 namespace llmserve::team {
 
-// Spins until `ready()`; past 16384 pauses (0.3-0.8 ms; the pieces between a step's products take 2-30 us) it yields
+// Spins until `ready()`; past 16384 pauses (far longer than the gaps between a step's products) it yields
 // the core between looks, so a thread whose partner was descheduled (more threads than cores) does not hold it
 template <typename Ready>
 void wait_until(const Ready& ready) {

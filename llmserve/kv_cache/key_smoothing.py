@@ -4,7 +4,7 @@ cached, and the matching query channels scaled up, folded into q_proj / k_proj o
 Why: an int8 cache row (one token of one KV head) has one scale, so its largest value sets the step for all
 head_dim values. Some models put a few key channels far above the rest: in Qwen2.5-Coder-1.5B the largest
 channel pair of a head reaches 2^5.7 times the head's typical pair (its k_proj bias), so the other channels
-keep only a few of int8's levels and the cache cost +1.6 % perplexity. Keys matter only through q . k, so
+keep only a few of int8's levels and the cache costs perplexity. Keys matter only through q . k, so
 dividing a key channel by s and multiplying the same query channel by s leaves every attention score as it
 was. Rotary position embedding rotates channel i with channel i + head_dim / 2, so the two share one s, and
 s is a power of two: scaling by it is exact in floating point, so with a full-precision cache the model
@@ -12,13 +12,12 @@ computes the very same numbers (tested), and only the int8 rounding changes. Fol
 fused q/k/v projection (weights, bias, and the file's int4 grid that the int4 kernels take their groups
 from), it costs nothing per step, and no kernel or attention path knows of it.
 
-Measured (qwen2.5-coder-1.5b, 2,048 tokens of the Lee corpus, 32-token chunks so every chunk attends to
-cached rows; benchmarks/README.md "A 1-byte KV cache"): full-precision cache 17.171, int8 17.451 (+1.63 %),
-int8 with outlier pairs scaled to the head's geometric mean 17.225 (+0.31 %); scaling every pair to it
-(small ones up too) 17.248. The fp8 cache got much worse with the same scales (21.1 -> 76.3), so only int8
-uses them. A likely cause, not verified: e4m3 rounds every value to ~2^-4 of itself except the row's largest,
-which maps to 448 exactly; unsmoothed, that exact value is the outsized channel that dominates the scores,
-smoothed it is rounded like the rest. int8 trades the same exactness for ~30x finer steps everywhere else.
+Scaling the outlier pairs to the head's geometric mean recovers most of what the int8 cache costs; scaling every
+pair to it (small ones up too) does no better. The fp8 cache gets much worse with the same scales, so only int8
+uses them (docs/performance.md, "KV cache quantization"). A likely cause, not verified: e4m3 rounds every value to
+~2^-4 of itself except the row's largest, which maps to 448 exactly; unsmoothed, that exact value is the outsized
+channel that dominates the scores, smoothed it is rounded like the rest. int8 trades the same exactness for ~30x
+finer steps everywhere else.
 """
 
 from __future__ import annotations

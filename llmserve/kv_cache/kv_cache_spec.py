@@ -46,8 +46,8 @@ class KVCacheSpec:
     def allocate(self, num_blocks: int, device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(K, V) per layer. Zeros, not empty: padded decode gathers read arbitrary slots, which must be finite.
         On the CPU, pages the kernel zeroes as they are first touched (`anonymous_pages`): `torch.zeros` writes every
-        byte first, 0.6 s and 2.3 GB resident at the start of the 135M default, whose cache a short-lived or lightly
-        loaded server never fills (benchmarks/README.md, session 54)."""
+        byte first, time and resident memory at every start, for a cache a short-lived or lightly loaded server never
+        fills (docs/performance.md, "Start-up")."""
         shape = self.shape(num_blocks)
 
         def zeros() -> torch.Tensor:

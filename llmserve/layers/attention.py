@@ -111,8 +111,8 @@ class AttentionBackend:
         """Before torch.compile traces a model holding this backend: the Python it should not trace (a loop over
         a step's groups and spans, re-traced for every batch shape) becomes an opaque eager call in the graph.
         Done here, when a graph is about to be compiled, rather than by decorators at import: those import
-        torch._dynamo (1.3 s of every start, on a plan that compiles nothing) and put its wrapper on every eager
-        call."""
+        torch._dynamo (a cost to every start, on a plan that compiles nothing; docs/performance.md, "Start-up") and
+        put its wrapper on every eager call."""
         self.forward = torch.compiler.disable(self.forward)
 
 
@@ -129,8 +129,8 @@ class NativeAttention(AttentionBackend):
 
     def decode_metadata(self, tables, head_rows, context_starts, block_size, num_heads, dtype,
                         device) -> DecodeBatch:
-        # The kernel's int32 table made from the lists, one op: each op costs ~10-30 us on the caches a step's weight
-        # stream leaves (a long table sliced and converted was three). At least 2 columns: a compiled graph
+        # The kernel's int32 table made from the lists, one op: each op counts on the caches a step's weight stream
+        # leaves (a long table sliced and converted would be three). At least 2 columns: a compiled graph
         # specialises on a size of 1, and short contexts would otherwise need a variant of their own.
         return DecodeBatch(len(tables), padded_tables(tables, torch.int32, device, min_width=2),
                            torch.tensor([start + 1 for start in context_starts], dtype=torch.int32, device=device))
@@ -238,8 +238,8 @@ def attention_metadata(
     device: torch.device,
 ) -> AttentionMetadata:
     """A step's attention indices, built once with batched tensor ops and shared by every layer. A decode-only step's
-    come from `tables` in Python instead, a tensor each, where the ops cost ~13 us each (a batch-1 SmolLM2 step is
-    ~4-5 ms on Zen 4): its K/V slots, and on the native kernel its block table."""
+    come from `tables` in Python instead, a tensor each, where every op counts in a small step: its K/V slots, and on
+    the native kernel its block table."""
     bs = block_size
     num_decodes = sum(1 for n in counts if n == 1)
     continued = any(starts[row] for row in range(num_decodes, len(counts)))  # prompt chunks after the first

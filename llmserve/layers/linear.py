@@ -1,17 +1,16 @@
 """Dense linear layers with their weight prepacked once for oneDNN (bf16 and float32 on CPU).
 
 Why: a bf16 `F.linear` on CPU reorders the weight into oneDNN's blocked layout on every call. At decode
-sizes that reorder is a large part of the matmul (measured here, SmolLM2's shapes: 1 token 1.5-2.4x, 32
-tokens 1.2-1.4x faster prepacked; the same at 256 tokens). The packed bf16 product is bit-identical to
-`F.linear`. A compiled graph does not need this: Inductor's freezing packs its weights itself (see
+sizes that reorder is a large part of the matmul, and prepacking pays at every step size
+(docs/performance.md, "Large steps: int8 activations and dense products"). The packed bf16 product is
+bit-identical to `F.linear`. A compiled graph does not need this: Inductor's freezing packs its weights itself (see
 engine/decode_graph.py), so while compiling the layers trace the plain `F.linear`.
 
-In float32 `F.linear` is MKL's sgemm, which on AMD hosts runs far behind oneDNN's packed product: SmolLM2's and
-Qwen2.5's shapes, 1-20 tokens, 1.2-12x (MKL's 3-token product of Qwen's head 161 ms, oneDNN's 20); a dense float32
-model's steps 1.5-4x faster (benchmarks/README.md, sessions 49 and 59). So float32 weights are packed too, dense
-ones and a quantized layer's large-step copy alike. The rounding is oneDNN's, not MKL's (a few 1e-6 apart), as a batched
-step's MKL product was never the one-token product transformers' greedy reference computes either: greedy output is
-held to transformers by the tests, whatever the product.
+In float32 `F.linear` is MKL's sgemm, which on AMD hosts runs far behind oneDNN's packed product at decode sizes
+(docs/performance.md, "Large steps: int8 activations and dense products"). So float32 weights are
+packed too, dense ones and a quantized layer's large-step copy alike. The rounding is oneDNN's, not MKL's (a few
+1e-6 apart), as a batched step's MKL product was never the one-token product transformers' greedy reference
+computes either: greedy output is held to transformers by the tests, whatever the product.
 """
 
 from __future__ import annotations

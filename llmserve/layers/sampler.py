@@ -53,7 +53,7 @@ class SampledToken:
 def sample(logits: torch.Tensor, meta: SamplingMetadata, native_argmax: bool = False) -> list[SampledToken]:
     """logits: [B, V] float32 (modified in place; any float dtype where `meta.reads_logits` is False: each row's
     maximum is all that is read). `native_argmax`: greedy tokens through
-    `llmserve::argmax_rows` (loaded by the caller; CPU), several times faster than PyTorch's reduction."""
+    `llmserve::argmax_rows` (loaded by the caller; CPU), faster than PyTorch's reduction."""
     raw_logprobs = apply_constraints(logits, meta)
     tokens = greedy_tokens(logits, native_argmax)
     if not meta.all_greedy:
@@ -85,13 +85,13 @@ def apply_constraints(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Ten
 def greedy_tokens(logits: torch.Tensor, native_argmax: bool) -> torch.Tensor:
     if native_argmax:
         return torch.ops.llmserve.argmax_rows(logits)
-    return logits.max(dim=-1).indices  # the first maximum, as argmax, in a third of its time on CPU
+    return logits.max(dim=-1).indices  # the first maximum, as argmax, faster than it on CPU
 
 
 def _apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Tokens whose bit is clear in their row's bitmask get -inf. The int32 words are little-endian, so bit t of
-    the bitmask's bytes is token t: numpy unpacks them in one call (~20 us a row of 49k tokens with the fill, a few
-    times faster than shifts in torch or a byte lookup table)."""
+    the bitmask's bytes is token t: numpy unpacks them in one call, faster than shifts in torch or a byte lookup
+    table (docs/performance.md, "Structured outputs")."""
     bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]]
     refused = ~torch.from_numpy(bits.view(np.bool_)).to(logits.device, non_blocking=True)
     if len(rows) == len(logits):  # every row constrained, in order

@@ -21,7 +21,7 @@ __all__ = ["Checkpoint", "load_checkpoint", "load_tokenizer", "build_model", "sa
 
 def load_checkpoint(model: str | None, tokenizer: object | None = None) -> Checkpoint:
     """`tokenizer`: one already read from this model's tokenizer files (a draft's, see `same_tokenizer`), taken
-    instead of reading them again (~1 s for a 150k-token vocabulary)."""
+    instead of reading them again (slow for a large vocabulary)."""
     path, name = resolve_model_path(model)
     start = time.perf_counter()
     if os.path.isdir(path):

@@ -1,9 +1,9 @@
 """GGML's block formats decoded with torch ops, a few million values a pass, on every core; where the native kernels
-are built, `kernels/ggml_decode.cpp` decodes the same formats to the same values in one pass a block (2x faster on
-Qwen2.5-Coder-1.5B's file; benchmarks/README.md, session 53).
+are built, `kernels/ggml_decode.cpp` decodes the same formats to the same values in one pass a block, faster
+(docs/performance.md, "Start-up").
 
-Why not the `gguf` package's decoder: it is numpy, one thread, sixteen rows a call, and it took about half of
-Qwen2.5-Coder-1.5B's start (with its 0.5B draft; benchmarks/README.md, session 52). Each format here does the
+Why not the `gguf` package's decoder: it is numpy, one thread, sixteen rows a call, a large share of a larger
+model's start (docs/performance.md, "Start-up"). Each format here does the
 package's float32 arithmetic in the package's order, into one output tensor (a fresh tensor per step would pay its
 page faults again), so its values are the package's bit for bit (the tests compare every format on random blocks
 and on the real files); a format not listed here is still decoded by the package.
@@ -22,7 +22,8 @@ from gguf.quants import dequantize as gguf_dequantize
 from llmserve.kernels import native_op
 
 # values decoded per pass: the temporaries (a few bytes a value) stay in the cache whatever the tensor's size (a 1.5B
-# model's embedding is 233 M values). Both Qwen files' tensors: 2^18 a pass 4.1 s, 2^20 4.5 s, 2^22 5.7 s
+# model's embedding is 233 M values); larger passes decode the Qwen files more slowly
+# (docs/performance.md, "Start-up")
 _CHUNK_VALUES = 1 << 18
 _NIBBLE_SHIFTS = torch.tensor([0, 4], dtype=torch.uint8)
 

@@ -1,10 +1,10 @@
 """A GGUF file's metadata and tensor directory, read from its header alone.
 
 Why not `gguf.GGUFReader`: it parses every array field into numpy views, one per string, so opening a file
-costs seconds before any weight is read (SmolLM2's 49k-entry vocabulary 3.0 s, Qwen2.5's 151k 7.5 s, on the
-Zen 4 of session 51), on every start of a server. The loader needs the scalars, and where each tensor's bytes
-lie; the tokenizer reads the vocabulary itself (and caches it). Planning (`llmserve plan`) needs only the shape
-of the model, and no torch. Here arrays are stepped over, not kept: 0.05 s and 0.14 s.
+costs seconds before any weight is read, the more the larger the vocabulary, on every start of a server
+(docs/performance.md, "Start-up"). The loader needs the scalars, and where each tensor's bytes lie; the tokenizer
+reads the vocabulary itself (and caches it). Planning (`llmserve plan`) needs only the shape of the model, and no
+torch. Here arrays are stepped over, not kept.
 
 Layout (GGUF v2/v3, little-endian): magic "GGUF", u32 version, u64 tensor count, u64 metadata count;
 each metadata entry = string key, u32 value type, value; each tensor entry = string name, u32 n_dims,

@@ -4,8 +4,8 @@ The forward pass takes one flat batch of tokens from many requests — no paddin
 with their positions; attention finds each request's past through the paged KV cache.
 q/k/v and gate/up are fused into single matmuls at load time (fewer, larger GEMMs).
 Linears and the embedding are created without drawing initial values (`_uninitialized_linear`, `from_pretrained`
-of an empty matrix): a checkpoint fills every parameter (`load_weights` refuses one it lacks), and the draw cost
-3.2 s of Qwen2.5-Coder-0.5B's start.
+of an empty matrix): a checkpoint fills every parameter (`load_weights` refuses one it lacks), and the draw costs
+seconds of a start (docs/performance.md, "Start-up").
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from llmserve.quantization.weight_only import StackedLinear, WeightOnlyLinear
 def _uninitialized_linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
     """A linear whose parameters are empty CPU tensors: built on the meta device (no draw), then given storage.
     Not `torch.nn.utils.skip_init`: its `to_empty` goes through torch's reference ops, which import the symbolic
-    shapes (and, for an embedding, torch._dynamo): 1.6 s of a start that compiles nothing."""
+    shapes (and, for an embedding, torch._dynamo): a cost to a start that compiles nothing."""
     linear = nn.Linear(in_features, out_features, bias, device="meta")
     for name, param in list(linear.named_parameters(recurse=False)):
         setattr(linear, name, nn.Parameter(torch.empty(param.shape)))
@@ -154,8 +154,8 @@ def use_native_elementwise(model: nn.Module, native: bool = True) -> None:
 
 def fused_decode_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
     """The model's body (embedding, decoder layers, final norm) as one native call for decode-only steps
-    (kernels/decode_layer.cpp): at batch 1 the Python between a layer's ~11 kernels cost ~1 ms of a ~4.3 ms step
-    (SmolLM2). Built from the embedding, the rotary tables, the layers' native
+    (kernels/decode_layer.cpp): at batch 1 the Python between a layer's ~11 kernels costs a good share of a step
+    (docs/performance.md, "The one-call decode step"). Built from the embedding, the rotary tables, the layers' native
     int4 or int8 weights (a `StackedLinear`'s parts each), their large-step products for steps past the small-step
     kernels (int8 x int8, or dense on the quantized values: build it after `prepack_linears`, and again once
     calibration gives the layers int8 weights), q/k/v biases, norms and KV caches (shared, not copied); it

@@ -19,9 +19,9 @@ Two parts, because a request's time to first token has two: the engine's steps, 
   lengths (a factor of 1.5 apart) they join the least squares as observations, with the front end as a
   fifth unknown: the prompt lengths tell the constant from the per-token cost. This matters because the
   decode streams above see prompt chunks only as a few long gaps, so they pin the per-token cost loosely:
-  on the Zen 4 host one prompt length gave 0.54 ms a token where a step trace measured 0.69, and the
-  difference (41 ms a request) was taken for front end, which a queue of prompts does not wait on. With one
-  prompt length the front end is what the measured TTFT has beyond the fitted engine's, as before.
+  from one prompt length the fit can take part of the prompt's cost for front end, which a queue of prompts does
+  not wait on (docs/performance.md, "Capacity planning"). With one prompt length the front end is what the
+  measured TTFT has beyond the fitted engine's.
   TTFT at higher concurrency is not used: a closed loop's c clients send at once, and the front end, on
   the cores the model uses, then holds whole waves of first tokens back together (a measured c=32 wave:
   32 equal TTFTs), which Poisson arrivals do not do.
@@ -50,9 +50,8 @@ MIN_WAKE_SAMPLES = 5  # requests that found the engine idle, for a wake-up cost 
 PROMPT_LENGTH_RATIO = 1.5  # concurrency-1 prompt lengths this far apart tell the front end from prefill
 # The attention term, where the data can tell it apart at all, joins only if it halves the fit's RMS relative
 # error: one coefficient for a decode row's KV reads and a prompt's (query, key) products, costs that differ by
-# orders of magnitude, is a degree of freedom that noise fills. On the Zen 4 host a c=1 level of 94-token
-# prompts beside the 286-token sweep cut the error by 36 % with it, at 3.8 us a pair and a quarter of the
-# per-row cost: it had bent the prompt's cost into a curve, and TPOT under Poisson load came out 14 % low.
+# orders of magnitude, is a degree of freedom that noise fills: let in on a smaller gain, it bent the prompt's cost
+# into a curve and the predicted TPOT under Poisson load came out low (docs/performance.md, "Capacity planning").
 ATTENTION_GAIN = 0.5
 
 

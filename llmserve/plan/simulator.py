@@ -55,10 +55,10 @@ class ServerLatency:
 
     front_end_s: HTTP, chat template and tokenizer before the engine sees a request.
     wake_s: added to the first step after the engine idled at least `idle_s`. A host whose cores idled runs
-    slower for a while: on the Zen 4 VM of benchmarks/README.md, a ~180 ms prefill took 15-30 ms longer
-    after 0.3-2.5 s of idle than back to back, and a plain matmul loop 15 % longer, so it is the machine,
-    not the engine. A closed-loop sweep never idles that long (a client sends its next request at once),
-    so the step model fitted to it cannot see this; at light Poisson load most requests find the engine idle.
+    slower for a while, a plain matmul loop too, so it is the machine, not the engine
+    (docs/performance.md, "Capacity planning"). A closed-loop sweep never idles that long (a client sends its
+    next request at once), so the step model fitted to it cannot see this; at light Poisson load most requests find
+    the engine idle.
     """
 
     front_end_s: float = 0.0

@@ -11,10 +11,10 @@ worse than it on the data it measures. 1/s is folded into the op that makes the 
 weight, v_proj's rows, up_proj's rows), so the model computes the same function with the same graph
 and our int4 kernels run it. Then AutoAWQ's clipping search: per group of weights, the clamp range
 [-m, m], m in (0.5, 1] x max|w|, with the least output error of that linear. A clip lowers every linear's
-own output error (on held-out text too), yet on Qwen2.5-Coder-0.5B clipping gate/up raised perplexity by 6 %
-(benchmarks/README.md): a linear's error is not the model's. The scales showed the same on that model
-(each block's error lower, perplexity higher than round to nearest). So both are kept by kind, one kind at
-a time, only where they lower the int4 model's loss on the calibration text: first the scales (qkv, o,
+own output error (on held-out text too), yet on Qwen2.5-Coder-0.5B clipping gate/up raised perplexity
+(docs/performance.md, "Weight quantization quality"): a linear's error is not the model's. The scales showed the
+same on that model (each block's error lower, perplexity higher than round to nearest). So both are kept by kind,
+one kind at a time, only where they lower the int4 model's loss on the calibration text: first the scales (qkv, o,
 gate/up, down), then, on the model with the kept scales folded, the clips (v, o, gate/up, down), whose
 search runs in a second pass over the layers for that reason.
 
@@ -257,7 +257,7 @@ def attention_output(layer: nn.Module, normed: torch.Tensor, cos_sin: tuple[torc
     q, k, v = attn.project(normed, cos_sin)
     repeat = attn.num_heads // attn.num_kv_heads
     # [1, heads, T, head_dim]: with a batch dimension PyTorch's CPU flash kernel takes it (without, its
-    # math fallback: ~5x slower at 1,024 tokens)
+    # math fallback, far slower on long sequences)
     q, k, v = (t.transpose(0, 1)[None] for t in (q, k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)))
     o = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scale)
     return o[0].transpose(0, 1).flatten(1)

@@ -1,8 +1,8 @@
 """Int8 activations' input ranges, kept across restarts.
 
-Why: calibrating runs the calibration text through the model, at every start, to measure the same numbers again:
-8.4 s of Qwen2.5-Coder-1.5B's default start (its draft's), about half of SmolLM2's `LLM()` (benchmarks/README.md,
-session 52). A start that finds its ranges here skips that pass and builds the same int8 layers from the same values.
+Why: calibrating runs the calibration text through the model, at every start, to measure the same numbers again,
+a large share of a start (docs/performance.md, "Start-up"). A start that finds its ranges here skips that pass and
+builds the same int8 layers from the same values.
 The key holds everything the ranges depend on: the model's files (path, size, modification time), the engine's
 configuration and resolved build plan, torch's version and the CPU; the file also holds a digest of llmserve's own
 sources and data, and ranges stored by other code are measured again and replace them (so the folder keeps one file

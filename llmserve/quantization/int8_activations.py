@@ -1,17 +1,17 @@
 """int8 activations x int8 weights for the steps that carry many tokens (SmoothQuant's W8A8).
 
 Why: once a step carries a few dozen tokens (a busy server's decode batch, any prompt chunk) the
-linears are compute-bound, and an int8 x int8 GEMM (VNNI, oneDNN) runs ~1.5x faster than the prepacked
-bf16 one on SmolLM2's shapes (32 rows, 30 layers' weights streamed from memory, measured here); on CPUs
-with AMX our own kernel (`kernels/int8_gemm.cpp`) does the same product, bit for bit, twice as fast again.
+linears are compute-bound, and an int8 x int8 GEMM (VNNI, oneDNN) runs faster than the prepacked bf16 one;
+on CPUs with AMX our own kernel (`kernels/int8_gemm.cpp`) does the same product, bit for bit, faster again
+(docs/performance.md, "Large steps: int8 activations and dense products").
 Steps of few tokens keep the weight-only kernels: they are bound by the bytes of weight they read, and
 int4 reads fewer.
 
 Activations get one scale per token, so a row's result never depends on the rows batched with it.
-Per-token scales alone cost +2.7 % perplexity (outlier channels take the whole int8 range); SmoothQuant
-moves that range into the weights first: x W^T = (x / s)(W s)^T with s_j = max|x_j|^a / max|W_j|^(1-a),
-the channel maxima measured once at load on a fixed calibration text. With a = 0.7, every step int8:
-+0.7 % perplexity over int4 on the default model (benchmarks/README.md, issue 6).
+Per-token scales alone cost perplexity (outlier channels take the whole int8 range); SmoothQuant moves that
+range into the weights first: x W^T = (x / s)(W s)^T with s_j = max|x_j|^a / max|W_j|^(1-a), the channel maxima
+measured once at load on a fixed calibration text, with a = 0.7 (what it costs over int4:
+docs/performance.md, "Large steps: int8 activations and dense products").
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def pack_int8_weight(weight: torch.Tensor) -> torch.Tensor:
-    """oneDNN's blocked copy of an int8 [out, in] weight: unpacked, every call reorders it (~1.3x slower
-    with the weights streamed from memory, as in a step)."""
+    """oneDNN's blocked copy of an int8 [out, in] weight: unpacked, every call reorders it (slower, with the
+    weights streamed from memory, as in a step)."""
     return torch.ops.onednn.qlinear_prepack(weight, None)
 
 
@@ -68,10 +68,9 @@ def int8_linear(
     of the quantized values, to float32 rounding. `native_quantize`: eager calls quantize x with
     `llmserve::quantize_activations_u8` (loaded by the caller), bit for bit the ops below in one.
     `amx`: the weight as `pack_int8_for_amx` gives it; the product runs on `llmserve::int8_gemm` (eager
-    and compiled alike), bit for bit oneDNN's, twice as fast on a step's streamed weights; `weight` and
+    and compiled alike), bit for bit oneDNN's, faster on a step's streamed weights; `weight` and
     `packed` are then unused. Compiled code then quantizes through the native op too: Inductor's own
-    loops for it took longer than the op (batch-32 decode step 24.2 -> 21.4 ms, torch profiler), and
-    compiled and eager steps compute the same bits.
+    loops for it take longer than the op, and compiled and eager steps compute the same bits.
 
     Activations go in as uint8 around 128 (VNNI and AMX multiply unsigned by signed bytes). Compiled
     without `amx`, the product is written as its dequantized form, which Inductor's freezing turns back

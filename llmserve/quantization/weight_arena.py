@@ -4,8 +4,8 @@ Why: a one-token step reads every quantized weight once (SmolLM2: 95 MB in 121 t
 Qwen2.5-Coder-1.5B: 1.0 GB). On the allocator's 4 KiB pages each page crossed is a TLB miss, the hardware
 prefetcher stops at every page edge, and a tensor under 2 MiB never gets a huge page even where the kernel would
 give one. In one 2 MiB-aligned arena advised MADV_HUGEPAGE, a step's products walk ~46 (SmolLM2) to ~480 (the 1.5B)
-huge pages in address order. Measured on the Zen 5 host, offline one-token steps, alternated (benchmarks/README.md,
-"Session 42"). The values are copied bit for bit: the products read the same bytes at another address.
+huge pages in address order (docs/performance.md, "Quantized weight kernels"). The values are copied bit for bit:
+the products read the same bytes at another address.
 """
 
 from __future__ import annotations

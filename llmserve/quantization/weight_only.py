@@ -4,9 +4,8 @@ Why: a decode step of a few requests is bound by the bytes of weight it reads, a
 4x/2x fewer than bf16. Small steps run our native kernels (`kernels/quantized_gemv.cpp`, which stream
 the weights at close to the machine's memory bandwidth) where they are built, else PyTorch's CPU kernels
 `_weight_int4pack_mm_for_cpu` and `_weight_int8pack_mm`. Both are slower than a bf16 GEMM once a step
-carries more than a handful of tokens (measured here with PyTorch's kernels, 30 layers of SmolLM2's
-linears: 1 token 2.6 ms int4 / 4.2 ms int8 / 10.3 ms bf16; 32 tokens 21.9 / 24.7 / 16.9 ms; 256 tokens
-181 / 187 / 70 ms). So each layer keeps both:
+carries more than a handful of tokens (docs/performance.md, "Large steps: int8 activations and dense products").
+So each layer keeps both:
 the quantized weight for small steps and its exact dequantization, in the model dtype, for large ones.
 Both paths compute with the same quantized values; they differ only in rounding order.
 
@@ -55,18 +54,18 @@ from llmserve.layers.linear import dense_linear
 from llmserve.quantization.int8_activations import int8_linear, pack_int8_weight, quantize_rows, smoothing_scales
 
 INT4_GROUP_SIZE = 32
-# Steps with at most this many tokens use the quantized kernel (the crossover measured above).
+# Steps with at most this many tokens use the quantized kernel: past them the dense product is faster
+# (docs/performance.md, "Quantized weight kernels").
 QUANTIZED_MAX_TOKENS = {"int8": 8, "int4": 16, "int4+int8": 16}
-# ... and with Q8_0 inputs (one activation part), whose int4 products of 32 tokens cost what 16 did with two:
-# Qwen2.5-Coder-1.5B's, weights streamed, Zen 5: 16 tokens 64 -> 37 ms, 32 tokens 129 -> 71 ms, against ~165 ms
-# for its whole step of 32 tokens on the dense bf16 weights (benchmarks/README.md, issue 20, session 33). Its
-# int8 layers too (session 35: 15.4 ms at 32 tokens against 23.2 dense, `benchmarks/quantized_gemv.py
-# --int8-layers`).
+# ... and with Q8_0 inputs (one activation part), whose int4 products of 32 tokens cost what 16 do with two, well
+# below a step of 32 tokens on the dense bf16 weights; its int8 layers too
+# (docs/performance.md, "Quantized weight kernels"; `benchmarks/quantized_gemv.py --int8-layers`).
 Q8_MAX_TOKENS = 32
-# With the AMX int8 x int8 product, steps from this many tokens take it: all 120 of SmolLM2's products with
-# weights streamed, int4 kernel 4.0 ms at 4 tokens and 7.0 ms at 8; AMX 5.8 ms at 9 and at 16 tokens (any
-# count up to 16 is the same tile work) (benchmarks/quantized_gemv.py, benchmarks/int8_gemm.py). Quality:
-# every step int8 x int8 is +0.7 % perplexity over int4 (benchmarks/quant_quality.py), the bound for this.
+# With the AMX int8 x int8 product, steps from this many tokens take it: from there it costs less than the int4
+# kernel, and any count up to 16 is the same tile work
+# (docs/performance.md, "Large steps: int8 activations and dense products"; benchmarks/quantized_gemv.py,
+# benchmarks/int8_gemm.py). Quality: what every step int8 x int8 costs over int4 (benchmarks/quant_quality.py)
+# bounds what this costs.
 AMX_MIN_TOKENS = 9
 
 
@@ -206,7 +205,7 @@ _SMALL_STEP_KERNELS = {("int4", True): _native_int4, ("int8", True): _native_int
 def _quantize_int8(w: torch.Tensor, rows_at_a_time: int = 2048) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Symmetric per output channel: w ~ q * scale, q in [-127, 127], computed in float32, the values q * scale given
     in w's dtype. A few thousand rows at a time: a whole output head's float32 temporaries (Qwen2.5-Coder-0.5B's
-    151,936 x 896) cost its start ~1 s of fresh pages and passes over memory."""
+    151,936 x 896) would cost its start fresh pages and passes over memory."""
     q = torch.empty(w.shape, dtype=torch.int8)
     scales = torch.empty(w.shape[0])
     dequantized = torch.empty_like(w, memory_format=torch.contiguous_format)
@@ -408,8 +407,8 @@ def quantize_model(model: nn.Module, method: str, native_kernels: bool = False,
 
 def head_int8_grid(int8_grids: dict[str, tuple[torch.Tensor, ...]], source: str) -> tuple[torch.Tensor, ...] | None:
     """The grid an int8 output head keeps: a Q6_K head's own (6.625 bits a weight, exact). A Q8_0 or Q5_0 head is
-    re-quantized per row, as every int8 head was before the grouped layout: 8 bits a weight against 8.5, on the
-    step's largest product (SmolLM2's tied Q8_0 embedding is a third of its step's bytes)."""
+    re-quantized per row: 8 bits a weight against the grouped layout's 8.5, on the step's largest product (SmolLM2's
+    tied Q8_0 embedding is a third of its step's bytes)."""
     grid = int8_grids.get(source)
     return grid if grid is not None and len(grid) == 2 else None
 

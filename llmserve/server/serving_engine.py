@@ -336,11 +336,11 @@ class ChoiceStreams:
 class TextChunk:
     """One choice's plain text chunk (no logprobs, not the last) as SSE bytes, from a template.
 
-    Why: the event loop shares the two cores with the model, and pydantic took 4.4 us a chunk
-    (building two models, then serialising), several times that on a core the model also uses.
-    Within a request only the text changes, so pydantic renders the chunk once around a placeholder
-    and each token's text is escaped into it by the C JSON encoder, which writes strings as pydantic
-    does (UTF-8, not \\u escapes): 0.3 us, the same bytes.
+    Why: the event loop shares the cores with the model, and pydantic builds two models and serialises
+    them for every chunk, slower still on a core the model also uses. Within a request only the text
+    changes, so pydantic renders the chunk once around a placeholder and each token's text is escaped
+    into it by the C JSON encoder, which writes strings as pydantic does (UTF-8, not \\u escapes): a
+    fraction of the cost, the same bytes (docs/performance.md, "Served against llama.cpp and vLLM-CPU").
     """
 
     __slots__ = ("_head", "_tail")

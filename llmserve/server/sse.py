@@ -26,9 +26,10 @@ class SSEResponse(Response):
     """A 200 text/event-stream that writes each bytes item of `events` as one body message.
 
     Instead of Starlette's StreamingResponse, whose chunks pass through an anyio task group's wrapper
-    frames and a type check on their way to `send` (0.7 us a token of the ~6.5 us the whole server
-    path takes in Python). A client that goes away cancels the writer, and `events` is closed at once,
-    aborting its engine requests, even when the writer was cancelled in `send` rather than in `events`.
+    frames and a type check on their way to `send`, a noticeable share of what the whole server path takes
+    in Python per token (docs/performance.md, "Served against llama.cpp and vLLM-CPU"). A client that goes away
+    cancels the writer, and `events` is closed at once, aborting its engine requests, even when the writer was
+    cancelled in `send` rather than in `events`.
     """
 
     media_type = "text/event-stream"

@@ -6,8 +6,8 @@ scheduler budgets them like any other tokens, the runner verifies them in the sa
 the speculator learns from the outcome: each request's acceptance rate and what a step costs.
 
 Only where it pays. A proposal token costs the target one more token in the step whether or not it is
-kept; whether that pays depends on the host (a step's cost per extra token: on a compute-bound 2-core
-CPU a decode step of 5 tokens costs ~3x one of 1; where weights stream from memory, barely more) and on
+kept; whether that pays depends on the host (a step's cost per extra token: large on a compute-bound
+CPU, next to nothing where weights stream from memory; docs/performance.md, "Speculative decoding") and on
 the batch (at 32 running requests a step is already compute-bound). So the speculator fits the cost of a
 decode-only step as a line in its token count, from the steps it times, and per request keeps a running
 estimate `a` of how often a proposed token is kept. A request's j-th proposal token yields a^j tokens in
@@ -108,10 +108,9 @@ class Speculator:
 
     def reset(self) -> None:
         """Start from what nothing has taught yet. The engine calls it after its own requests (calibration, the
-        compile warm-up): their steps include compiling each new shape (the warm-up's first 17-token step ~1 min),
-        and a size's running mean keeps such a time until that size runs again, which at c=1 it never does: with
-        `--compile`, a served c=1 stream got no proposal at all (Zen 4, session 47: 215 against 300-317 output
-        tok/s without `--compile`)."""
+        compile warm-up): their steps include compiling each new shape (a warm-up step can take a minute), and a
+        size's running mean keeps such a time until that size runs again, which at c=1 it never does: with
+        `--compile`, a served c=1 stream would get no proposal at all."""
         self.cost = StepCost()
         self.depth_cost = 0.0  # seconds the proposer takes per proposal depth (a running mean)
         self.stats = SpecDecodeStats()
@@ -120,8 +119,8 @@ class Speculator:
         self._trials: dict[str, float] = {}
         # A catching-up proposer (a draft model) never starts on a request that decoded while the batch-size limit
         # held proposals off (`_late`): alone again, it would first prefill the request's whole context into the
-        # draft, for a stretch alone that the next arrival ends (served at c=2, the 1.5B with its 0.5B draft ran
-        # 0.92x of no speculation that way; benchmarks/README.md, session 40). Requests it has started on go on.
+        # draft, for a stretch alone that the next arrival ends (slower than no speculation at c=2;
+        # docs/performance.md, "Speculative decoding"). Requests it has started on go on.
         self._started: set[str] = set()
         self._late: set[str] = set()
 

@@ -1,11 +1,11 @@
 """The engine's one seam for structured outputs: grammars compiled once, token masks computed per step.
 
 llguidance turns a constraint into a matcher over the model's tokenizer. It was chosen over xgrammar by
-benchmarks/grammar_backends.py: every schema compiled in about 1 ms (xgrammar: 15 ms for ordinary ones on
-Qwen's vocabulary, seconds for length-bounded strings), it refuses the JSON Schema keywords it cannot enforce
-instead of ignoring them, it never lets a special token into a JSON string, and it needs no other package.
-Its masks cost 10-30 us a token here, far below a decode step. The manager owns:
-- the tokenizer's index, built once (0.3-1.4 s) in a background thread, started by the first constraint or
+benchmarks/grammar_backends.py: it compiles every schema far faster (xgrammar is slowest on length-bounded
+strings), it refuses the JSON Schema keywords it cannot enforce instead of ignoring them, it never lets a special
+token into a JSON string, and it needs no other package. Its masks cost far less than a decode step
+(docs/performance.md, "Structured outputs"). The manager owns:
+- the tokenizer's index, built once in a background thread, started by the first constraint or
   by `prepare()` (the server calls it at start);
 - compiled matchers by constraint: a constraint is compiled (or refused with its reason) once, off the
   engine's lock, and each request gets a copy of the compiled matcher (microseconds);

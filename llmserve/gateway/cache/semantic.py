@@ -9,23 +9,14 @@ entries, and a restarted gateway rebuilds its indexes from Redis. An expired rec
 whose answer has expired or been evicted is a miss, and is deleted from its index.
 
 Which index: hnswlib (HNSW, inner product on unit vectors = cosine; M=16, ef_construction=64, ef_search=128),
-chosen by `benchmarks/gateway_semantic_lookup.py` (results/gateway_semantic_lookup.md) on an AMD EPYC Zen 1,
-2 vCPUs, AVX2 only, other test suites running beside it. One query, k=1, entries shaped like MiniLM's;
-recall@1 of paraphrase-like queries (cosine 0.92 to an entry) against exact search:
-- best p99 at recall >= 0.95: hnswlib (ef 32) 0.27 ms at 10k entries, 0.41 ms at 100k (recall 1.000, 0.978);
-  faiss-hnsw 0.36 / 0.42 ms (1.000, 0.966); usearch 0.60 / 0.95 ms (1.000, 0.976).
-- at ef 128, as used here: hnswlib p50/p99 0.53/0.64 ms at 10k, 1.03/1.51 ms at 100k, recall 1.000/0.998;
-  faiss-hnsw 0.46/0.63, 0.88/1.11; usearch 1.14/1.39, 2.14/2.63 (targets: p99 <= 5 ms at 10k, <= 10 at 100k).
-- exact search: numpy 0.92/1.16 ms at 10k but 7.5/8.6 ms at 100k (24 ms p99 in a busier run); faiss
-  IndexFlatIP 16.8/21.0 ms at 100k.
-- build of 100k entries: hnswlib 37 s, faiss 29 s, usearch 69 s (a restart's replay pays this, off the loop).
-- uniform random entries (no structure, the worst case; an earlier run, queries at cosine 0.90): recall@1 at 100k
-  ~0.90 at ef 128, for all three.
-hnswlib and faiss are within noise of each other (runs swapped their order at ef 128); hnswlib also deletes
-(`mark_deleted`) and reuses the slots of expired entries, which faiss's HNSW cannot. ef 128 rather than 32:
-it costs ~1 ms, little beside the real cost of a lookup, MiniLM embedding the query (p50 28 ms, p99 39 ms on
-this host; hundreds of ms when other processes contend for its two cores). So a scope with no entries
-answers "miss" without embedding anything, and a miss's embedding is kept for its `put`.
+chosen by `benchmarks/gateway_semantic_lookup.py` against faiss's HNSW, usearch and exact search (one query, k=1,
+entries shaped like MiniLM's, recall@1 of paraphrase-like queries against exact search;
+docs/performance.md, "The gateway"). Exact search grows too slow at 100k entries; hnswlib and faiss are within
+noise of each other, and hnswlib also deletes (`mark_deleted`) and reuses the slots of expired entries, which
+faiss's HNSW cannot. A restart's replay pays the index build, off the loop. ef 128 rather than 32: it keeps recall
+near exact search's for little beside the real cost of a lookup, MiniLM embedding the query (far more when other
+processes contend for the cores). So a scope with no entries answers "miss" without embedding anything, and a
+miss's embedding is kept for its `put`.
 
 Index operations all run in one worker thread of this cache (hnswlib's search is not safe beside an insert),
 so neither a search nor a big catch-up after a restart blocks the event loop. Store failures propagate as
