@@ -1,16 +1,21 @@
-"""One request's decode step against the host's memory-bandwidth ceiling (issue 20's c=1 target), offline.
+"""One request's decode step against the host's memory-bandwidth ceiling, offline, with the step split piece by piece.
 
     .venv/bin/python benchmarks/bandwidth_ceiling.py                          # the default model, as served
-    .venv/bin/python benchmarks/bandwidth_ceiling.py --model qwen2.5-coder-1.5b
+    .venv/bin/python benchmarks/bandwidth_ceiling.py --model qwen2.5-coder-1.5b --steps 16 --repeats 4
     taskset -c 0,1 python benchmarks/bandwidth_ceiling.py --shape smollm2-135m --threads 2   # a host without the files
+    .venv/bin/python benchmarks/bandwidth_ceiling.py --steps 2 --repeats 1 --out /tmp/ceiling.json   # a smoke run
 
-A decode step of one token must read every weight once, so its floor is the bytes of the step's weights (the
-layers' products and the output head; not the embedding table, of which it reads one row) over the rate this
-process's threads read memory at: a 1 GiB float32 `sum`, measured beside every timed stretch because a shared
-host's rate moves. Stretches of steps alternate with those reads; per stretch: the step, its split (the decoder
-layers, the output head, the rest: scheduling, inputs, sampling), and the step as a share of the ceiling.
-Then, where the layers run as one native call, stretches with that call timed piece by piece (`run_timed`): each
-piece of a layer in us, its share of the step, and for the products the rate they read their weights at.
+Why: at one request a decode step must read every weight once, so the bytes of a step's weights over the rate the
+host reads memory at is the floor of a step, and the share of it a step reaches says how much of the step is
+anything but weights. docs/performance.md, "The one-call decode step", has the figures per host.
+
+The ceiling: the bytes of a one-token step's weights (the layers' products and the output head; not the embedding
+table, of which a step reads one row) over the rate this process's threads read memory at, a 1 GiB float32 `sum`
+measured beside every timed stretch because a shared host's rate moves. Stretches of steps alternate with those
+reads; per stretch: the step, its split (the decoder layers, the output head, the rest: scheduling, inputs,
+sampling), the step as a share of the ceiling, and the state of the host's two CPUs (below). Then, where the
+layers run as one native call, stretches with that call timed piece by piece (`run_timed`): each piece of a
+layer in us, its share of the step, and for the products the rate they read their weights at.
 
 `--shape` builds the model from a registered shape with random weights (a lent machine has no GGUF file; a
 step's time does not depend on the weights' values) and quantizes it as the registered file is served (int4
@@ -62,10 +67,10 @@ def read_rate(buffer: torch.Tensor) -> float:
 
 
 # The state of a shared host's two CPUs, which it changes by turns and which moves a step's latency-bound pieces
-# (benchmarks/README.md, session 44): two threads hand a cache line back and forth, and the round trip says whether
-# the two cores share an L3 (~100 ns on the Zen 5 host) or sit on different dies (~400 ns); a fixed loop on each CPU
-# says whether one runs slower (its physical core shared); a pointer chase, how long a load from DRAM takes. C, not
-# Python: a Python loop's own ~50 ns a check would hide them.
+# (docs/performance.md, "Hosts"): two threads hand a cache line back and forth, and the round trip says whether the
+# two cores share an L3 (~50-110 ns on the AMD hosts) or sit on different dies (~310-400 ns); a fixed loop on each
+# CPU says whether one runs slower (its physical core shared); a pointer chase, how long a load from DRAM takes. C,
+# not Python: a Python loop's own ~50 ns a check would hide them.
 _CORE_PROBES_C = r"""
 #define _GNU_SOURCE
 #include <pthread.h>

@@ -1,35 +1,35 @@
 #!/usr/bin/env python3
-"""llmserve vs the reference ("peer") servers, measured by one client: `llmserve bench`.
+"""llmserve against the reference ("peer") servers, vLLM-CPU and llama.cpp's llama-server, measured by one client.
 
-Why this script: peerbench (shared/peers/README.md) measured vLLM, llama.cpp's llama-server,
-llama-cpp-python and a naive HF server on this machine with SmolLM2-135M-Instruct. To compare llmserve
-fairly we start each server the same way peerbench did (its servers/*.sh, one at a time, on 2 cores),
-drive it with the same workload, and write one markdown table + one plot.
+    python benchmarks/bench_vs_peers.py                       # every engine installed under $PEERS, SmolLM2
+    python benchmarks/bench_vs_peers.py --model qwen2.5-coder-1.5b --engines llmserve,llama-server-np32,vllm-cpu-2thr
+    python benchmarks/bench_vs_peers.py --engines default,compile --llmserve-variant default= \
+        --llmserve-variant "compile=--compile" --recorded none     # llmserve's flags against its default
+    python benchmarks/bench_vs_peers.py --report-only             # the table and plot from an earlier run's files
+    python benchmarks/bench_vs_peers.py --dry-run                 # what would run, what is skipped
+    python benchmarks/bench_vs_peers.py --engines llmserve --levels 1:2 --warmup 0 --no-recorded \
+        --out-dir /tmp/peers                                       # a smoke run: llmserve alone, two requests
 
-Workload (the default `peers` style, mirroring peerbench's loadgen.py): seed 1234, a shared ~205-token
-system prompt + a distinct user question per request, padded so the chat-templated prompt is 256 tokens
-(exact with the model's tokenizer, its HF directory under $PEERS/models), max_tokens 128,
-temperature 0, ignore_eos (llama-cpp-python: EOS blocked by logit_bias instead), 2 sequential warm-up
-requests, closed-loop levels 1:8, 8:32, 32:64 (concurrency:requests), a fresh connection per request.
+Why: "how fast is it" only means something beside the servers people would otherwise run, on the same cores,
+the same model file and the same workload. docs/performance.md, "Served against llama.cpp and vLLM-CPU", has the
+figures; the same script compares llmserve's own flag sets (--llmserve-variant) for "The default configuration".
 
-Engines that are not installed under $PEERS (default ~/peers) are skipped and said so; their numbers
-recorded by peerbench (shared/peers/results/*.json) are then shown instead, marked "recorded".
-Note: peerbench's ITL is per stream chunk, `llmserve bench`'s is per token (a 2-token chunk's gap is
-split in two), so recorded ITL p99 for vLLM is ~2x what this script would measure; TPOT is comparable.
+Each server is started the way the peers' harness starts it (shared/peers/servers/*.sh, one at a time, on this
+machine's cores), waited for, driven by `llmserve bench`, and stopped; its peak RSS (the process tree, sampled
+every 0.5 s) and its time to ready are recorded. The workload (the default `peers` style, mirroring the harness's
+loadgen.py): seed 1234, a shared ~205-token system prompt + a distinct user question per request, padded so the
+chat-templated prompt is 256 tokens (exact with the model's tokenizer, its HF directory under $PEERS/models),
+max_tokens 128, temperature 0, ignore_eos (llama-cpp-python: EOS blocked by logit_bias instead), 2 sequential
+warm-up requests, closed-loop levels 1:8, 8:32, 32:64 (concurrency:requests), a fresh connection per request.
+`--model` gives every engine the same model: llmserve its registered name, llama-server the GGUF as shipped, vLLM
+the bf16 HF directory converted from it (shared/peers/README.md says how to set up $PEERS).
 
-Usage:
-  python benchmarks/bench_vs_peers.py                       # everything available
-  python benchmarks/bench_vs_peers.py --engines llmserve,llama-server-np32 --quick
-  python benchmarks/bench_vs_peers.py --model qwen2.5-coder-1.5b --engines llmserve,llama-server-np32,vllm-cpu-2thr
-  python benchmarks/bench_vs_peers.py --engines llmserve \
-      --llmserve-cmd "{python} -m llmserve.cli serve --model {model} --port {port} --compile"
-  python benchmarks/bench_vs_peers.py --dry-run             # show what would run / be skipped
-  python benchmarks/bench_vs_peers.py --engines llmserve,naive-hf \
-      --engine-levels naive-hf=1:4,8:16,32:32 --recorded all  # one-at-a-time servers get fewer requests
-Recorded peerbench numbers come from peerbench's machine (its README: a CPU with AMX); the report prints
-this machine's CPU facts next to them, because numbers from different CPUs are not directly comparable.
-Writes benchmarks/results/<engine>.json, peers_comparison.md and peers_comparison.png (--out-dir).
-Exit status 1 only if an engine that is available could not be measured (absent ones are just skipped).
+Engines that are not installed under $PEERS (default ~/peers) are skipped and said so; for SmolLM2 the harness's
+own recorded results (shared/peers/results/*.json) are then shown instead, marked "recorded" (another machine's:
+compare within one source only). Note: the harness's ITL is per stream chunk, `llmserve bench`'s per token (a
+2-token chunk's gap is split in two); TPOT is comparable.
+Writes <out-dir>/<engine>.json, peers_comparison.md and peers_comparison.png (default out dir:
+benchmarks/results/served-<model>/<host>/). Exit status 1 only if an engine that is available could not be measured.
 """
 
 from __future__ import annotations
@@ -312,6 +312,26 @@ def machine_facts() -> dict[str, Any]:
             "avx512_bf16": "avx512_bf16" in flags, "avx512f": "avx512f" in flags}
 
 
+def host_tag() -> str:
+    """A short name for this machine's host type, under which its latest results are kept (docs/performance.md,
+    "Hosts"): intel-amx, zen5, zen4, ..., from /proc/cpuinfo's vendor, family and flags."""
+    info: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, val = line.partition(":")
+            info.setdefault(key.strip(), val.strip())
+    except OSError:
+        return platform.machine() or "host"
+    flags, family = set(info.get("flags", "").split()), int(info.get("cpu family", "0") or 0)
+    if info.get("vendor_id") == "AuthenticAMD":
+        model = int(info.get("model", "0") or 0)
+        return {26: "zen5", 25: "zen4" if "avx512f" in flags else "zen3",
+                23: "zen2" if model >= 0x30 else "zen1"}.get(family, f"amd-family{family}")
+    if info.get("vendor_id") == "GenuineIntel":
+        return "intel-amx" if "amx_int8" in flags else "intel-avx512" if "avx512f" in flags else "intel"
+    return platform.machine() or "host"
+
+
 def _f(v: Any, digits: int = 1) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
@@ -447,7 +467,8 @@ def main(argv: list[str] | None = None) -> int:
                          "reference), or none")
     ap.add_argument("--no-recorded", dest="recorded", action="store_const", const="none",
                     help="the same as --recorded none")
-    ap.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
+    ap.add_argument("--out-dir", type=Path, default=None,
+                    help="default benchmarks/results/served-<model>/<host> (served-smollm2, served-qwen1.5b, ...)")
     ap.add_argument("--dry-run", action="store_true", help="only say what would run and what is skipped")
     ap.add_argument("--report-only", action="store_true",
                     help="start nothing: rebuild the markdown and the plot from the <out-dir>/<engine>.json files "
@@ -456,6 +477,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.levels, args.warmup = QUICK_LEVELS, min(args.warmup, 1)
     args.model = MODELS[args.model]
+    if args.out_dir is None:
+        short = {"smollm2": "smollm2", "qwen2.5-coder-0.5b": "qwen0.5b", "qwen2.5-coder-1.5b": "qwen1.5b"}
+        args.out_dir = REPO / "benchmarks" / "results" / f"served-{short[args.model.name]}" / host_tag()
     if args.model.name != "smollm2":  # peerbench recorded SmolLM2 only
         args.recorded = "none"
     overrides: dict[str, str] = {}

@@ -1,14 +1,21 @@
 """Offline decode-step time of engine configurations, A/B(/C...) in one process.
 
-    .venv/bin/python benchmarks/decode_step_configs.py \
-        --config "torch-kernels=quantization=int4,compile=true,kernels=torch" \
-        --config "native-kernels=quantization=int4,compile=true"
+    .venv/bin/python benchmarks/decode_step_configs.py --config "default=" --config "no-quant=quantization=none"
+    .venv/bin/python benchmarks/decode_step_configs.py --config "4k=huge_pages=false" --config "huge=huge_pages=true" \
+        --batches 1,8,32,1,8 --repeats 8
+    .venv/bin/python benchmarks/decode_step_configs.py --config "base=model=qwen2.5-coder-1.5b,q8_activations=false" \
+        --config "q8=model=qwen2.5-coder-1.5b" --batches 1,8,16,32 --repeats 3 --steps 8
+    .venv/bin/python benchmarks/decode_step_configs.py --config "default=" --batches 1,2 --steps 2 --repeats 1  # smoke
 
-Each configuration is an `LLM(...)` of its own (keyword=value pairs; true/false/none and numbers are
-parsed), all loaded in this process. Per batch size, each engine serves the same B requests (a shared
-200-token prefix + a distinct 56-token tail, as the peer workload), then timed stretches of decode steps
-alternate between the engines, six times each, and the median ms/step is reported: the host is noisy,
-so every configuration sees the same noise. The first configuration is the baseline of the ratios.
+Why: a choice the build plan makes (quantization, Q8_0 inputs, huge pages, the one-call stack, a kernel) is decided
+on the decode step it gives; in one process both configurations see the same weights and the same noise of a
+shared host. docs/performance.md, "The default configuration" and "Large steps", cites these tables.
+
+Each configuration is an `LLM(...)` of its own (keyword=value pairs; true/false/none and numbers are parsed), all
+loaded in this process. Per batch size, each engine serves the same B requests (a shared 200-token prefix + a
+distinct 56-token tail, as the peer workload), then timed stretches of decode steps alternate between the engines
+(`--repeats` each), and the median ms a step is reported. The first configuration is the baseline of the ratios.
+Speculation is off unless a configuration asks for it: one token a step per request is what is timed.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ def parse_config(text: str) -> tuple[str, dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", action="append", required=True, metavar="NAME=KEY=VALUE,...",
-                    help="an engine configuration (LLM keyword arguments); give two or more")
+                    help="an engine configuration (LLM keyword arguments), repeatable; the first is the baseline")
     ap.add_argument("--batches", default="1,8,32", help="decode batch sizes (default: %(default)s)")
     ap.add_argument("--steps", type=int, default=16, help="steps per timed stretch (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=6, help="stretches per configuration (default: %(default)s)")

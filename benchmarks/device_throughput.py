@@ -1,14 +1,20 @@
 """Offline decode throughput on a torch device (a GPU where one is lent), for models of the registered shapes.
 
-    python benchmarks/device_throughput.py --device cuda --out results.json
+    python benchmarks/device_throughput.py --device cuda --modes default enforce_eager --profile --out graphs.json
+    python benchmarks/device_throughput.py --device cpu --shapes tiny --concurrency 1 --tokens 4 --modes default \
+        --out /tmp/device.json                                                  # a smoke run, on any machine
+
+Why: on CUDA a decode step launched op by op leaves the GPU idle most of the step; the default replays decode steps
+as CUDA graphs, and this is the measurement behind that (docs/performance.md, "CUDA").
 
 A machine lent for a few minutes has none of the shipped GGUF files, and a step's time does not depend on the
-weights' values: each model is built here from its shape (SmolLM2-135M, Qwen2.5-Coder-1.5B) with random
-weights, as a Hugging Face directory our loader reads, and a tokenizer trained here (prompts are token ids;
-`ignore_eos`, so every request runs its whole length). Per concurrency c, c requests (a shared 200-token prefix
-and a distinct 56-token tail, the peer workload's shape) generate 128 tokens each together; output tokens per
-second of the whole batch, and the mean decode step. Per mode, in one process: the default (on CUDA, decode steps
-replayed as CUDA graphs), `enforce_eager` (layer by layer), `compile` (compiled layers).
+weights' values: each model is built here from its shape (SmolLM2-135M, Qwen2.5-Coder-1.5B; `tiny` for a smoke
+run) with random weights, as a Hugging Face directory our loader reads, and a tokenizer trained here (prompts are
+token ids; `ignore_eos`, so every request runs its whole length). Per concurrency c, c requests (a shared 200-token
+prefix and a distinct 56-token tail, the peer workload's shape) generate `--tokens` tokens each together; output
+tokens per second of the whole batch, and the mean decode step. Per mode, in one process: the default (on CUDA,
+decode steps replayed as CUDA graphs), `enforce_eager` (layer by layer), `compile` (compiled layers). `--profile`
+adds the device-busy time and kernel count of a batch-1 step.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ SHAPES = {  # the registered models' configs (their GGUF metadata), weights rand
     "qwen2.5-coder-1.5b": dict(kind="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
                                num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                                rope_theta=1000000.0, tie_word_embeddings=True),
+    "tiny": dict(kind="llama", vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=True),
 }
 
 
@@ -101,9 +109,9 @@ def device_busy(llm: LLM, vocab: int, steps: int = 20) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=["smollm2-135m", "qwen2.5-coder-1.5b"], choices=list(SHAPES))
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--modes", nargs="+", default=["default", "enforce_eager"],

@@ -1,16 +1,22 @@
 #!/usr/bin/env python3
-"""A 1-byte KV cache against the model dtype's: capacity, decode attention speed, long-context decoding.
+"""A 1-byte KV cache (int8, fp8_e4m3) against the model dtype's: capacity, attention speed, long-context decoding.
 
     .venv/bin/python benchmarks/kv_cache_quant.py                     # smollm2, ~5 minutes on 2 cores
     .venv/bin/python benchmarks/kv_cache_quant.py --model qwen2.5-coder-1.5b --contexts 2048
+    .venv/bin/python benchmarks/kv_cache_quant.py --contexts 160 192 --output-len 8 --rounds 1 --formats auto,int8 \
+        --repeats 2 --out /tmp/kv                                      # a smoke run
 
-1. The kernel alone: `paged_decode_attention` at batch 8 over contexts of 2-4k tokens (random caches of the
-   model's shape), per cache format, median of repeated calls.
-2. The engine: 8 requests with prompts of 2-4k tokens of real text (gensim's Lee corpus), greedy, 128 output
-   tokens each; decode tokens/s over the steps after every prompt is cached (all decodes at 2-4k tokens of
-   context; prefix caching off). Formats are interleaved over rounds,
-   so a noisy neighbour slows them alike; the ratios are what to read.
-Writes benchmarks/results/kv_cache_quant.{json,md}.
+Why: a 1-byte cache holds ~1.9x the tokens in the same memory; whether it is also faster (int8: an integer VNNI
+kernel reads half the bytes) or slower (fp8: a table lookup in a portable loop) decides whether it is a capacity
+option only. Its quality is `llmserve eval --kv-cache-dtype` (docs/performance.md, "KV cache quantization").
+
+1. The kernel alone: `paged_decode_attention` at batch len(--contexts) over those contexts (random caches of the
+   model's shape, blocks scattered as a busy pool leaves them), per cache format, median of `--repeats` calls.
+2. The engine: len(--contexts) requests with prompts of real text (gensim's Lee corpus) filling those contexts,
+   greedy, `--output-len` tokens each; decode tokens/s over the steps after every prompt is cached (all decodes at
+   the long contexts; prefix caching off). Formats are interleaved over rounds, so a noisy neighbour slows them
+   alike; the ratios are what to read.
+Writes <out>.json and <out>.md (default benchmarks/results/kv-cache-quant/<host>).
 """
 
 from __future__ import annotations
@@ -32,10 +38,14 @@ from llmserve.evaluate.datasets import perplexity_text  # noqa: E402
 from llmserve.kernels import load_cpu_kernels  # noqa: E402
 from llmserve.kv_cache.kv_quant import QUANTIZED_KV_DTYPES, quantize_rows  # noqa: E402
 
-FORMATS = ("auto", "int8", "fp8_e4m3")
+sys.path.insert(0, str(REPO / "benchmarks"))
+from bench_vs_peers import host_tag  # noqa: E402
+
+ALL_FORMATS = ("auto", "int8", "fp8_e4m3")
 
 
-def kernel_times(num_heads: int, num_kv_heads: int, head_dim: int, contexts: list[int], repeats: int) -> dict:
+def kernel_times(num_heads: int, num_kv_heads: int, head_dim: int, contexts: list[int], repeats: int,
+                 formats: tuple[str, ...]) -> dict:
     """Median seconds of one decode-attention call (one layer) per format, batch = len(contexts)."""
     block_size = 16
     gen = torch.Generator().manual_seed(0)
@@ -52,10 +62,10 @@ def kernel_times(num_heads: int, num_kv_heads: int, head_dim: int, contexts: lis
         table[b, :n] = perm[start : start + n]
         start += n
     lens = torch.tensor(contexts, dtype=torch.int32)
-    caches = {"auto": (k.bfloat16(), v.bfloat16())}
-    caches |= {fmt: (quantize_rows(k, QUANTIZED_KV_DTYPES[fmt]), quantize_rows(v, QUANTIZED_KV_DTYPES[fmt]))
-               for fmt in FORMATS[1:]}
-    times: dict[str, list[float]] = {fmt: [] for fmt in FORMATS}
+    caches = {fmt: (k.bfloat16(), v.bfloat16()) if fmt == "auto" else
+              (quantize_rows(k, QUANTIZED_KV_DTYPES[fmt]), quantize_rows(v, QUANTIZED_KV_DTYPES[fmt]))
+              for fmt in formats}
+    times: dict[str, list[float]] = {fmt: [] for fmt in formats}
     for _ in range(repeats):
         for fmt, (kc, vc) in caches.items():
             t = time.perf_counter()
@@ -87,10 +97,10 @@ def decode_rate(llm: LLM, prompts: list[list[int]], output_len: int, tag: str) -
     return (len(prompts) * output_len - before) / (time.perf_counter() - start)
 
 
-def engine_decode(model: str, prompts: list[list[int]], output_len: int, rounds: int) -> dict:
-    llms = {fmt: LLM(model, kv_cache_dtype=fmt, enable_prefix_caching=False) for fmt in FORMATS}
+def engine_decode(llms: dict[str, LLM], prompts: list[list[int]], output_len: int, rounds: int) -> dict:
+    formats = list(llms)
     capacity = {fmt: llm.engine.kv_cache.num_blocks * llm.engine.plan.kv_cache.block_size for fmt, llm in llms.items()}
-    runs: dict[str, list[float]] = {fmt: [] for fmt in FORMATS}
+    runs: dict[str, list[float]] = {fmt: [] for fmt in formats}
     for r in range(rounds):
         for fmt, llm in llms.items():
             rate = decode_rate(llm, prompts, output_len, f"round{r}")
@@ -106,15 +116,20 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 2560, 3072, 3584, 4000, 2304, 2816, 3328])
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "kv_cache_quant")
+    parser.add_argument("--formats", type=lambda s: tuple(s.split(",")), default=ALL_FORMATS,
+                        help="cache formats, the first the baseline (default: auto,int8,fp8_e4m3)")
+    parser.add_argument("--repeats", type=int, default=30, help="kernel calls per format (default: %(default)s)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="path stem of the .json and .md (default benchmarks/results/kv-cache-quant/<host>)")
     args = parser.parse_args()
+    formats = args.formats
+    args.out = args.out or REPO / "benchmarks" / "results" / "kv-cache-quant" / host_tag()
     assert load_cpu_kernels(), "the native kernels must build here"
-    probe = LLM(args.model, kv_cache_memory_gb=0.01)
-    cfg = probe.engine.model_config
-    tok = probe.get_tokenizer()
-    del probe
+    llms = {fmt: LLM(args.model, kv_cache_dtype=fmt, enable_prefix_caching=False) for fmt in formats}
+    first = llms[formats[0]]
+    cfg, tok = first.engine.model_config, first.get_tokenizer()
     print(f"kernel: batch {len(args.contexts)}, contexts {args.contexts}", flush=True)
-    kernel = kernel_times(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, args.contexts, repeats=30)
+    kernel = kernel_times(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, args.contexts, args.repeats, formats)
     for fmt, row in kernel.items():
         print(f"  {fmt:9s} {row['ms']:.3f} ms a layer, {row['GB/s']:.1f} GB/s of KV", flush=True)
     text = tok.encode(perplexity_text())
@@ -124,17 +139,17 @@ def main() -> None:
         prompts.append(text[start : start + n])
         start += n
     print(f"engine: {args.model}, {len(prompts)} requests, prompts {[len(p) for p in prompts]} tokens", flush=True)
-    engine = engine_decode(args.model, prompts, args.output_len, args.rounds)
+    engine = engine_decode(llms, prompts, args.output_len, args.rounds)
     host = open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0].strip(":\t ")
     result = {"model": args.model, "contexts": args.contexts, "output_len": args.output_len, "kernel": kernel,
               "engine": engine, "host": host}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=2))
-    base = engine["auto"]["decode_tok_s"]
+    base = engine[formats[0]]["decode_tok_s"]
     lines = [f"# KV cache formats, {args.model} ({result['host']})", "",
-             "| format | KV tokens (same memory) | kernel ms / layer | kernel GB/s | decode tok/s | vs auto |",
+             f"| format | KV tokens (same memory) | kernel ms / layer | kernel GB/s | decode tok/s | vs {formats[0]} |",
              "|---|---:|---:|---:|---:|---:|"]
-    for fmt in FORMATS:
+    for fmt in formats:
         e, k = engine[fmt], kernel[fmt]
         lines.append(f"| {fmt} | {e['kv_tokens']} | {k['ms']:.3f} | {k['GB/s']:.1f} | {e['decode_tok_s']:.1f} | "
                      f"{e['decode_tok_s'] / base:.2f}x |")

@@ -1,6 +1,14 @@
 #!/usr/bin/env python3
 """Does `llmserve plan`'s simulator predict a real server? Fit on a concurrency sweep, check at request rates.
 
+    .venv/bin/python benchmarks/plan_validation.py                 # ~22 minutes on 2 cores
+    .venv/bin/python benchmarks/plan_validation.py --reuse --out-dir benchmarks/results/plan-validation/zen5
+                                                                   # re-predict from a run's saved bench files
+
+Why: `llmserve plan` sizes a deployment from a step-time model fitted to `llmserve bench` files; this is the check
+that its predictions hold against a measured server (target: within 20 % on TTFT p50/p99 and throughput).
+docs/performance.md, "Capacity planning", has the runs per host.
+
 1. Start `llmserve serve` (the default model, default flags) and wait for /health.
 2. `llmserve bench` closed loop at a concurrency sweep, and one concurrency-1 level of short prompts (its
    TTFT beside the sweep's tells the front end from the prompt's cost): the step-time model is fitted to
@@ -8,19 +16,16 @@
    most requests find the engine idle: the wake-up cost of a step after idle is fitted to it.
 3. `llmserve bench --request-rate` (Poisson arrivals) at three rates, fractions of the first sweep's highest
    measured requests/s, fixed before measuring; none of their data enters the fit.
-4. Steps 2-3 again, `--rounds` times in all, each with its own seed: this host's speed drifts by 20 % over
-   minutes (the same sweep: a 172 ms TTFT at c=1 in one run, 219 ms in another), so a fit measured in one
-   stretch and rates in the next compare two machines. Interleaved rounds show both the same mix.
+4. Steps 2-3 again, `--rounds` times in all, each with its own seed: a shared host's speed drifts by ~20 % over
+   minutes, so a fit measured in one stretch and rates in the next compare two machines. Interleaved rounds show
+   both the same mix.
 5. The simulator's predictions for those rates against the measurements, each rate's rounds pooled: p50/p99
    TTFT, TPOT and throughput. Two predictions: "Poisson", what `llmserve plan` does (fresh Poisson arrivals,
    fixed mean lengths, averaged over seeds), and "replay" (the very arrival times and token counts of the
-   run, which takes the luck of one run's arrivals out of the comparison). Target: within 20 %.
+   run, which takes the luck of one run's arrivals out of the comparison).
 
-    .venv/bin/python benchmarks/plan_validation.py                 # ~22 minutes on 2 cores
-    .venv/bin/python benchmarks/plan_validation.py --reuse         # re-predict from the saved bench files
-
-Writes benchmarks/results/plan_validation.{json,md,png} and the bench files
-plan_validation_{sweep,short,idle,rates}_r{1,2,...}.json.
+Writes <out-dir>/plan_validation.{json,md,png} and the bench files plan_validation_{sweep,short,idle,rates}_r<N>.json,
+compacted to the fields the fit and the replay read (default out dir: benchmarks/results/plan-validation/<host>).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_vs_peers import machine_facts, port_free, stop_group  # noqa: E402
+from bench_vs_peers import host_tag, machine_facts, port_free, stop_group  # noqa: E402
 
 from llmserve.bench.metrics import percentile  # noqa: E402
 from llmserve.bench.report import load_result, render_table  # noqa: E402
@@ -155,14 +160,16 @@ def bench(args: argparse.Namespace, out: Path, *load: str, seed: int, input_len:
     subprocess.check_call(cmd, cwd=REPO)
 
 
+# what the fit and the replay read of each request (plan/fit.py); the rest of a bench record is left out
+KEPT_FIELDS = ("ok", "start_ms", "ttft_ms", "latency_ms", "tpot_ms", "output_tokens", "prompt_tokens")
+
+
 def compact(path: Path) -> None:
-    """Drop what the comparison never reads (answer texts, chunk times) from a bench file: a tenth the size."""
+    """Keep of a bench file's requests only what the comparison reads: a twentieth of the size."""
     doc = json.loads(path.read_text())
     for level in doc.get("levels", []):
-        for rec in level.get("requests", []):
-            for key in ("text", "chunk_times_ms", "chunk_tokens"):
-                rec.pop(key, None)
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+        level["requests"] = [{k: rec.get(k) for k in KEPT_FIELDS} for rec in level.get("requests", [])]
+    path.write_text(json.dumps(doc, separators=(",", ":")) + "\n")
 
 
 def figures(ttft_s: list[float], tpot_s: list[float], output_tokens: int, wall_s: float) -> dict[str, float]:
@@ -270,8 +277,10 @@ def main() -> int:
                     help="sweep levels measured while other processes used more are left out of the fit")
     ap.add_argument("--wait-quiet", type=float, default=60.0, metavar="MINUTES",
                     help="first wait (up to this long) until other processes use < 0.15 cores (default 60)")
-    ap.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
+    ap.add_argument("--out-dir", type=Path, default=None,
+                    help="default benchmarks/results/plan-validation/<host>")
     args = ap.parse_args()
+    args.out_dir = args.out_dir or REPO / "benchmarks" / "results" / "plan-validation" / host_tag()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     limits = SchedulerLimits()  # the server runs its defaults: max_num_seqs 64, 512 tokens, chunks of 256
     levels = [lv.split(":") for lv in args.sweep.split(",")]

@@ -1,28 +1,31 @@
 #!/usr/bin/env python3
-"""Speculative decoding off vs on, served: one `llmserve serve` per variant, the same `llmserve bench`
-workloads against each, one after the other on this machine's cores, one table of ratios and a plot.
+"""Speculative decoding off against on, served: one `llmserve serve` per variant, the same `llmserve bench`
+workloads against each, one after the other on this machine's cores, one table of ratios and a plot per workload.
 
-    .venv/bin/python benchmarks/spec_decode.py                        # smollm2: code-edit and chat, c=1 and 32
-    .venv/bin/python benchmarks/spec_decode.py --rounds 2 --levels 32:32  # ABBA, ratios per round
-    .venv/bin/python benchmarks/spec_decode.py --workloads code-edit --levels 1:8 --variant \
-        'fixed-k4={"method": "ngram", "num_speculative_tokens": 4, "adaptive": false}'
-
+    .venv/bin/python benchmarks/spec_decode.py --rounds 2 --levels 1:8,32:32      # smollm2, n-gram, ABBA rounds
+    .venv/bin/python benchmarks/spec_decode.py --rounds 2 --levels 1:8,2:8,4:16,8:32 --no-ngram --variant default=auto
     .venv/bin/python benchmarks/spec_decode.py --model qwen2.5-coder-1.5b --workloads humaneval --levels 1:8 \
-        --no-ngram --variant 'draft={"method": "draft_model", "model": "qwen2.5-coder-0.5b"}' \
-        --llama-cpp --llama-cpp-draft qwen2.5-coder-0.5b
+        --rounds 3 --no-ngram --variant 'draft={"method": "draft_model", "model": "qwen2.5-coder-0.5b"}' \
+        --llama-cpp --llama-cpp-draft qwen2.5-coder-0.5b                         # beside llama.cpp's own drafts
+    .venv/bin/python benchmarks/spec_decode.py --workloads chat --levels 1:1 --output-len 8 --warmup 0 --no-ngram \
+        --out-dir /tmp/spec                                                       # a smoke run: one server
 
-Variants: "off" (`--speculative-config off`; the default server speculates at low load since session 39) and
-"on" ({"method": "ngram"}: the adaptive speculator at every load; left
-out by --no-ngram), plus any --variant NAME=JSON. With --llama-cpp, llama.cpp's own `llama-server` (peerbench's
-build under $PEERS, one slot per concurrent request) on the same GGUF file joins as "llama.cpp", and with
---llama-cpp-draft MODEL as "llama.cpp-draft" (`--model-draft --spec-type draft-simple`, its default draft
-settings otherwise).
-Workloads: code-edit (functions of Python's standard library, an edit that repeats most of them), chat
-(MT-Bench first turns) and humaneval (the problems as `llmserve eval` asks them); temperature 0, EOS honoured
-(answers end where the model ends them: a model looping past its answer would flatter prompt lookup),
---output-len tokens at most. Greedy output is the same in every llmserve variant, so output tok/s compare
-directly. Writes benchmarks/results/spec_<variant>_<workload>.json, spec_decode.md and spec_decode.png
-(--out-dir).
+Why: speculation pays where a step of k + 1 tokens costs little more than a step of one (decode bound by memory),
+and loses where it does not (compute-bound hosts, large batches); the server's default (`auto`: n-gram prompt
+lookup, or a registered draft model, while fewer than 4 requests run) was chosen on these runs.
+docs/performance.md, "Speculative decoding", has them.
+
+Variants: "off" (`--speculative-config off`) and "on" ({"method": "ngram"}: the adaptive speculator at every load;
+left out by --no-ngram), plus any --variant NAME=JSON ("auto" is the server's default). With --llama-cpp, llama.cpp's
+own `llama-server` (the peers' build under $PEERS, one slot per concurrent request) on the same GGUF file joins as
+"llama.cpp", and with --llama-cpp-draft MODEL as "llama.cpp-draft" (`--model-draft --spec-type draft-simple`).
+Workloads: code-edit (functions of Python's standard library, an edit that repeats most of them), chat (MT-Bench
+first turns) and humaneval (the problems as `llmserve eval` asks them); temperature 0, EOS honoured (answers end
+where the model ends them: a model looping past its answer would flatter prompt lookup), --output-len tokens at
+most. Greedy output is the same in every llmserve variant, so output tok/s compare directly. With --rounds > 1 the
+variants run in ABBA order and the ratio to the first variant is taken per round (the host drifts over minutes).
+Writes <out-dir>/spec_<variant>_<workload>.json, spec_decode.md and spec_decode_<workload>.png (default out dir:
+benchmarks/results/spec-decode/<host>/).
 """
 
 from __future__ import annotations
@@ -45,9 +48,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_vs_peers import TreeMemory, find_shared_peers, machine_facts, port_free, stop_group  # noqa: E402
+from bench_vs_peers import TreeMemory, find_shared_peers, host_tag, machine_facts, port_free, stop_group  # noqa: E402
 
-from llmserve.bench.report import compare_table, load_result, plot_results, render_table  # noqa: E402
+from llmserve.bench.report import compare_table, load_result, plot_results, render_table, summary_table  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,7 @@ class Variant:
             slots = max(int(c) for c, _ in (level.split(":") for level in args.levels.split(",")))
             shared = find_shared_peers()
             if shared is None:
-                raise SystemExit("llama.cpp runs from peerbench's scripts (shared/peers), not found")
+                raise SystemExit("llama.cpp runs from the peers' scripts (shared/peers), not found")
             cmd = [str(shared / "servers" / "llama_server.sh"), "-m", model_file(args.model),
                    "--alias", args.model, "-c", str(slots * args.context_per_slot)]
             if self.llama_cpp_draft:  # without --spec-type, llama-server loads the draft and never uses it
@@ -116,8 +119,8 @@ def bench(name: str, workload: str, args: argparse.Namespace, suffix: str = "") 
     cmd = [sys.executable, "-m", "llmserve.cli", "bench", "--base-url", f"http://127.0.0.1:{args.port}",
            "--workload", workload, "--output-len", str(args.output_len), "--temperature", "0", "--no-ignore-eos",
            "--seed", "1234", "--concurrency", ",".join(c for c, _ in levels),
-           "--num-requests", ",".join(n for _, n in levels), "--warmup", "2", "--label", f"{name} {workload}",
-           "--out", str(out), "--no-progress"]
+           "--num-requests", ",".join(n for _, n in levels), "--warmup", str(args.warmup),
+           "--label", f"{name} {workload}", "--out", str(out), "--no-progress"]
     subprocess.check_call(cmd, cwd=REPO)
     return out
 
@@ -148,9 +151,11 @@ def main() -> int:
     ap.add_argument("--llama-cpp-draft", default=None, metavar="MODEL",
                     help="add llama-server with --model-draft MODEL's GGUF (its own default draft settings)")
     ap.add_argument("--context-per-slot", type=int, default=2048, help="llama-server context per slot")
+    ap.add_argument("--warmup", type=int, default=2, help="warm-up requests before each bench run")
     ap.add_argument("--port", type=int, default=8030)
-    ap.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
+    ap.add_argument("--out-dir", type=Path, default=None, help="default benchmarks/results/spec-decode/<host>")
     args = ap.parse_args()
+    args.out_dir = args.out_dir or REPO / "benchmarks" / "results" / "spec-decode" / host_tag()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     variants = [Variant("off", "off")] + ([] if args.no_ngram else [Variant("on", json.dumps({"method": "ngram"}))])
     variants += [Variant(*v.split("=", 1)) for v in args.variant]
@@ -189,8 +194,9 @@ def main() -> int:
         docs = [{**load_result(results[workload][name][0]), "engine": name} for name in names]
         if args.rounds > 1:
             parts.append(f"## {workload}: output tok/s per round\n\n" + rounds_table(results[workload], names))
-        parts.append(f"## {workload}" + (" (round 1)" if args.rounds > 1 else "") + "\n\n"
-                     + compare_table(docs, markdown=True))
+        table = (compare_table(docs, markdown=True) if len(docs) > 1 else  # one variant: its own figures
+                 summary_table(docs[0]["summary"], markdown=True))
+        parts.append(f"## {workload}" + (" (round 1)" if args.rounds > 1 else "") + "\n\n" + table)
         for name, counts in spec_counts[workload].items():
             drafts, proposed = counts.get("num_drafts_total", 0), counts.get("num_draft_tokens_total", 0)
             accepted = counts.get("num_accepted_tokens_total", 0)

@@ -1,21 +1,26 @@
 #!/usr/bin/env python3
-"""Structured outputs, measured: what a constraint costs its neighbours, what it costs per token, and what it buys.
+"""Structured outputs, measured: what a constraint costs per token, what it costs its neighbours, and what it buys.
 
-    .venv/bin/python benchmarks/structured_outputs.py --parts neighbours   # free requests beside JSON-schema ones
     .venv/bin/python benchmarks/structured_outputs.py --parts masks        # compile, mask and apply costs
+    .venv/bin/python benchmarks/structured_outputs.py --parts neighbours   # free requests beside JSON-schema ones
     .venv/bin/python benchmarks/structured_outputs.py --parts quality      # qwen2.5-coder-1.5b: valid JSON with/without
+    .venv/bin/python benchmarks/structured_outputs.py --parts masks --tokenizers smollm2-135m --schemas plain  # smoke
 
+Why: a constrained request computes a token mask each step on the same cores as the model; these parts say how
+much that is (masks), whether the unconstrained requests in the same batch pay for it (neighbours) and what the
+constraint gives in return (quality). docs/performance.md, "Structured outputs", has the figures.
+
+masks: offline, per tokenizer (SmolLM2's 49k and Qwen's 152k vocabularies by default): schema compile time cold and
+cached, the mask of one row and of a batch (llguidance, through the engine's `StructuredOutputManager`), and applying
+the masks to the logits (the sampler's `_apply_token_bitmask`).
 neighbours: one `llmserve serve` (default flags). At c = 8 and 32, a closed loop of chat streams for a fixed time:
 all free, or half free and half constrained by a JSON schema (an array of >= 64 short strings, so both kinds run
 their whole 128 tokens and the batch keeps its shape). Reported: the free streams' output tok/s per stream in the
 mixed run over the all-free run (target >= 0.95), in ABBA rounds.
-masks: offline, for SmolLM2's 49k and Qwen's 152k vocabularies: schema compile time cold and cached, the mask of
-one row and of a batch (llguidance, through the engine's `StructuredOutputManager`), and applying the masks to the
-logits (the sampler's `_apply_token_bitmask`), against the decode step they sit in.
-quality: qwen2.5-coder-1.5b as `llmserve serve` runs it by default, on 40 MT-Bench questions asked for an answer as
-JSON of a given schema: the share of outputs that are valid JSON and that follow the schema, with the constraint
-(`response_format` json_schema) and without it (the schema in the prompt only).
-Writes benchmarks/results/structured_outputs_<part>.{md,json}.
+quality: `--quality-model` (default qwen2.5-coder-1.5b) as `llmserve serve` runs it by default, on MT-Bench questions
+asked for an answer as JSON of a given schema: the share of outputs that are valid JSON and that follow the schema,
+with the constraint (`response_format` json_schema) and without it (the schema in the prompt only).
+Writes <out-dir>/<part>.{md,json} (default out dir: benchmarks/results/structured-outputs/<host>/).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_vs_peers import machine_facts  # noqa: E402
+from bench_vs_peers import host_tag, machine_facts  # noqa: E402
 from gateway import Proc  # noqa: E402
 
 from llmserve.bench.client import BenchClient, ClientConfig  # noqa: E402
@@ -191,8 +196,9 @@ def part_masks(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     torch.set_num_threads(2)
     rows, record, index = [], {}, {}
     document = json.dumps({"notes": [f"note number {i}" for i in range(30)]})
-    for name, vocab in (("smollm2-135m", 49152), ("qwen2.5-coder-0.5b", 151936)):
+    for name in args.tokenizers:
         tokenizer = load_tokenizer(name)
+        vocab = {"smollm2-135m": 49152}.get(name, 151936)  # the models' embedding rows (Qwen2.5's: 151,936)
         manager = StructuredOutputManager(tokenizer, vocab, [tokenizer.eos_token_id])
         t = time.perf_counter()
         manager.compile(StructuredOutputsParams(json={"type": "object"}))
@@ -216,8 +222,8 @@ def part_masks(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
             "vocab]. Medians; torch on 2 threads.\n\n"
             + render_table(["tokenizer", "schema", "batch", "compile cold ms", "compile cached us", "masks us (batch)",
                             "masks us per row", "apply us (batch)"], rows, markdown=True)
-            + f"\n\nBuilding the tokenizer's index (once per server, in the background at start): "
-              f"{index['smollm2-135m']:.2f} s (SmolLM2), {index['qwen2.5-coder-0.5b']:.2f} s (Qwen).")
+            + "\n\nBuilding the tokenizer's index (once per server, in the background at start): "
+            + ", ".join(f"{seconds:.2f} s ({name})" for name, seconds in index.items()) + ".")
     return body, record
 
 
@@ -292,11 +298,14 @@ def main() -> int:
                     help="neighbours: which constraint the JSON streams carry; masks: the last one")
     ap.add_argument("--seconds", type=float, default=30.0, help="neighbours: measured seconds a run")
     ap.add_argument("--port", type=int, default=8070)
+    ap.add_argument("--tokenizers", type=lambda s: s.split(","), default=["smollm2-135m", "qwen2.5-coder-0.5b"],
+                    help="masks: the registered models whose tokenizers are measured (default: %(default)s)")
     ap.add_argument("--quality-model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--questions", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
+    ap.add_argument("--out-dir", type=Path, default=None, help="default benchmarks/results/structured-outputs/<host>")
     args = ap.parse_args()
+    args.out_dir = args.out_dir or REPO / "benchmarks" / "results" / "structured-outputs" / host_tag()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     m = machine_facts()
     parts = {"neighbours": part_neighbours, "masks": part_masks, "quality": part_quality}
@@ -304,8 +313,8 @@ def main() -> int:
         body, record = parts[part](args)
         report = (f"# Structured outputs: {part}\n\nGenerated {time.strftime('%Y-%m-%d %H:%M')} by "
                   f"`benchmarks/structured_outputs.py --parts {part}`; {m['cpu']}, {m['cpus']} CPUs.\n\n{body}\n")
-        (args.out_dir / f"structured_outputs_{part}.md").write_text(report)
-        (args.out_dir / f"structured_outputs_{part}.json").write_text(json.dumps(record, indent=1))
+        (args.out_dir / f"{part}.md").write_text(report)
+        (args.out_dir / f"{part}.json").write_text(json.dumps(record, indent=1))
         print(report, flush=True)
     return 0
 
