@@ -24,6 +24,23 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# What a sub-command needs beyond the engine comes as a pip extra (pyproject.toml); a user who only serves
+# installs none of them. A module missing from an extra is reported with the line that installs it.
+EXTRAS: dict[str, str] = {"gateway": "gateway", "bench": "bench", "plan": "bench", "eval": "eval"}
+EXTRA_MODULES: dict[str, str] = {"yaml": "gateway", "redis": "gateway", "hnswlib": "gateway", "aiohttp": "bench",
+                                 "httpx": "eval", "matplotlib": "bench", "ray": "ray"}
+
+
+def missing_extra(command: str, error: ModuleNotFoundError) -> str | None:
+    """The message for a module of an optional extra that is not installed, or None for any other missing module."""
+    module = (error.name or "").split(".")[0]
+    if module not in EXTRA_MODULES:
+        return None
+    extra = EXTRAS.get(command, EXTRA_MODULES[module])
+    return (f"llmserve {command} needs the Python package '{module}', which is not installed: "
+            f"pip install 'llmserve[{extra}]'")
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="llmserve", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True)
@@ -37,9 +54,17 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
-    module = importlib.import_module(SUBCOMMANDS[args.command][0])
-    return int(module.run(args) or 0)
+    command = next((a for a in argv if a in SUBCOMMANDS), "")
+    try:
+        args = build_parser(argv).parse_args(argv)
+        module = importlib.import_module(SUBCOMMANDS[args.command][0])
+        return int(module.run(args) or 0)
+    except ModuleNotFoundError as error:
+        message = missing_extra(command, error)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ def assert_equal_up_to_a_near_tie(fast, plain, margin: float = 0.25) -> None:
     """`fast`'s greedy tokens are `plain`'s, or part from them where `plain`'s best two candidates nearly tie (in
     bfloat16 a verification step, whose rows split the attention otherwise, can round the last bits apart, as a
     batch can: README, Reproducibility). Nearly: within two units in the last place of a bfloat16 logit below 32
-    (0.125 each), the finest gap the logits can show; a gap of exactly one unit was seen to part them (session 44)."""
+    (0.125 each), the finest gap the logits can show; a gap of exactly one unit was seen to part them."""
     for i, (a, b) in enumerate(zip(fast.token_ids, plain.token_ids, strict=True)):
         if a != b:
             best, second = sorted((p.logprob for p in plain.logprobs[i].values()), reverse=True)[:2]

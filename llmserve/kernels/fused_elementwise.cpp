@@ -5,7 +5,7 @@
 // dispatch and OpenMP wake-ups. Each op here reads its inputs once and writes once, in float32 inside,
 // rounding to the tensor's dtype only at the end (as Inductor's fused loops do; eager rounds after every
 // op). The compiled decode graph does not use them: Inductor fuses the same ops there itself. What they save
-// in mixed and eager steps: docs/performance.md, "Prefix caching and chunked prefill" (benchmarks/mixed_step.py).
+// in mixed and eager steps: docs/performance.md, "Prefix caching and chunked prefill".
 //
 //   rms_norm(x, w, eps)            w * x / sqrt(mean(x^2) + eps), per row
 //   add_rms_norm(x, d, w, eps)     (x + d, rms_norm(x + d)): the residual add and the next norm in one pass

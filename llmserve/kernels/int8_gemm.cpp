@@ -6,7 +6,7 @@
 // together a large share of a batch-32 step. Here the weight is stored in the order the tile loads consume it,
 // one contiguous stream per thread, prefetched ahead, and the epilogue (zero-point compensation, weight and token
 // scales, the cast to the model dtype) is fused
-// (docs/performance.md, "Large steps: int8 activations and dense products"; benchmarks/int8_gemm.py). What keeps it from the memory's rate is the tile products themselves not
+// (docs/performance.md, "Large steps: int8 activations and dense products"; benchmarks/quantized_gemv.py --amx-int8). What keeps it from the memory's rate is the tile products themselves not
 // overlapping the memory reads fully.
 //
 // Math, the same as oneDNN's (the tests check it bit for bit against the `onednn::qlinear_pointwise` path):

@@ -63,9 +63,9 @@ QUANTIZED_MAX_TOKENS = {"int8": 8, "int4": 16, "int4+int8": 16}
 Q8_MAX_TOKENS = 32
 # With the AMX int8 x int8 product, steps from this many tokens take it: from there it costs less than the int4
 # kernel, and any count up to 16 is the same tile work
-# (docs/performance.md, "Large steps: int8 activations and dense products"; benchmarks/quantized_gemv.py,
-# benchmarks/int8_gemm.py). Quality: what every step int8 x int8 costs over int4 (benchmarks/quant_quality.py)
-# bounds what this costs.
+# (docs/performance.md, "Large steps: int8 activations and dense products"; `benchmarks/quantized_gemv.py
+# --amx-int8`). Quality: what every step int8 x int8 costs over int4 ("Weight quantization quality") bounds what
+# this costs.
 AMX_MIN_TOKENS = 9
 
 

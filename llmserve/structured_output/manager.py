@@ -1,7 +1,7 @@
 """The engine's one seam for structured outputs: grammars compiled once, token masks computed per step.
 
-llguidance turns a constraint into a matcher over the model's tokenizer. It was chosen over xgrammar by
-benchmarks/grammar_backends.py: it compiles every schema far faster (xgrammar is slowest on length-bounded
+llguidance turns a constraint into a matcher over the model's tokenizer. It was chosen over xgrammar
+(docs/performance.md, "Structured outputs"): it compiles every schema far faster (xgrammar is slowest on length-bounded
 strings), it refuses the JSON Schema keywords it cannot enforce instead of ignoring them, it never lets a special
 token into a JSON string, and it needs no other package. Its masks cost far less than a decode step
 (docs/performance.md, "Structured outputs"). The manager owns:

@@ -1,6 +1,6 @@
 """What a start that compiles nothing loads: none of torch's compiler stack (Dynamo, Inductor, the symbolic shapes),
-~1.6 s of the 135M model's start to a healthy server (benchmarks/README.md, session 54). Run in a fresh interpreter:
-this one has imported them for other tests."""
+a large share of the default model's start (docs/performance.md, "Start-up"). Run in a fresh interpreter: this one
+has imported them for other tests."""
 
 from __future__ import annotations
 

@@ -145,11 +145,11 @@ def test_compiled_decode_batches_run_int8_too(hf_model, long_prompts):
     assert len(prompts) in llm.engine.runner.decode_graph.direct_batch_sizes
     # Generated code rounds in its own order, and per-token quantization can turn that into a one-level
     # flip (one level is ~0.4 % of a token's range): tokens must agree up to a position where the reference's
-    # best two logits are within 2 % of each other, and there the two picks must be that pair. (1 % until session
-    # 49: with float32 large steps on oneDNN's product, calibration's ranges moved in their last bits, and one
-    # prompt parted at a 1.04 % gap. Until session 50 the engine had to pick the second: with float32 attention
-    # on the AVX2 kernel one prompt parted where the reference's own decode, one token at a time, had picked the
-    # second of a pair 0.2 % apart, and the engine the first.)
+    # best two logits are within 2 % of each other, and there the two picks must be that pair. (Not 1 %: with
+    # float32 large steps on oneDNN's product, calibration's ranges move in their last bits, and one prompt was
+    # seen to part at a 1.04 % gap. Either of the pair: with float32 attention on the AVX2 kernel one prompt
+    # parted where the reference's own decode, one token at a time, had picked the second of a pair 0.2 % apart,
+    # and the engine the first.)
     for ids, out in zip(prompts, outs, strict=True):
         want = expected[long_prompts.index(ids)]
         got = out.outputs[0].token_ids

@@ -1,4 +1,4 @@
-"""What a hostile-but-fair probe found (issue 18), one test per finding, against one real server process.
+"""What a hostile-but-fair probe found, one test per finding, against one real server process.
 
 The server runs with an API key, a queue of 4 sequences, 2-second request deadlines, a connection cap,
 CORS for one origin, a default output cap of 8 tokens and a 2-second shutdown timeout. The last test

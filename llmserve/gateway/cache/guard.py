@@ -3,9 +3,10 @@ change the answer.
 
 Embeddings place "Track order 48213" and "Track order 48231" at cosine 0.99, and "Is the clinic open on
 Sundays?" beside "Is the clinic open on Saturdays?"; no threshold separates them from true rewordings
-(measured in benchmarks/semantic_threshold.py). So a semantic hit also needs the same numbers, the same
-negations, and the same names (capitalised words past the first, plural 's' aside). Cheap, and it removes
-the false hits users complain about most at the cost of some missed ones (a reworded name).
+(docs/performance.md, "The gateway"; `benchmarks/gateway.py --parts threshold`). So a semantic hit also
+needs the same numbers, the same negations, and the same names (capitalised words past the first, plural 's'
+aside). Cheap, and it removes the false hits users complain about most at the cost of some missed ones (a
+reworded name).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ entries, and a restarted gateway rebuilds its indexes from Redis. An expired rec
 whose answer has expired or been evicted is a miss, and is deleted from its index.
 
 Which index: hnswlib (HNSW, inner product on unit vectors = cosine; M=16, ef_construction=64, ef_search=128),
-chosen by `benchmarks/gateway_semantic_lookup.py` against faiss's HNSW, usearch and exact search (one query, k=1,
+chosen against faiss's HNSW, usearch and exact search (one query, k=1,
 entries shaped like MiniLM's, recall@1 of paraphrase-like queries against exact search;
 docs/performance.md, "The gateway"). Exact search grows too slow at 100k entries; hnswlib and faiss are within
 noise of each other, and hnswlib also deletes (`mark_deleted`) and reuses the slots of expired entries, which

@@ -12,8 +12,8 @@ from llmserve.gateway.routing.learned import LearnedScorer, fit_logistic, predic
 from llmserve.gateway.routing.router import ModelRouter, RouterConfig
 from llmserve.gateway.routing.train import humaneval_outcomes
 
-# which HumanEval problems qwen2.5-coder-0.5b solves, measured by `llmserve eval` (benchmarks/README.md, routing)
-WEAK_RESULTS = Path(__file__).parents[3] / "benchmarks" / "results" / "routing" / "humaneval_qwen0.5b.json"
+# which HumanEval problems qwen2.5-coder-0.5b solves, measured by `llmserve eval` (docs/performance.md, "The gateway")
+WEAK_RESULTS = Path(__file__).parents[3] / "benchmarks" / "results" / "gateway" / "humaneval_qwen0.5b.json"
 
 
 def test_the_fitted_classifier_is_the_regularised_optimum():
