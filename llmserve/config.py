@@ -62,8 +62,8 @@ class ModelConfig:
     q8_activations: bool | None = _option(None, "with int4 weights on the native kernels: a small step's inputs "
                                           "(decode batches, short prompt chunks; int4 and int8 layers) quantized as "
                                           "llama.cpp's Q8_0 (an int8 per input, a scale per 32) instead of split to "
-                                          "~16 bits: half the integer work, 1.7x faster int4 and int8 products at 8+ "
-                                          "tokens; default: on for a K-quant mix file (Q4_K_M: +0.13 %% perplexity on "
+                                          "~16 bits: half the integer work, 1.7x faster int4 products at 8+ "
+                                          "tokens; default: on for a K-quant mix file (Q4_K_M: +0.03 %% perplexity on "
                                           "Qwen2.5-Coder-1.5B) and "
                                           "a speculative draft, off for a 4-bit-only file (Q4_1: +1.45 %% on "
                                           "SmolLM2)")
