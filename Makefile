@@ -1,6 +1,7 @@
 # `make run` on a fresh machine: set up .venv, serve the default model and answer one request.
-# `make test`: the test suite (what CI runs).
-.PHONY: setup run test lint bench
+# `make test`: the fast tier, every module's behaviour (at most 10 minutes on 2 cores).
+# `make test-all`: everything, with real models, compiled graphs, processes and a clean install (what CI runs).
+.PHONY: setup run test test-all lint bench docs
 
 setup: .venv/.setup-done
 
@@ -11,12 +12,20 @@ setup: .venv/.setup-done
 run: setup
 	bash scripts/serve_and_ask.sh
 
-test: setup
-	.venv/bin/ruff check llmserve tests benchmarks
+lint: setup
+	.venv/bin/ruff check llmserve tests benchmarks scripts
+
+# the markers that put a test in the full tier, and why, are in pyproject.toml
+test: lint
+	.venv/bin/python -m pytest -q -m "not full" tests
+
+test-all: lint
 	.venv/bin/python -m pytest -q tests
 
-lint: setup
-	.venv/bin/ruff check llmserve tests benchmarks
+# docs/configuration.md from the config's own fields and help texts
+docs: setup
+	.venv/bin/python scripts/config_docs.py
 
+# llmserve served beside the peer servers installed under $$PEERS (absent ones are skipped)
 bench: setup
-	.venv/bin/python benchmarks/offline_throughput.py
+	.venv/bin/python benchmarks/bench_vs_peers.py

@@ -9,6 +9,18 @@ from llmserve import LLM
 from llmserve.evaluate.reference import reference_greedy, reference_model
 from llmserve.loader.default_models import resolve_model_path
 
+# Why a test is left to the full tier (`make test-all`): each marker is registered with its reason in pyproject.toml.
+# `make test` runs `-m "not full"`, so a test needs only the marker that says why it is slow.
+FULL_TIER_MARKERS = ("compile", "qwen", "processes", "browser", "benchmark", "install", "slow")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own `-m` selection reads the markers
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(item.get_closest_marker(name) for name in FULL_TIER_MARKERS):
+            item.add_marker(pytest.mark.full)
+
+
 # Prompts of different lengths (3 to ~300 tokens): chat-templated and raw text.
 PROMPT_TEXTS = [
     "Hi",

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -25,17 +26,18 @@ COMMON_ARGS = ["--kv-cache-memory-gb", "0.25", "--max-model-len", "2048", "--dty
 class ServerProcess:
     """One `llmserve serve` subprocess: start, wait until /health says 200, read /metrics, stop."""
 
-    def __init__(self, log_path: Path, *args: str) -> None:
+    def __init__(self, log_path: Path, *args: str | Path, program: Sequence[str | Path] = (sys.executable, "-m",
+                 "llmserve.cli"), common: Sequence[str] = COMMON_ARGS, cwd: Path | None = None) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
-        cmd = [sys.executable, "-m", "llmserve.cli", "serve", "--port", str(self.port), *COMMON_ARGS, *args]
+        cmd = [*map(str, program), "serve", "--port", str(self.port), *common, *map(str, args)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("LLMSERVE_API_KEY", None)
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
         self.health_statuses: list[int] = []  # what /health answered while we waited
 
     def wait_ready(self, timeout: float = 180.0) -> None:
