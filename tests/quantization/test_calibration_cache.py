@@ -23,8 +23,15 @@ FROM_CACHE = "from the cache of an earlier start"
 
 
 def _int8_layers(llm: LLM) -> dict[str, tuple[torch.Tensor, ...]]:
-    return {name: (m.int8_weight, m.int8_scales, m.smooth_inv)
-            for name, m in llm.engine.runner.model.layers.named_modules() if isinstance(m, WeightOnlyLinear)}
+    """Each int8 layer's weight in the layout its large-step kernel reads (oneDNN's plain int8, or our AMX
+    kernel's packed tiles on hosts with AMX, which keep no plain copy), its scales and its smoothing."""
+    layers = {}
+    for name, m in llm.engine.runner.model.layers.named_modules():
+        if isinstance(m, WeightOnlyLinear):
+            weight = m.int8_amx_packed if m.large_step_kernel == "amx" else m.int8_weight
+            assert weight is not None, name
+            layers[name] = (weight, m.int8_scales, m.smooth_inv)
+    return layers
 
 
 def _greedy(llm: LLM) -> list[int]:
