@@ -11,12 +11,18 @@ from llmserve.loader.default_models import resolve_model_path
 
 # Why a test is left to the full tier (`make test-all`): each marker is registered with its reason in pyproject.toml.
 # `make test` runs `-m "not full"`, so a test needs only the marker that says why it is slow.
-FULL_TIER_MARKERS = ("compile", "qwen", "processes", "browser", "benchmark", "install", "slow")
+FULL_TIER_MARKERS = ("compile", "qwen", "processes", "browser", "benchmark", "install", "modes", "slow")
+# Fixtures that start servers, gateways, Redis or tensor-parallel workers: a test that uses one (directly or through
+# another fixture) is marked `processes` here, so a new test on them needs no marker of its own. The one shared
+# default server (tests/server/conftest.py's `server`, started once a session) stays in the fast tier.
+PROCESS_FIXTURES = {"hardened", "limited", "spec_server", "replicas", "gateway", "served", "redis_server", "tp2"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own `-m` selection reads the markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
+        if PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.processes)
         if any(item.get_closest_marker(name) for name in FULL_TIER_MARKERS):
             item.add_marker(pytest.mark.full)
 

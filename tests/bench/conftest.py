@@ -24,7 +24,7 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 
 
 @pytest.fixture(scope="session")
-def server() -> Iterator[FakeOpenAIServer]:
+def fake_server() -> Iterator[FakeOpenAIServer]:
     srv = FakeOpenAIServer().start()
     yield srv
     srv.stop()

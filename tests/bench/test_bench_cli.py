@@ -37,10 +37,10 @@ def _bench(base: str, *extra: str) -> int:
 
 
 def test_json_output_has_every_field_and_plot_is_png(
-    server: FakeOpenAIServer, tokenizer_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    fake_server: FakeOpenAIServer, tokenizer_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    rc = _bench(server.base("paced"), "--concurrency", "1,2", "--num-requests", "2,4", "--warmup", "1",
+    rc = _bench(fake_server.base("paced"), "--concurrency", "1,2", "--num-requests", "2,4", "--warmup", "1",
                 "--tokenizer", str(tokenizer_dir), "--slo", "ttft=500ms,tpot=50ms", "--api-key", "k",
                 "--out", str(out), "--plot", str(png))
     assert rc == 0
@@ -51,7 +51,7 @@ def test_json_output_has_every_field_and_plot_is_png(
     assert {"engine", "timestamp", "started_unix", "finished_unix", "server", "config", "client",
             "workload", "client_host", "notes", "warmup", "summary", "levels"} <= doc.keys()
     assert doc["server"]["model"] == "fake-model"  # found via GET /v1/models
-    assert doc["server"]["base_url"] == server.base("paced") and doc["server"]["endpoint"] == "chat"
+    assert doc["server"]["base_url"] == fake_server.base("paced") and doc["server"]["endpoint"] == "chat"
     assert doc["config"]["api_key"] == "***" and doc["client"]["api_key"] == "***"
     assert doc["workload"]["token_counting_exact"] is True and doc["workload"]["name"] == "random"
     assert doc["warmup"]["num_requests"] == 1 and doc["warmup"]["num_ok"] == 1
@@ -96,11 +96,11 @@ def test_bad_arguments_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "error" in capsys.readouterr().err
 
 
-def test_compare_two_real_runs_via_llmserve_cli(server: FakeOpenAIServer, tmp_path: Path,
+def test_compare_two_real_runs_via_llmserve_cli(fake_server: FakeOpenAIServer, tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     a, b = tmp_path / "paced.json", tmp_path / "fast.json"
-    assert _bench(server.base("paced"), "--concurrency", "1,2", "--num-requests", "2,2", "--out", str(a)) == 0
-    assert _bench(server.base("fast"), "--concurrency", "1,2", "--num-requests", "2,2", "--out", str(b)) == 0
+    assert _bench(fake_server.base("paced"), "--concurrency", "1,2", "--num-requests", "2,2", "--out", str(a)) == 0
+    assert _bench(fake_server.base("fast"), "--concurrency", "1,2", "--num-requests", "2,2", "--out", str(b)) == 0
     capsys.readouterr()
     # the real command line: `llmserve bench compare a.json b.json` (python -m llmserve.cli)
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}

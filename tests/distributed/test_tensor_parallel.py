@@ -21,6 +21,8 @@ from llmserve.loader import load_checkpoint
 from tests.greedy import assert_greedy_equals
 from tests.quantization.tiny_models import make_tiny_hf_dir
 
+pytestmark = pytest.mark.processes  # tensor-parallel worker processes
+
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a village at the edge of a forest,",
            " ".join(f"Item {i}: the quick brown fox." for i in range(20))]
 COMMON = dict(dtype="float32", kv_cache_memory_gb=0.05, max_model_len=512)

@@ -14,6 +14,8 @@ import pytest
 from tests.quantization.tiny_models import make_tiny_hf_dir
 from tests.server.conftest import ServerProcess
 
+pytestmark = pytest.mark.processes
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:

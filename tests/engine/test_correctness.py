@@ -11,7 +11,9 @@ from tests.greedy import assert_greedy_equals
 GREEDY_64 = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 
 
+@pytest.mark.slow
 def test_greedy_one_at_a_time_matches_transformers(llm_fp32: LLM, prompt_token_ids, hf_reference):
+    """Every prompt alone (the fast tier runs one alone beside the batch): 512 one-token float32 steps."""
     for ids, expected in zip(prompt_token_ids, hf_reference, strict=True):
         [out] = llm_fp32.generate([ids], GREEDY_64, use_tqdm=False)
         assert out.outputs[0].token_ids == expected
@@ -23,6 +25,8 @@ def test_greedy_batched_matches_transformers(llm_fp32: LLM, prompt_token_ids, hf
     outs = llm_fp32.generate(prompt_token_ids, GREEDY_64, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_reference
     assert [o.prompt_token_ids for o in outs] == prompt_token_ids
+    [alone] = llm_fp32.generate([prompt_token_ids[6]], GREEDY_64, use_tqdm=False)  # every decode step one token
+    assert alone.outputs[0].token_ids == hf_reference[6]
     assert llm_fp32.engine.kv_cache.num_free_blocks == llm_fp32.engine.kv_cache.num_blocks
 
 
@@ -53,6 +57,7 @@ def test_small_token_budget_chunks_prompts_and_keeps_outputs(prompt_token_ids, h
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
 
 
+@pytest.mark.modes
 def test_torch_attention_path_matches_transformers(prompt_token_ids, hf_reference):
     # the fallback of the native kernel (other devices, no compiler) owes the same tokens
     llm = LLM(dtype="float32", quantization="none", kernels="torch", kv_cache_memory_gb=0.25, max_model_len=2048)
@@ -60,6 +65,7 @@ def test_torch_attention_path_matches_transformers(prompt_token_ids, hf_referenc
     assert_greedy_equals(llm, prompt_token_ids, hf_reference, single=1)
 
 
+@pytest.mark.modes
 @pytest.mark.parametrize("kernels", ["native", "torch"])
 def test_elementwise_kernels_match_transformers(kernels, prompt_token_ids, hf_reference):
     # the layers' norms, rotary and gate (and greedy's argmax) on the fused kernels or on PyTorch's ops

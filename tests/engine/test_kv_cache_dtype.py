@@ -55,8 +55,9 @@ def _check(llm: LLM, prompt_token_ids, hf_reference, kv: str) -> None:
     assert not llm.engine.requests
 
 
-@pytest.mark.parametrize("kv", ["auto", "int8", "fp8_e4m3"])
-@pytest.mark.parametrize("kernels", ["auto", "torch"])
+@pytest.mark.parametrize("kv", [pytest.param("auto", marks=pytest.mark.modes), "int8",
+                                pytest.param("fp8_e4m3", marks=pytest.mark.modes)])
+@pytest.mark.parametrize("kernels", ["auto", pytest.param("torch", marks=pytest.mark.modes)])
 def test_teacher_forced_predictions_on_the_quantized_cache(kv, kernels, prompt_token_ids, hf_reference):
     llm = LLM(dtype="float32", quantization="none", kernels=kernels, kv_cache_dtype=kv, kv_cache_memory_gb=0.1,
               max_model_len=2048, max_num_batched_tokens=16, long_prefill_token_threshold=16,
@@ -65,8 +66,8 @@ def test_teacher_forced_predictions_on_the_quantized_cache(kv, kernels, prompt_t
     assert share >= MIN_TOP1[kv], share
 
 
-@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
-@pytest.mark.parametrize("kernels", ["auto", "torch"])
+@pytest.mark.parametrize("kv", ["int8", pytest.param("fp8_e4m3", marks=pytest.mark.modes)])
+@pytest.mark.parametrize("kernels", ["auto", pytest.param("torch", marks=pytest.mark.modes)])
 def test_batched_greedy_stays_close_and_returns_every_block(kv, kernels, prompt_token_ids, hf_reference):
     # decodes read the cache through the native kernel (auto) or the PyTorch path
     llm = LLM(dtype="float32", quantization="none", kernels=kernels, kv_cache_dtype=kv, kv_cache_memory_gb=0.1,
@@ -76,6 +77,7 @@ def test_batched_greedy_stays_close_and_returns_every_block(kv, kernels, prompt_
     _check(llm, prompt_token_ids, hf_reference, kv)
 
 
+@pytest.mark.modes
 def test_int8_chunked_prefix_cached_and_preempted_runs_stay_close(prompt_token_ids, hf_reference):
     chunked = LLM(dtype="float32", quantization="none", kv_cache_dtype="int8", kv_cache_memory_gb=0.1,
                   max_model_len=2048, max_num_batched_tokens=16, long_prefill_token_threshold=16)
@@ -92,6 +94,7 @@ def test_int8_chunked_prefix_cached_and_preempted_runs_stay_close(prompt_token_i
     assert small.engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.modes
 def test_speculation_on_the_int8_cache_decodes_what_plain_decoding_does(prompt_token_ids):
     """Verified proposals write and read the same quantized rows as plain decoding does (each layer writes a
     token's row before attending, so a proposal's query sees the rows of those before it): greedy output

@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 COMPILER_MODULES = ("torch._dynamo", "torch._inductor", "torch.fx.experimental.symbolic_shapes", "sympy")
 
 _START_AND_ANSWER = """
@@ -20,6 +22,7 @@ print(json.dumps({"compile": llm.engine.plan.compile, "tokens": len(out.outputs[
 """
 
 
+@pytest.mark.processes
 def test_a_start_without_compiling_leaves_the_compiler_unimported():
     code = _START_AND_ANSWER % (COMPILER_MODULES,)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)

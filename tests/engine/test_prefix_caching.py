@@ -62,6 +62,7 @@ def test_cache_salt_isolates_tenants(llm_fp32, shared_prompts, uncached_outputs)
     assert a.outputs[0].token_ids == b.outputs[0].token_ids == a2.outputs[0].token_ids == uncached_outputs[0]
 
 
+@pytest.mark.modes
 def test_chunks_of_64_with_prefix_hits_and_preemption_match(shared_prompts, uncached_outputs):
     # 64-token steps chunk every prompt; 40 blocks (640 tokens) for 4 x ~530 tokens sharing ~400 forces preemption,
     # and the recomputes hit the blocks the victims left in the cache.

@@ -81,6 +81,7 @@ def test_agreement_counts_tokens_up_to_the_first_difference():
     assert identical == pytest.approx(1.0, abs=1e-5) and unrelated < 0.5
 
 
+@pytest.mark.processes
 def test_the_cli_writes_results_and_compares_two_runs(tmp_path):
     def run(*flags: str) -> dict:
         out = tmp_path / f"{len(list(tmp_path.iterdir()))}.json"

@@ -25,6 +25,7 @@ def test_the_snapshot_is_what_the_registry_holds():
     assert {s["labels"]["result"] for s in data["cache_lookups"]} == {"exact", "semantic", "miss"}
 
 
+@pytest.mark.browser
 @pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (.ci/run installs it)")
 def test_the_dashboard_shows_live_numbers_without_console_errors(tmp_path, replicas):
     config = gateway_config([r.base for r in replicas])

@@ -63,7 +63,9 @@ def _assert_fused_equals_layer_by_layer(llm: LLM, prompts: list[list[int]], para
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
 
 
-@pytest.mark.parametrize(("int8_activations", "dtype"), [(True, "bfloat16"), (False, "bfloat16"), (False, "float32")])
+@pytest.mark.parametrize(("int8_activations", "dtype"), [pytest.param(True, "bfloat16", marks=pytest.mark.modes),
+                                                          (False, "bfloat16"),
+                                                          pytest.param(False, "float32", marks=pytest.mark.modes)])
 def test_larger_decode_steps_run_inside_the_one_call(int8_activations, dtype):
     """Past the int4 kernel's tokens a step's products are the layers' large-step ones: int8 x int8 (oneDNN's, or our
     AMX kernel's) or dense on the quantized values (oneDNN's packed bf16 weight; the plain float32 one): the call
@@ -85,6 +87,7 @@ def test_larger_decode_steps_run_inside_the_one_call(int8_activations, dtype):
     assert max(call[0].shape[0] for call in recording.calls) == len(prompts)  # decode steps of 24 tokens
 
 
+@pytest.mark.qwen
 @pytest.mark.parametrize(("method", "q8"), [("int4", False), ("int4+int8", False), ("int4+int8", True)])
 def test_qwen_fused_decode_equals_the_layer_by_layer_native_ops(method, q8):
     """Qwen2's q/k/v biases, and int8 linears beside int4 ones (int4+int8 on Qwen2.5-Coder-0.5B's Q4_K_M file:

@@ -111,7 +111,8 @@ def test_smoothed_int8_keys_score_closer_to_the_exact_ones(smollm):
     assert after < 0.9 * before, (before, after)
 
 
-@pytest.mark.parametrize("kv, smoothed", [("int8", True), ("fp8_e4m3", False), ("auto", False)])
+@pytest.mark.parametrize("kv, smoothed", [("int8", True), pytest.param("fp8_e4m3", False, marks=pytest.mark.modes),
+                                          pytest.param("auto", False, marks=pytest.mark.modes)])
 def test_the_engine_smooths_keys_for_an_int8_cache_only(kv, smoothed):
     llm = LLM(kv_cache_dtype=kv, kv_cache_memory_gb=0.05, max_num_seqs=4)
     assert (llm.engine.runner.key_smoothing is not None) == smoothed

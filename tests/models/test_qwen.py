@@ -14,10 +14,10 @@ from llmserve.engine.build_plan import resolve_plan
 from llmserve.evaluate.reference import quantized_reference, reference_greedy, reference_model
 from llmserve.loader import load_checkpoint
 from tests.greedy import assert_greedy_equals
-from tests.model_files import needs_qwen
+from tests.model_files import QWEN_MARKS
 
 MODEL = "qwen2.5-coder-0.5b"
-pytestmark = needs_qwen
+pytestmark = QWEN_MARKS
 PROMPTS = ["def is_prime(n):", "The three laws of thermodynamics are", "# Sort a list of tuples by their second item\n"]
 
 

@@ -40,7 +40,9 @@ def _greedy(llm: LLM) -> list[int]:
     return out.outputs[0].token_ids
 
 
+@pytest.mark.slow
 def test_a_second_start_reads_the_ranges_and_builds_the_same_layers(tmp_path, monkeypatch, caplog) -> None:
+    """Three engine starts with int8 activations (the key's rules are checked in the fast tier)."""
     monkeypatch.setenv("LLMSERVE_CACHE", str(tmp_path))
     caplog.set_level(logging.INFO, logger="llmserve.engine.llm_engine")
     first = LLM(kv_cache_memory_gb=0.25, **OPTIONS)

@@ -132,6 +132,7 @@ def test_engine_matches_transformers_computing_the_same_way(hf_model, long_promp
     assert_greedy_equals(llm, long_prompts, expected, single=1)
 
 
+@pytest.mark.compile
 @NEEDS_VNNI
 def test_compiled_decode_batches_run_int8_too(hf_model, long_prompts):
     llm = LLM(dtype="float32", quantization="int4", int8_activations=True, compile=True, kv_cache_memory_gb=0.25,

@@ -105,7 +105,7 @@ INT8_FILE_GRIDS = {"Q6_K": ("six_bit", 6.625, 100), "Q5_0": ("grouped", 8.5, 10)
 
 
 @pytest.mark.parametrize("type_name", list(INT8_FILE_GRIDS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.modes)])
 def test_int8_layers_compute_with_the_file_s_values(type_name, dtype):
     """Qwen2.5-Coder-0.5B's Q6_K ffn_down, and its Q5_0 and Q8_0 tensors, on int8: the layer's weights are the file's
     values (not re-quantized per row), packed at 6.625 bits a weight (Q6_K's d and sc) or 8.5 (Q5_0's and Q8_0's d per
@@ -145,7 +145,7 @@ def test_bad_quantization_is_refused():
         ModelConfig(quantization="int4", device="cuda")
 
 
-@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.compile)])
 def test_int4_engine_matches_transformers_on_the_quantized_weights(hf_model, prompt_token_ids, compile):
     # the default kernels ("auto") are "native" wherever the native int4 kernels run (build_plan): asking
     # for them by name would run this same engine twice
@@ -172,6 +172,7 @@ def _greedy_with_logits(model, prompt_ids: list[int], max_new_tokens: int) -> tu
     return tokens, logits
 
 
+@pytest.mark.modes
 @pytest.mark.skipif(not native_quantized_kernels(), reason="Q8_0 inputs are the native int4 kernel's")
 def test_q8_inputs_engine_matches_transformers_on_their_levels(hf_model, prompt_token_ids):
     """q8_activations: decodes through the int4 kernel on their inputs' Q8_0 levels, prompts (longer than
@@ -207,6 +208,7 @@ def test_q8_inputs_engine_matches_transformers_on_their_levels(hf_model, prompt_
     assert agreed >= len(prompts) * 16  # and many agree outright: a quarter of the 2 x 32 a prompt (here: most)
 
 
+@pytest.mark.modes
 def test_int8_engine_matches_transformers_on_the_quantized_weights(hf_model, prompt_token_ids):
     """int8 weight-only end to end: prompts through the dequantized weights, decodes of up to 8 tokens a
     step through the int8 kernel, the output head int8."""

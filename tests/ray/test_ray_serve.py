@@ -31,6 +31,7 @@ def _ask(client: openai.OpenAI) -> str:
     return raw.headers[REPLICA_HEADER]
 
 
+@pytest.mark.processes
 def test_two_replicas_serve_and_a_killed_one_is_replaced(tmp_path):
     server = ServerProcess(tmp_path / "ray.log", "--replicas", "2", "--cpus-per-replica", "1")
     try:

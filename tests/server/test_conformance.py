@@ -94,7 +94,9 @@ def _check_chat(client: openai.OpenAI, kwargs: dict) -> None:
 
 @pytest.mark.parametrize(("kwargs", "refused"), CHAT_PARAMETERS, ids=lambda v: ",".join(v) if isinstance(v, dict)
                          else str(v))
+@pytest.mark.slow
 def test_chat_parameters(client: openai.OpenAI, kwargs, refused):
+    """Slow: every chat parameter, streamed and not (the fast tier's API tests take the common ones)."""
     if refused is None:
         _check_chat(client, kwargs)
         return
@@ -106,7 +108,9 @@ def test_chat_parameters(client: openai.OpenAI, kwargs, refused):
 
 @pytest.mark.parametrize(("kwargs", "refused"), COMPLETION_PARAMETERS,
                          ids=lambda v: ",".join(v) if isinstance(v, dict) else str(v))
+@pytest.mark.slow
 def test_completion_parameters(client: openai.OpenAI, kwargs, refused):
+    """Slow: every completion parameter, streamed and not (the fast tier's API tests take the common ones)."""
     base = {"model": MODEL, "prompt": "Fruits: apple, pear,", "max_tokens": 8, **kwargs}
     if refused is not None:
         with pytest.raises(openai.BadRequestError) as e:

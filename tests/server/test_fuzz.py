@@ -34,7 +34,9 @@ def _bounded(body: object) -> None:
         body["max_tokens"] = MAX_OUTPUT_TOKENS
 
 
+@pytest.mark.slow
 def test_the_server_keeps_to_its_schema_under_fuzzing(server: ServerProcess):
+    """Slow: schemathesis sends hundreds of generated requests to the float32 server."""
     schema = schemathesis.openapi.from_url(f"{server.base}/openapi.json")
     strategy = schema.as_strategy(GenerationMode.POSITIVE) | schema.as_strategy(GenerationMode.NEGATIVE)
     failures: list[str] = []

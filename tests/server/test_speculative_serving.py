@@ -48,6 +48,7 @@ def test_speculative_text_streams_and_equals_the_plain_servers(spec_server: Serv
     assert "speculative: acceptance" in spec_server.log()
 
 
+@pytest.mark.processes
 def test_a_bad_speculative_config_stops_the_server_with_its_reason(tmp_path) -> None:
     proc = ServerProcess(tmp_path / "server.log", "--speculative-config", '{"method": "medusa"}')
     with pytest.raises(RuntimeError, match="not supported yet"):

@@ -44,6 +44,7 @@ def test_a_prefix_built_by_verified_tokens_serves_later_requests(llm_spec: LLM, 
     assert hit.outputs[0].token_ids == cold.outputs[0].token_ids
 
 
+@pytest.mark.modes
 def test_preempted_and_chunked_runs_keep_their_tokens(prompt_token_ids, hf_reference):
     block_bytes = 16 * 2 * 30 * 3 * 64 * 4
     tight = LLM(**FP32, kv_cache_memory_gb=40 * block_bytes / 2**30, speculative_config=NGRAM)
@@ -59,8 +60,8 @@ def test_preempted_and_chunked_runs_keep_their_tokens(prompt_token_ids, hf_refer
 
 @pytest.mark.parametrize("limits", [
     {"max_tokens": 23},  # reached inside an accepted run
-    {"max_tokens": 64, "stop": "STOP"},  # replaced below by a piece of the expected text
-    {"max_tokens": 64, "stop_token_ids": "TOKEN"},  # likewise: a token of the expected output
+    pytest.param({"max_tokens": 64, "stop": "STOP"}, marks=pytest.mark.modes),  # replaced below by expected text
+    pytest.param({"max_tokens": 64, "stop_token_ids": "TOKEN"}, marks=pytest.mark.modes),  # and an expected token
 ])
 def test_stops_inside_an_accepted_run_end_where_plain_decoding_ends(llm_spec: LLM, llm_fp32: LLM, prompt_token_ids,
                                                                     hf_reference, limits):
@@ -80,7 +81,9 @@ def test_stops_inside_an_accepted_run_end_where_plain_decoding_ends(llm_spec: LL
     assert llm_spec.engine.kv_cache.num_free_blocks == llm_spec.engine.kv_cache.num_blocks
 
 
+@pytest.mark.slow
 def test_eos_inside_an_accepted_run_ends_the_request(llm_spec: LLM, llm_fp32: LLM):
+    """Up to 200 float32 tokens a chat, with and without speculation, until EOS."""
     chat = [[{"role": "user", "content": "Say 'yes yes yes yes' and nothing else."}],
             [{"role": "user", "content": "Count: one two three one two three one two three"}]]
     params = SamplingParams(temperature=0, max_tokens=200)
@@ -90,6 +93,7 @@ def test_eos_inside_an_accepted_run_ends_the_request(llm_spec: LLM, llm_fp32: LL
     assert _tokens(spec) == _tokens(plain)
 
 
+@pytest.mark.modes
 def test_penalties_logprobs_and_min_tokens_see_the_proposals_before_them(llm_spec: LLM, llm_fp32: LLM,
                                                                          prompt_token_ids):
     params = SamplingParams(temperature=0, max_tokens=40, repetition_penalty=1.3, frequency_penalty=0.2,
@@ -102,6 +106,7 @@ def test_penalties_logprobs_and_min_tokens_see_the_proposals_before_them(llm_spe
             assert all(abs(p_entry[t].logprob - s_entry[t].logprob) < 1e-3 for t in p_entry)
 
 
+@pytest.mark.modes
 def test_logit_bias_applies_to_every_verified_position(llm_spec: LLM, llm_fp32: LLM, prompt_token_ids):
     base = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     unbiased = _tokens(llm_fp32.generate(prompt_token_ids[4:7], base, use_tqdm=False))
@@ -113,6 +118,7 @@ def test_logit_bias_applies_to_every_verified_position(llm_spec: LLM, llm_fp32: 
     assert spec == plain and plain != unbiased
 
 
+@pytest.mark.modes
 def test_seeded_sampling_with_speculation_repeats_itself(llm_spec: LLM, prompt_token_ids):
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, seed=11, ignore_eos=True)
     first = _tokens(llm_spec.generate(prompt_token_ids[5:8], params, use_tqdm=False))

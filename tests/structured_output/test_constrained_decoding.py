@@ -97,6 +97,7 @@ def test_the_outputs_match_their_constraints(llm_fp32: LLM, prompts, expected):
     assert texts[4] in ("The answer is yes.", "The answer is no.")
 
 
+@pytest.mark.modes
 def test_speculative_preempted_and_chunked_runs_keep_the_constrained_tokens(prompts, expected):
     block_bytes = 16 * 2 * 30 * 3 * 64 * 4
     spec_tight = LLM(**FP32, kv_cache_memory_gb=4 * block_bytes / 2**30, max_num_batched_tokens=16,
