@@ -29,9 +29,11 @@ API_ERRORS = _errors({
     404: "unknown model",
     413: "request body over the limit",
     415: "a body that is not JSON",
-    429: "the queue is full or the server is at its connection limit (see Retry-After)",
+    408: "the request's body did not arrive within the request timeout",
+    429: "the queue is full (see Retry-After)",
     500: "a bug, confined to this request",
-    503: "the model is loading, failed to load, or the server is shutting down",
+    503: "the model is loading, failed to load, the server is shutting down, or it is at its connection limit "
+         "(see Retry-After)",
 })
 
 

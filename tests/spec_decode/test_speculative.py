@@ -83,10 +83,10 @@ def test_stops_inside_an_accepted_run_end_where_plain_decoding_ends(llm_spec: LL
 
 @pytest.mark.slow
 def test_eos_inside_an_accepted_run_ends_the_request(llm_spec: LLM, llm_fp32: LLM):
-    """Up to 200 float32 tokens a chat, with and without speculation, until EOS."""
+    """Up to 100 float32 tokens a chat, with and without speculation, until EOS."""
     chat = [[{"role": "user", "content": "Say 'yes yes yes yes' and nothing else."}],
             [{"role": "user", "content": "Count: one two three one two three one two three"}]]
-    params = SamplingParams(temperature=0, max_tokens=200)
+    params = SamplingParams(temperature=0, max_tokens=100)
     plain, spec = (llm.chat(chat, params, use_tqdm=False) for llm in (llm_fp32, llm_spec))
     assert [o.outputs[0].finish_reason for o in spec] == [o.outputs[0].finish_reason for o in plain]
     assert spec[0].outputs[0].finish_reason == "stop"
