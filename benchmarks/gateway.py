@@ -471,7 +471,7 @@ _EMBEDDER: list = []
 def embedder_once():
     """MiniLM as the gateway loads it, once for the parts that embed (threshold, routing)."""
     if not _EMBEDDER:
-        from llmserve.gateway.embedder import Embedder
+        from llmserve.embeddings import Embedder
 
         _EMBEDDER.append(Embedder())
     return _EMBEDDER[0]

@@ -194,8 +194,7 @@ class SpeculativeConfig:
     # True: per step, only the proposal tokens the measured step cost and each request's acceptance rate say
     # pay; False: every proposal the proposer finds, num_speculative_tokens long (vLLM's behaviour)
     adaptive: bool = True
-    # the engine's own choice (`"auto"`, the default), not the user's: a seeded request that samples never gets
-    # proposals (its text must not depend on which steps speculated; greedy text does not)
+    # the engine's own choice (`"auto"`, the default), not the user's (the plan says which)
     automatic: bool = False
 
     def __post_init__(self) -> None:

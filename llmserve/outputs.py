@@ -24,7 +24,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None  # one dict per generated token (None: not asked for)
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None  # the stop string or token id that ended it
 
     @property
@@ -41,7 +41,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
-    error: str | None = None  # set when this request failed inside the engine (finished is then True)
+    # set when this request failed inside the engine (finished is then True): finish_reason "error" when its output
+    # constraint failed while decoding, "abort" when an engine step failed on it
+    error: str | None = None
     # with SamplingParams.prompt_logprobs: one entry per prompt token (None for the first, which has no
     # context), in the first output that carries tokens
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None

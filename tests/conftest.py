@@ -15,7 +15,8 @@ FULL_TIER_MARKERS = ("compile", "qwen", "processes", "browser", "benchmark", "in
 # Fixtures that start servers, gateways, Redis or tensor-parallel workers: a test that uses one (directly or through
 # another fixture) is marked `processes` here, so a new test on them needs no marker of its own. The one shared
 # default server (tests/server/conftest.py's `server`, started once a session) stays in the fast tier.
-PROCESS_FIXTURES = {"hardened", "limited", "spec_server", "replicas", "gateway", "served", "redis_server", "tp2"}
+PROCESS_FIXTURES = {"hardened", "limited", "spec_server", "replicas", "gateway", "served", "redis_server", "tp2",
+                     "qwen_server", "embedding_server"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own `-m` selection reads the markers
@@ -96,3 +97,17 @@ def _small_qwen_gguf(tmp_path_factory, name: str, **kinds) -> str:
     if vocabulary is None:
         pytest.skip("qwen2.5-coder-0.5b (whose tokenizer the test model takes) is not assembled here")
     return str(write_mixed_gguf(tmp_path_factory.mktemp("small-qwen") / name, str(vocabulary), **kinds))
+
+
+@pytest.fixture(scope="session")
+def embedding_server(tmp_path_factory):
+    """`llmserve serve all-minilm-l6-v2`: the server's /v1/embeddings, and the gateway's replica of it."""
+    from tests.server.conftest import ServerProcess
+
+    proc = ServerProcess(tmp_path_factory.mktemp("embeddings") / "server.log", "all-minilm-l6-v2",
+                         common=["--no-access-log"])
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()

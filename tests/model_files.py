@@ -10,9 +10,14 @@ from llmserve.loader.default_models import PARTED_MODELS, installed_path, resolv
 QWEN = "qwen2.5-coder-0.5b"
 QWEN_PATH = installed_path(PARTED_MODELS[QWEN])
 # Skipped where the file is missing; in the full tier only (the `qwen` marker: a model 4x the default's size).
-QWEN_MARKS = [pytest.mark.skipif(QWEN_PATH is None,
-                                 reason=f"{QWEN} is not assembled here (`llmserve download {QWEN}`; setup does it)"),
-              pytest.mark.qwen]
+QWEN_FILE = pytest.mark.skipif(QWEN_PATH is None,
+                               reason=f"{QWEN} is not assembled here (`llmserve download {QWEN}`; setup does it)")
+QWEN_MARKS = [QWEN_FILE, pytest.mark.qwen]
+
+
+def needs_qwen_tokenizer(test):
+    """A test of Qwen2.5-Coder-0.5B's tokenizer alone (a second to load): skipped without its file, fast tier."""
+    return QWEN_FILE(test)
 
 
 def needs_qwen(test):

@@ -52,6 +52,11 @@ class RequestFailedError(RuntimeError):
     """This request failed inside the engine; other requests are unaffected."""
 
 
+class ConstraintFailedError(RequestFailedError):
+    """This request's output constraint failed while decoding (a limit of the grammar library reached mid-output):
+    the constraint's failure, not the server's."""
+
+
 class NeverAdmittedError(ValueError):
     """More sequences at once than the queue bound: this request could never be queued (HTTP 400, not 429)."""
 
@@ -306,7 +311,7 @@ class AsyncLLM:
             self._deliver([(r, RequestFailedError(f"engine step failed: {e}")) for r in failed])
             return
         self._deliver([
-            (out.request_id, RequestFailedError(out.error) if out.error else out) for out in outputs
+            (out.request_id, _failure(out) if out.error else out) for out in outputs
         ])
         self._generation_tokens += sum(len(out.outputs[0].token_ids) for out in outputs if out.error is None)
         self._stat_logger.maybe_log(self._prompt_tokens, self._generation_tokens)
@@ -324,6 +329,11 @@ class AsyncLLM:
                 per_loop.setdefault(loop, []).append((queue, item))
         for loop, queued in per_loop.items():
             loop.call_soon_threadsafe(_put_all, queued)
+
+
+def _failure(out: RequestOutput) -> RequestFailedError:
+    kind = ConstraintFailedError if out.outputs[0].finish_reason == "error" else RequestFailedError
+    return kind(out.error)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:

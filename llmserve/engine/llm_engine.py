@@ -291,6 +291,7 @@ class LLMEngine:
             finished=req.status.finished,
             num_cached_tokens=req.num_cached_tokens or 0,
             metrics=metrics,
+            error=req.error,
         )
 
     def _run_to_completion(self, prompts: list[tuple[str, str | list[int], SamplingParams, str | None]]) -> None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.sampling_params import SamplingParams
+from llmserve.structured_output.manager import constraint_failure
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -28,10 +29,12 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # its output constraint failed while decoding (`Request.error` says why)
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+                        RequestStatus.FINISHED_ERROR)
 
 
 class Request:
@@ -68,6 +71,7 @@ class Request:
         self.scheduled_time: float | None = None  # first admitted to the running batch (queue time ends)
         self.first_token_time: float | None = None
         self.grammar: LLMatcher | None = None  # a constrained request's matcher, advanced token by token
+        self.error: str | None = None  # why it ended with FINISHED_ERROR
 
     @property
     def num_tokens(self) -> int:
@@ -91,6 +95,10 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
         n = self.num_output_tokens
+        if self.grammar is not None and not self._advance_grammar(token_id):
+            self.detokenizer.finish()
+            self.status = RequestStatus.FINISHED_ERROR
+            return
         is_eos = token_id in self.eos_token_ids and not self.params.ignore_eos
         is_stop_id = token_id in self.params.stop_token_ids
         if (is_eos or is_stop_id) and n > self.params.min_tokens:
@@ -98,7 +106,7 @@ class Request:
             self.status = RequestStatus.FINISHED_STOPPED
             self.stop_reason = None if is_eos else token_id
             return
-        grammar_complete = self.grammar is not None and self._advance_grammar(token_id)
+        grammar_complete = self.grammar is not None and self.grammar.is_stopped()
         stop_str = self.detokenizer.append(token_id, check_stop=n > self.params.min_tokens)
         if stop_str is not None:
             self.status = RequestStatus.FINISHED_STOPPED
@@ -111,10 +119,11 @@ class Request:
             self.status = RequestStatus.FINISHED_LENGTH
 
     def _advance_grammar(self, token_id: int) -> bool:
-        """Feed the grammar a token; True once it is complete (or, never expected since every sampled row is
-        masked, refused the token: the request then stops rather than go on unconstrained)."""
-        if not self.grammar.consume_token(token_id):
-            logger.error("request %s: the grammar refused token %d (%s); stopping it", self.request_id, token_id,
-                         self.grammar.get_error())
+        """Feed the grammar a token (EOS included: it ends a complete output); False when the grammar refused it
+        or failed on it (a limit of the grammar library reached mid-output). The request then ends with that
+        error, never as a stop with text the constraint did not accept."""
+        if self.grammar.consume_token(token_id) and not self.grammar.is_error():
             return True
-        return self.grammar.is_stopped()
+        self.error = f"the output constraint failed while decoding: {constraint_failure(self.grammar)}"
+        logger.warning("request %s: %s (token %d)", self.request_id, self.error, token_id)
+        return False

@@ -59,7 +59,7 @@ def agreement(completions: list, references: list) -> Agreement:
 def sentence_cosines(a: list[str], b: list[str]) -> list[float]:
     """Cosine similarity of each pair's all-MiniLM-L6-v2 embeddings (mean-pooled, as sentence-transformers
     computes them)."""
-    from llmserve.gateway.embedder import Embedder
+    from llmserve.embeddings import Embedder
 
     embedder = Embedder()
     return (embedder.embed(a) * embedder.embed(b)).sum(-1).tolist()

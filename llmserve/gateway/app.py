@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from llmserve import __version__
+from llmserve.embeddings import Embedder
 from llmserve.gateway import dashboard
 from llmserve.gateway.balancing import make_balancer, prefix_chunks
 from llmserve.gateway.cache.response_cache import CachePlan, ResponseCache
@@ -32,10 +33,9 @@ from llmserve.gateway.cache.store import CacheStore, StoreUnavailable, open_stor
 from llmserve.gateway.compression import HEADER as COMPRESSION_HEADER
 from llmserve.gateway.compression import Compression, Compressor
 from llmserve.gateway.config import APIKey, GatewayConfig
-from llmserve.gateway.embedder import Embedder
 from llmserve.gateway.metrics import GatewayMetrics
 from llmserve.gateway.ratelimit import RateLimiter
-from llmserve.gateway.responses import StreamAssembler, replay_events, replayable
+from llmserve.gateway.responses import StreamAssembler, fresh_identity, replay_events, replayable
 from llmserve.gateway.routing import build_router
 from llmserve.gateway.routing.judge import Ask
 from llmserve.gateway.routing.router import RouteDecision
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CACHE_HEADER = "x-llmserve-cache"
+_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
 ROUTE_HEADER = "x-llmserve-route"  # the model a routed name chose; x-llmserve-route-reason says why
 COST_HEADER = "x-llmserve-cost-usd"  # also usage.cost (OpenRouter's field); a stream has it in its usage chunk only
 SAVED_HEADER = "x-llmserve-saved-usd"
@@ -149,6 +150,9 @@ class Gateway:
             names = [*self.config.models, *self.routers]
             raise APIError(404, f"the model {model!r} does not exist; known: {', '.join(names)}",
                            param="model", code="model_not_found")
+        if route == "embeddings" and model in self.routers:
+            raise APIError(400, f"{model!r} routes chat and completions by their difficulty; ask an embedding model "
+                           "by its own name", param="model")
         refusal = self.limiter.admit(key)
         if refusal is not None:
             self.metrics.rate_limited.labels(key.namespace, refusal.limit).inc()
@@ -170,7 +174,8 @@ class Gateway:
                 return self._from_cache(call, hit.kind, hit.answer)
         # after the cache: a hit costs no scorer call, and the key is the request as sent (`compress` included: another
         # rate is another prompt); before the upstream, which never sees the `compress` field
-        call.compression = await self.compressor.apply(route, body, self.config.models[model].compress)
+        call.compression = await self.compressor.apply(route, body, self.config.models[model].compress) \
+            if route != "embeddings" else Compression(body)
         call.body = call.compression.body
         if call.compression.outcome is not None:
             self.metrics.compressions.labels(model, call.compression.outcome).inc()
@@ -232,6 +237,7 @@ class Gateway:
         self.metrics.saved.labels(call.model, call.key.namespace, f"cache_{kind}").inc(saved)
         if isinstance(answer.get("usage"), dict):
             answer["usage"]["cost"] = 0.0
+        fresh_identity(call.route, answer)
         headers = {**_route_headers(call), CACHE_HEADER: "hit" if kind == "exact" else kind,  # hit | semantic | miss
                    COST_HEADER: "0", SAVED_HEADER: _dollars(saved)}
         if call.stream:
@@ -252,7 +258,7 @@ class Gateway:
         if call.stream:  # usage always: for the tokens/min limits and to cache the answer whole
             payload["stream_options"] = {**(payload.get("stream_options") or {}), "include_usage": True}
         data = orjson.dumps(payload)
-        path = "/v1/chat/completions" if call.route == "chat" else "/v1/completions"
+        path = _PATHS[call.route]
         balancer = self.balancers[call.model]
         prefix = prefix_chunks(call.body) if route.balancing == "prefix_aware" else []
         tried: set[str] = set()
@@ -410,8 +416,7 @@ class Gateway:
             self.metrics.compression_removed_tokens.labels(call.model).inc(removed)
             self.metrics.saved.labels(call.model, call.key.namespace, "compression").inc(
                 self.config.models[call.model].price.cost({"prompt_tokens": removed}))
-        if cacheable is not None and call.plan is not None and replayable(call.route, cacheable) \
-                and all(c.get("finish_reason") for c in cacheable.get("choices", ())):
+        if cacheable is not None and call.plan is not None and replayable(call.route, cacheable):
             await self.cache.put(call.plan, orjson.dumps(cacheable))
         return cost
 
@@ -452,6 +457,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await gateway.handle("completions", request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Response:
+        return await gateway.handle("embeddings", request)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

@@ -4,6 +4,7 @@ it), and a cached answer replayed as a stream in the same format a live one has.
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any
 
 import orjson
@@ -15,7 +16,8 @@ class StreamAssembler:
     """Collects a chat or completions stream's events into the non-streaming answer they add up to.
 
     `result()` is None where the stream cannot be replayed faithfully from a plain answer: it did not end
-    with every choice finished, or it carried tool calls or logprobs (those pass through, uncached).
+    with every choice finished by a stop or its length, it carried an error event, or it carried tool calls or
+    logprobs (those pass through, uncached).
     """
 
     def __init__(self, route: str) -> None:
@@ -27,6 +29,9 @@ class StreamAssembler:
         self.replayable = True
 
     def feed(self, event: dict[str, Any]) -> None:
+        if "error" in event:  # a failure in-band: never an answer to serve again
+            self.replayable = False
+            return
         if self.head is None:
             self.head = {k: event.get(k) for k in ("id", "created", "model", "system_fingerprint") if k in event}
         if event.get("usage"):
@@ -61,10 +66,16 @@ class StreamAssembler:
         return {**self.head, "object": obj, "choices": choices, "usage": self.usage}
 
 
+CACHEABLE_FINISH = ("stop", "length")  # not "error", a tool call or an unfinished choice
+
+
 def replayable(route: str, answer: dict[str, Any]) -> bool:
-    """A non-streamed answer that `replay_events` can turn into the stream a live request would have given."""
+    """A non-streamed answer that `replay_events` can turn into the stream a live request would have given, and
+    that ended as an answer (every choice stopped or reached its length); embeddings whenever they hold vectors."""
+    if route == "embeddings":
+        return bool(answer.get("data"))
     for choice in answer.get("choices") or ():
-        if choice.get("logprobs"):
+        if choice.get("finish_reason") not in CACHEABLE_FINISH or choice.get("logprobs"):
             return False
         message = choice.get("message") or {}
         if route == "chat" and (message.get("tool_calls") or message.get("function_call")):
@@ -72,11 +83,20 @@ def replayable(route: str, answer: dict[str, Any]) -> bool:
     return bool(answer.get("choices"))
 
 
+def fresh_identity(route: str, answer: dict[str, Any]) -> None:
+    """A replayed answer is a new response: its own id (in the format of the route's) and `created` (embeddings
+    have neither)."""
+    if route == "embeddings":
+        return
+    answer["id"] = f"{'chatcmpl' if route == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    answer["created"] = int(time.time())
+
+
 def replay_events(route: str, answer: dict[str, Any], include_usage: bool, model: str) -> list[bytes]:
     """The SSE events of a cached answer: per choice a role chunk (chat), its text, a finish chunk; then the
-    usage chunk if asked; then [DONE]. A fresh `created`; the id and the rest as cached."""
+    usage chunk if asked; then [DONE]. The id and `created` as the answer has them (`fresh_identity`)."""
     head = {"id": answer.get("id"), "object": "chat.completion.chunk" if route == "chat" else "text_completion",
-            "created": int(time.time()), "model": model}
+            "created": answer.get("created", int(time.time())), "model": model}
     usage_field = {"usage": None} if include_usage else {}
     events = []
 

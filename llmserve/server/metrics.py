@@ -48,6 +48,9 @@ class ServerMetrics:
                                 labels, buckets=_REQUEST_BUCKETS, registry=self.registry)
         self._success = Counter(f"{PREFIX}request_success", "Engine requests finished, by finish reason.",
                                 labels + ["finished_reason"], registry=self.registry)
+        self._failure = Counter(f"{PREFIX}request_failure", "Engine requests that ended in an error, by kind "
+                                "(constraint: the output constraint failed while decoding; engine: a step failed).",
+                                labels + ["reason"], registry=self.registry)
         self.registry.register(_EngineCollector(stats, lambda: self._model_name))
 
     def bind(self, model_name: str) -> None:
@@ -58,9 +61,14 @@ class ServerMetrics:
         self.queue = self._queue.labels(model_name)
         for reason in ("stop", "length"):  # present at 0 from the start, so rate() works at once
             self._success.labels(model_name, reason)
+        for reason in ("constraint", "engine"):
+            self._failure.labels(model_name, reason)
 
     def success(self, finish_reason: str) -> None:
         self._success.labels(self._model_name, finish_reason).inc()
+
+    def failure(self, reason: str) -> None:
+        self._failure.labels(self._model_name, reason).inc()
 
     def track(self) -> RequestTracker:
         return RequestTracker(self)

@@ -1,5 +1,5 @@
 """ASGI gates that run before any route: capacity, draining, API key, and the request body's type,
-size and deadline.
+size and deadline; and the request id every answer carries.
 
 Plain ASGI (not Starlette's BaseHTTPMiddleware) so streaming responses and the `receive` channel,
 which the routes watch for client disconnects, pass through untouched.
@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import email.message
 import hmac
+import re
+import uuid
 from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -32,6 +34,31 @@ async def _answer(send: Send, status: int, body: bytes, headers: list[tuple[byte
         + (headers or []),
     })
     await send({"type": "http.response.body", "body": body})
+
+
+REQUEST_ID = b"x-request-id"
+_SANE_ID = re.compile(rb"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces: safe to log and to echo
+
+
+class RequestIdMiddleware:
+    """Every answer (errors included) carries `x-request-id`: the client's own where it sent a sane one, else a
+    new one, so a client, a proxy and this server's logs name the same request."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(REQUEST_ID, b"")
+        request_id = given if _SANE_ID.fullmatch(given) else uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (REQUEST_ID, request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class GateMiddleware:

@@ -23,6 +23,8 @@ def _errors(statuses: dict[int, str]) -> dict[int | str, dict[str, Any]]:
 # what every route behind the gate can answer: the key, draining, and a crash kept to its request
 OPEN_ERRORS = _errors({401: "missing or wrong API key", 500: "a bug, confined to this request",
                        503: "the model is loading, failed to load, or the server is shutting down"})
+MODEL_ERRORS = _errors({401: "missing or wrong API key", 404: "unknown model", 500: "a bug, confined to this request",
+                        503: "the model is loading, failed to load, or the server is shutting down"})
 API_ERRORS = _errors({
     400: "invalid request: a bad value, a prompt too long, an invalid JSON schema, ... (`error.param` names it)",
     401: "missing or wrong API key",

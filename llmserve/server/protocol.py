@@ -199,15 +199,30 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: Integer | None = 16  # the legacy API's default (OpenAI and vLLM)
     logprobs: Integer | None = Field(default=None, ge=0, le=20)
     echo: StrictBool = False
+    prompt_logprobs: Integer | None = Field(default=None, ge=0, le=20)  # vLLM's: each prompt token's, k more
     suffix: str | None = None  # not supported; accepted only when absent
     best_of: Integer | None = None  # supported only when equal to n
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.suffix:
             return "suffix", "suffix is not supported"
+        if self.prompt_logprobs is not None and self.stream:
+            return "prompt_logprobs", "prompt_logprobs is served on non-streamed completions only"
         if self.best_of is not None and self.best_of != self.n:
             return "best_of", "best_of is supported only when equal to n"
         return None
+
+
+class EmbeddingRequest(BaseModel):
+    """OpenAI's /v1/embeddings request."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: str | list[str] | list[Integer] | list[list[Integer]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Integer | None = None
+    user: str | None = None
 
 
 # --- responses --------------------------------------------------------------------------------
@@ -295,11 +310,19 @@ class ChatCompletionChunk(BaseModel):
     usage: UsageInfo | None = None  # sent (null until the last chunk) only with include_usage
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's shape: per prompt token (None for the first) its logprob and the k most likely, by token id
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -309,6 +332,24 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None  # on stream chunks: sent (null until the last) only with include_usage
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str  # str: base64 of little-endian float32, with encoding_format "base64"
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
 
 
 class ModelCard(BaseModel):

@@ -52,7 +52,9 @@ class OpenAIServingChat(OpenAIServing):
         num_logprobs = self._num_logprobs(request)
         requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         max_tokens = self.max_tokens(requested, len(prompt_ids), "messages")
-        constraint = await self.constraint(request, tool_call_constraint(request, tools))
+        tool_grammar = tool_call_constraint(request, tools)
+        param = "response_format" if request.tool_choice in (None, "auto") else "tool_choice"
+        constraint = await self.constraint(request, (param, tool_grammar) if tool_grammar is not None else None)
         params = self.sampling_params(request, max_tokens, num_logprobs, structured_outputs=constraint)
         choices = self.choices([prompt_ids], [params], request.n, request.cache_salt)
         tool_names = {t.function.name for t in tools}  # calls are parsed out of the text where tools are offered
@@ -60,7 +62,7 @@ class OpenAIServingChat(OpenAIServing):
         streams = self.streams(request_id, choices)
         if request.stream:
             events = await primed(self._stream(streams, choices, request, request_id, model, num_logprobs,
-                                               tool_names))
+                                               tool_names, enforced=tool_grammar is not None))
             return SSEResponse(events)
         return await unless_disconnected(raw, self._complete(streams, choices, request_id, model, num_logprobs,
                                                              tool_names))
@@ -113,10 +115,13 @@ class OpenAIServingChat(OpenAIServing):
     # --- streaming ----------------------------------------------------------------------------
 
     def _stream(self, streams: ChoiceStreams, choices: list[Choice], request: ChatCompletionRequest,
-                request_id: str, model: str, num_logprobs: int | None, tool_names: set[str]
+                request_id: str, model: str, num_logprobs: int | None, tool_names: set[str], enforced: bool = False
                 ) -> AsyncGenerator[bytes, None]:
-        """SSE as OpenAI sends it: role chunk, content deltas (tool calls as `delta.tool_calls`, each whole once
-        its closing tag came), finish chunk, [usage chunk], [DONE]."""
+        """SSE as OpenAI sends it: role chunk, content deltas, tool calls as `delta.tool_calls`, finish chunk,
+        [usage chunk], [DONE]. A call the grammar enforces (`enforced`: tool_choice required or named, or beside a
+        response_format) streams as OpenAI's do: its id and name, then its arguments in pieces as they are
+        written. A free call (tool_choice auto) goes out whole once its closing tag came: until then it may
+        still turn out to be text."""
         created = int(time.time())
         exclude = None if request.include_usage else {"usage"}
 
@@ -131,10 +136,30 @@ class OpenAIServingChat(OpenAIServing):
         content = {c.index: TextChunk(partial(content_chunk, c.index)) for c in choices}  # the per-token chunks
         parsers = {c.index: ToolCallParser(tool_names) for c in choices} if tool_names else {}
 
+        streamed: dict[int, tuple[str, int]] = {}  # by choice: (id, characters of arguments sent) of a call
+
         def tool_calls_chunk(index: int, calls: list[ToolCall]) -> bytes:
-            first = parsers[index].num_calls - len(calls)  # the choice's calls are numbered from 0, in order
-            return chunk(ChatStreamChoice(index=index, delta={"tool_calls": [
-                {"index": first + k, **call.model_dump()} for k, call in enumerate(calls)]}))
+            parser = parsers[index]
+            first = parser.num_calls - len(calls)  # the choice's calls are numbered from 0, in order
+            deltas: list[dict] = []
+            for k, call in enumerate(calls):
+                sent = streamed.pop(index, None)
+                if sent is not None and sent[0] == call.id:  # its head and part of its arguments went out
+                    if rest := call.function.arguments[sent[1]:]:
+                        deltas.append({"index": first + k, "function": {"arguments": rest}})
+                else:
+                    deltas.append({"index": first + k, **call.model_dump()})
+            progress = parser.in_progress() if enforced else None
+            if progress is not None:
+                call_id, name, arguments = progress
+                sent = streamed.get(index)
+                if sent is None:
+                    deltas.append({"index": parser.num_calls, "id": call_id, "type": "function",
+                                   "function": {"name": name, "arguments": arguments}})
+                elif len(arguments) > sent[1]:
+                    deltas.append({"index": parser.num_calls, "function": {"arguments": arguments[sent[1]:]}})
+                streamed[index] = (call_id, len(arguments))
+            return chunk(ChatStreamChoice(index=index, delta={"tool_calls": deltas})) if deltas else b""
 
         def render(index: int, out: RequestOutput) -> bytes:  # out: a delta
             completion = out.outputs[0]
@@ -151,7 +176,7 @@ class OpenAIServingChat(OpenAIServing):
                 has_content = delta or lps.content
                 event = chunk(ChatStreamChoice(index=index, delta={"content": delta}, logprobs=lps)) if has_content \
                     else b""
-            if calls:
+            if calls or (enforced and parsers):
                 event += tool_calls_chunk(index, calls)
             if out.finished:
                 reason = _finish_reason(completion.finish_reason, bool(parsers and parsers[index].num_calls))

@@ -17,6 +17,7 @@ from llmserve.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptLogprob,
     UsageInfo,
 )
 from llmserve.server.serving_engine import (
@@ -39,7 +40,8 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_unsupported(request)
         prompts = self._tokenize(request.prompt)
         # echo with logprobs: the prompt's tokens are scored too (what perplexity through an API reads)
-        prompt_logprobs = request.logprobs if request.echo else None
+        asked = [k for k in (request.logprobs if request.echo else None, request.prompt_logprobs) if k is not None]
+        prompt_logprobs = max(asked) if asked else None
         constraint = await self.constraint(request)
         params = [
             self.sampling_params(request, self.max_tokens(request.max_tokens, len(ids), "prompt"), request.logprobs,
@@ -118,6 +120,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     text=echoes[i] + finals[i].outputs[0].text,
                     logprobs=self._echoed_logprobs(finals[i], request, choices[i], echoes[i]),
                     finish_reason=finals[i].outputs[0].finish_reason,
+                    prompt_logprobs=_prompt_logprobs(finals[i], request.prompt_logprobs),
                 )
                 for i in sorted(finals)
             ],
@@ -170,6 +173,20 @@ class OpenAIServingCompletion(OpenAIServing):
         usage_event = (lambda finals, generated: chunk(None, usage(choices, finals, generated))) \
             if request.include_usage else None
         return sse_events(streams, request_id, intro, render, usage_event)
+
+
+def _prompt_logprobs(out: RequestOutput, k: int | None) -> list[dict[str, PromptLogprob] | None] | None:
+    """vLLM's prompt_logprobs: each prompt token's own entry and its k most likely, by token id (None first)."""
+    if k is None:
+        return None
+    result: list[dict[str, PromptLogprob] | None] = []
+    for token_id, entry in zip(out.prompt_token_ids, out.prompt_logprobs or [], strict=True):
+        if entry is None:
+            result.append(None)
+            continue
+        chosen = {str(token_id): PromptLogprob(**vars(entry[token_id]))}
+        result.append({**chosen, **{str(t): PromptLogprob(**vars(lp)) for t, lp in top_logprobs(entry, k)}})
+    return result
 
 
 def _logprobs(out: RequestOutput, k: int | None, offset: int) -> CompletionLogprobs | None:

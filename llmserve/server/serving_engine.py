@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from llmserve.engine.async_engine import (
     AsyncLLM,
+    ConstraintFailedError,
     EngineDeadError,
     NeverAdmittedError,
     NewRequest,
@@ -32,6 +33,7 @@ from llmserve.server.metrics import ServerMetrics
 from llmserve.server.protocol import PromptTokensDetails, UsageInfo, _SamplingRequest
 from llmserve.server.sse import SSE_DONE
 from llmserve.structured_output import GrammarError
+from llmserve.structured_output.manager import COMPILE_BUDGET_S
 
 logger = logging.getLogger(__name__)
 
@@ -90,15 +92,15 @@ class OpenAIServing:
         except ContextLengthError as e:
             raise bad_value(e) from None
 
-    async def constraint(self, request: _SamplingRequest, implied: StructuredOutputsParams | None = None
-                         ) -> StructuredOutputsParams | None:
+    async def constraint(self, request: _SamplingRequest,
+                         tools: tuple[str, StructuredOutputsParams] | None = None) -> StructuredOutputsParams | None:
         """The request's structured-output constraint, from whichever spelling it used (response_format,
-        structured_outputs or guided_*; at most one, besides an `implied` one such as a required tool call),
-        compiled now, off the engine's lock: an invalid or unsupported one is a 400 with the reason, before any
-        work is queued."""
+        structured_outputs or guided_*; at most one, besides the (parameter, grammar) of its tool calls, which
+        holds or overrides its response_format), compiled now, off the engine's lock: an invalid or unsupported
+        one is a 400 with the reason, before any work is queued."""
         found = _constraints(request)
-        if implied is not None:
-            found.append(("tool_choice", implied))
+        if tools is not None:
+            found = [item for item in found if item[0] != "response_format"] + [tools]
         if len(found) > 1:
             raise APIError(400, f"{' and '.join(name for name, _ in found)} each constrain the output: give one",
                            param=found[1][0])
@@ -106,9 +108,12 @@ class OpenAIServing:
             return None
         param, spec = found[0]
         try:
-            await asyncio.to_thread(self.llm.structured_outputs.compile, spec)
+            await asyncio.wait_for(asyncio.wrap_future(self.llm.structured_outputs.submit(spec)), COMPILE_BUDGET_S)
         except GrammarError as e:
             raise APIError(400, f"{param}: {e}", param=param) from None
+        except TimeoutError:
+            raise APIError(400, f"{param}: the constraint took longer than {COMPILE_BUDGET_S:g} s to compile; "
+                           "simplify it", param=param) from None
         return spec
 
     def sampling_params(self, request: _SamplingRequest, max_tokens: int, logprobs: int | None,
@@ -224,6 +229,8 @@ def engine_error(e: BaseException) -> APIError:
                         headers={"Retry-After": RETRY_AFTER_S})
     if isinstance(e, EngineDeadError):
         return APIError(503, f"the engine is not running: {e}", code="engine_dead")
+    if isinstance(e, ConstraintFailedError):
+        return APIError(400, str(e), code="constraint_failed")
     if isinstance(e, RequestFailedError):
         return APIError(500, f"the request failed in the engine: {e}", code="request_failed")
     logger.error("request failed", exc_info=e)
@@ -301,6 +308,7 @@ class ChoiceStreams:
                 tracker.observe(out)
                 yield index, out
         except Exception as e:  # from the engine, as the pumps' consumer below answers it
+            self._count_failure(e)
             raise engine_error(e) from None
 
     async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -330,7 +338,12 @@ class ChoiceStreams:
                 tracker.observe(out)
                 self._queue.put_nowait((choice.index, out))
         except Exception as e:  # handed to the consumer, which answers with the matching status
+            self._count_failure(e)
             self._queue.put_nowait((choice.index, e))
+
+    def _count_failure(self, e: Exception) -> None:
+        if isinstance(e, RequestFailedError):
+            self._metrics.failure("constraint" if isinstance(e, ConstraintFailedError) else "engine")
 
 
 class TextChunk:

@@ -7,13 +7,16 @@ instructions go into the system message and earlier calls and results are writte
 works on every chat model, as well as that model follows the instructions.
 
 `tool_choice` "required" or a named function is enforced by constrained decoding: a grammar of tool calls
-whose JSON follows each function's parameter schema. "auto" leaves the model free and parses what it writes;
-"none" renders no tools at all.
+whose JSON follows each function's parameter schema. "auto" leaves the model free and parses what it writes,
+unless a JSON `response_format` is asked for too: then the model may call tools or answer in that format, as
+OpenAI's API lets it (a forced call takes precedence over the format, which applies to a later answer). "none"
+renders no tools at all.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any
 
@@ -79,21 +82,51 @@ def chat_messages(messages: list[ChatMessage], texts: list[str], tools: list[Too
 
 def tool_call_constraint(request: ChatCompletionRequest, tools: list[Tool]) -> StructuredOutputsParams | None:
     """For tool_choice "required" or a named function: a grammar of tool calls (one, or several with
-    parallel_tool_calls) whose JSON holds a function's name and arguments that follow its parameter schema."""
+    parallel_tool_calls) whose JSON holds a function's name and arguments that follow its parameter schema. For
+    "auto" beside a JSON response_format: those calls, or an answer in the format."""
     choice = request.tool_choice
-    if not tools or choice in (None, "auto", "none"):
+    if not tools or choice == "none":
         return None
-    chosen = tools if choice == "required" else [t for t in tools if t.function.name == choice.function.name]
+    if choice in (None, "auto"):
+        answer = _format_schema(request)
+        if answer is None:
+            return None
+        return StructuredOutputsParams(grammar=f"start: call{_repeat(request)} | %json {json.dumps(answer)}\n"
+                                               f"{_call_rule(tools)}")
+    if choice == "required":
+        return StructuredOutputsParams(grammar=f"start: call{_repeat(request)}\n{_call_rule(tools)}")
+    named = [t for t in tools if t.function.name == choice.function.name]
+    return StructuredOutputsParams(grammar=f"start: call\n{_call_rule(named)}")
+
+
+def _repeat(request: ChatCompletionRequest) -> str:
+    """More calls may follow the first unless parallel_tool_calls is false."""
+    return ' ("\\n" call)*' if request.parallel_tool_calls else ""
+
+
+def _call_rule(tools: list[Tool]) -> str:
+    """The Lark rule of one call in the Hermes format, its JSON following one of the tools' schemas."""
     schema = {"anyOf": [{
         "type": "object",
         "properties": {"name": {"const": t.function.name},
                        "arguments": t.function.parameters or {"type": "object"}},
         "required": ["name", "arguments"],
         "additionalProperties": False,
-    } for t in chosen]}
-    repeat = ' ("\\n" call)*' if request.parallel_tool_calls and choice == "required" else ""
-    grammar = f'start: call{repeat}\ncall: "{OPEN}\\n" %json {json.dumps(schema)} "\\n{CLOSE}"\n'
-    return StructuredOutputsParams(grammar=grammar)
+    } for t in tools]}
+    return f'call: "{OPEN}\\n" %json {json.dumps(schema)} "\\n{CLOSE}"\n'
+
+
+def _format_schema(request: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The JSON schema a response_format asks the answer to follow (None for plain text)."""
+    rf = request.response_format
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return {"type": "object"}
+    if rf.json_schema is None or rf.json_schema.schema_ is None:
+        raise APIError(400, "response_format: json_schema.schema is required for type 'json_schema'",
+                       param="response_format")
+    return rf.json_schema.schema_
 
 
 class ToolCallParser:
@@ -102,14 +135,31 @@ class ToolCallParser:
 
     Besides tagged calls, an output that is nothing but a call's JSON (an object, or a list of them, naming one
     of the offered functions) is a call: small models (Qwen2.5-Coder-0.5B among them) often leave the tags out.
-    An output that begins with `{` or `[` is therefore held until it ends."""
+    An output that begins with `{` or `[` is therefore held until it ends.
+
+    A call's arguments are the model's own JSON text (not re-serialised), so a call streamed in pieces
+    (`in_progress`) and the same call whole are the same string."""
 
     def __init__(self, names: set[str]) -> None:
         self.names = names
         self._held = ""
         self._in_call = False
         self._bare: bool | None = None  # None: undecided (only whitespace so far); True: holding a bare call
+        self._call_id: str | None = None  # the id of the call being written, once `in_progress` named it
         self.num_calls = 0
+
+    def in_progress(self) -> tuple[str, str, str] | None:
+        """(id, name, its arguments' text so far) of the tagged call being written, once its name is whole and
+        its arguments object has begun; None otherwise. Whole, the call has the same id and arguments that begin
+        with this text: a grammar-enforced call can stream its arguments in pieces, as OpenAI's API does."""
+        if not self._in_call:
+            return None
+        head = _CALL_HEAD.match(self._held)
+        if head is None or not self._held[head.end():].startswith("{"):
+            return None
+        end, _ = _json_value_end(self._held, head.end())
+        self._call_id = self._call_id or _new_call_id()
+        return self._call_id, json.loads(f'"{head.group(1)}"'), self._held[head.end(): end]
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """Content that can go out now, and the calls this text completed."""
@@ -183,6 +233,7 @@ class ToolCallParser:
         return [call for o in objs if (call := self._call(json.dumps(o))) is not None]
 
     def _call(self, raw: str) -> ToolCall | None:
+        call_id, self._call_id = self._call_id or _new_call_id(), None  # the next call gets its own
         try:
             obj = json.loads(raw)
         except ValueError:
@@ -190,10 +241,55 @@ class ToolCallParser:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
         arguments = obj.get("arguments", obj.get("parameters", {}))
+        if not isinstance(arguments, str):
+            arguments = _raw_arguments(raw, arguments) or json.dumps(arguments, ensure_ascii=False)
         self.num_calls += 1
-        return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(
-            name=obj["name"], arguments=arguments if isinstance(arguments, str) else json.dumps(arguments,
-                                                                                                 ensure_ascii=False)))
+        return ToolCall(id=call_id, function=FunctionCall(name=obj["name"], arguments=arguments))
+
+
+# A Hermes call's JSON as the models (and our grammar) write it: the name first, then the arguments.
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+
+
+def _new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _json_value_end(text: str, start: int) -> tuple[int, bool]:
+    """Where the JSON object or array that begins at `start` ends (past its closing bracket), and whether it
+    did end within `text` (else: `len(text)`)."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1, True
+    return len(text), False
+
+
+def _raw_arguments(raw: str, parsed: Any) -> str | None:
+    """The arguments' own text in a call's JSON, where the call names its function first (None elsewhere)."""
+    head = _CALL_HEAD.match(raw)
+    if head is None or not raw[head.end():].startswith(("{", "[")):
+        return None
+    end, closed = _json_value_end(raw, head.end())
+    text = raw[head.end(): end]
+    try:
+        return text if closed and json.loads(text) == parsed else None
+    except ValueError:
+        return None
 
 
 def _arguments_object(arguments: str) -> Any:

@@ -130,7 +130,7 @@ class Speculator:
     def propose(self, running: list[Request]) -> dict[str, list[int]]:
         """Proposal tokens for the decoding requests worth it this step (most get none under load)."""
         decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1
-                    and not (self.config.automatic and r.params.seed is not None and not r.params.greedy)
+                    and not (r.params.seed is not None and not r.params.greedy)  # its text must not depend on load
                     and not (self.proposer.catches_up and r.request_id in self._late)]
         limit = self.config.disable_by_batch_size
         if not decoding:

@@ -10,6 +10,7 @@ import pytest
 
 from tests.gateway.conftest import MODEL, GatewayProcess, RedisProcess, gateway_config
 from tests.server.conftest import ServerProcess
+from tests.structured_output.test_constrained_decoding import FAILS_LATER
 
 QUESTION = [{"role": "user", "content": "Name three colors."}]
 
@@ -63,6 +64,24 @@ def test_cached_answer_equals_live_streamed_or_not(gateway, replicas):
     m = gateway.metrics()
     assert m['llmserve:gateway_cache_lookups_total{result=exact}'] == 4
     assert m["llmserve:gateway_cache_saved_tokens_total{kind=completion}"] > 0
+    # every replay is a response of its own: its own id, whole or streamed
+    ids = [c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=20, temperature=0).id
+           for _ in range(2)]
+    ids += [next(iter(c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=20, temperature=0,
+                                                stream=True))).id]
+    assert len(set(ids)) == 3 and all(i.startswith("chatcmpl-") for i in ids)
+
+
+def test_a_constraint_that_failed_is_passed_on_and_never_cached(gateway):
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 16, "temperature": 0, "guided_regex": FAILS_LATER}
+    for _ in range(2):
+        whole = httpx.post(f"{gateway.base}/v1/chat/completions", json=body, timeout=60)
+        assert whole.status_code == 400 and whole.json()["error"]["code"] == "constraint_failed", whole.text
+        with httpx.stream("POST", f"{gateway.base}/v1/chat/completions", json={**body, "stream": True},
+                          timeout=60) as r:
+            assert r.headers["x-llmserve-cache"] == "miss"
+            events = [line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and '"constraint_failed"' in events[-2]
 
 
 def test_sampled_requests_bypass_the_cache(gateway):
@@ -265,3 +284,23 @@ def test_every_answer_reports_its_cost_and_the_metrics_add_it_up(tmp_path, repli
             pytest.approx(cost)
     finally:
         gw.stop()
+
+
+def test_embeddings_pass_through_and_are_cached(tmp_path, embedding_server):
+    name = "all-minilm-l6-v2"
+    proc = GatewayProcess(tmp_path, {"models": {name: {"upstreams": [embedding_server.base]}},
+                                     "health": {"interval": 0.5, "timeout": 2.0}})
+    try:
+        c = client(proc)
+        direct = openai.OpenAI(base_url=f"{embedding_server.base}/v1", api_key="none", max_retries=0)
+        texts = ["The cat sat on the mat.", "Quarterly revenue rose."]
+        reference = [d.embedding for d in direct.embeddings.create(model=name, input=texts).data]
+        kinds = []
+        for _ in range(2):
+            raw = c.embeddings.with_raw_response.create(model=name, input=texts)
+            assert [d.embedding for d in raw.parse().data] == reference
+            kinds.append(raw.headers["x-llmserve-cache"])
+        assert kinds == ["miss", "hit"]
+        assert proc.total("llmserve:gateway_cache_lookups_total") == 2
+    finally:
+        proc.stop()

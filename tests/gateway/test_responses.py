@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import orjson
 
-from llmserve.gateway.responses import StreamAssembler, replay_events, replayable
+from llmserve.gateway.responses import StreamAssembler, fresh_identity, replay_events, replayable
 
 
 def events(raw: list[bytes]) -> list[dict]:
@@ -45,3 +45,20 @@ def test_unfinished_or_tool_call_streams_are_not_cached():
     assert assembler.result() is None
     assert not replayable("chat", {"choices": [{"message": {"tool_calls": [{}]}, "finish_reason": "tool_calls"}]})
     assert not replayable("completions", {"choices": [{"text": "a", "logprobs": {"tokens": ["a"]}}]})
+
+
+def test_answers_that_ended_in_an_error_are_not_cached():
+    assert not replayable("chat", {"choices": [{"message": {"content": "<tool_call>"}, "finish_reason": "error"}]})
+    assembler = StreamAssembler("chat")
+    assembler.feed({"id": "c", "choices": [{"index": 0, "delta": {"content": "ab"}, "finish_reason": None}]})
+    assembler.feed({"error": {"message": "the output constraint failed while decoding", "code": "constraint_failed"}})
+    assembler.feed({"id": "c", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    assert assembler.result() is None
+
+
+def test_a_replay_is_a_response_of_its_own():
+    answer = {"id": "chatcmpl-cached", "created": 1, "model": "m",
+              "choices": [{"index": 0, "message": {"content": "x"}, "finish_reason": "stop"}]}
+    fresh_identity("chat", answer)
+    assert answer["id"].startswith("chatcmpl-") and answer["id"] != "chatcmpl-cached" and answer["created"] > 1
+    assert {e["id"] for e in events(replay_events("chat", answer, False, "m"))} == {answer["id"]}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import openai
 import pytest
 from openai.types import Completion
@@ -150,3 +151,21 @@ def test_models_and_errors_have_the_clients_shapes(client: openai.OpenAI):
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="not-served", messages=MESSAGES)
     assert set(e.value.body) == {"message", "type", "param", "code"} and e.value.body["code"] == "model_not_found"
+    one = client.models.retrieve(MODEL)
+    assert (one.id, one.object) == (MODEL, "model") and one.model_extra["max_model_len"] == 2048
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("not-served")
+    assert e.value.body["code"] == "model_not_found"
+
+
+def test_every_answer_carries_a_request_id(client: openai.OpenAI, server: ServerProcess):
+    """The client's own x-request-id where it sent one (so its logs and ours name the same request), else a new
+    one each time; errors and gate refusals included."""
+    mine = client.chat.completions.with_raw_response.create(model=MODEL, messages=MESSAGES, max_tokens=2,
+                                                           extra_headers={"x-request-id": "trace-42"})
+    assert mine.headers["x-request-id"] == "trace-42"
+    fresh = [client.models.with_raw_response.list().headers["x-request-id"] for _ in range(2)]
+    assert len(set(fresh)) == 2 and all(fresh)
+    refused = httpx.post(f"{server.base}/v1/completions", content=b"x" * 10, timeout=30,
+                         headers={"content-type": "text/plain", "x-request-id": "bad id with spaces"})
+    assert refused.status_code == 415 and refused.headers["x-request-id"] not in ("", "bad id with spaces")

@@ -293,3 +293,27 @@ def test_echo_with_logprobs_scores_the_prompt(server: ServerProcess, llm_fp32) -
                 choice = json.loads(line[6:])["choices"][0]
                 streamed += (choice.get("logprobs") or {}).get("token_logprobs") or []
     assert streamed[0] is None and streamed[1:] == pytest.approx(lps["token_logprobs"][1:], abs=1e-6)
+
+
+def test_prompt_logprobs_are_served_or_refused(server: ServerProcess, llm_fp32) -> None:
+    """vLLM's prompt_logprobs on /v1/completions: each prompt token's logprob (the first has none) and its k most
+    likely, as the engine computes them offline; refused on a stream rather than ignored."""
+    from llmserve import SamplingParams
+
+    ids = llm_fp32.get_tokenizer().encode("Large language models generate text one token at a time.")
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2}
+    r = httpx.post(f"{server.base}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    served = r.json()["choices"][0]["prompt_logprobs"]
+    [offline] = llm_fp32.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2),
+                                  use_tqdm=False)
+    assert served[0] is None and len(served) == len(ids)
+    for token, entry, reference in zip(ids[1:], served[1:], offline.prompt_logprobs[1:], strict=True):
+        assert str(token) in entry and len(entry) <= 3
+        assert entry[str(token)]["logprob"] == pytest.approx(reference[token].logprob, abs=1e-4)
+        ranks = sorted(e["rank"] for t, e in entry.items() if t != str(token) or e["rank"] <= 2)
+        assert ranks[:2] == [1, 2]
+    refused = httpx.post(f"{server.base}/v1/completions", json={**body, "stream": True}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
+    plain = httpx.post(f"{server.base}/v1/completions", json={**body, "prompt_logprobs": None}, timeout=60)
+    assert plain.json()["choices"][0]["prompt_logprobs"] is None

@@ -45,6 +45,28 @@ def test_streamed_in_any_split_gives_the_same_result(size):
         "get_weather", "get_time"]
 
 
+def test_a_call_in_progress_streams_its_arguments_as_written():
+    """The pieces `in_progress` gives are prefixes of the whole call's own arguments text (not a re-serialisation),
+    under the id the whole call then has."""
+    arguments = '{"city":  "Paris", "note": "a \\"} b"}'  # odd spacing, an escaped quote and a brace in a string
+    written = f'<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}\n</tool_call>'
+    parser = ToolCallParser(NAMES)
+    seen: list[tuple[str, str, str]] = []
+    calls = []
+    for start in range(0, len(written), 3):
+        calls += parser.feed(written[start:start + 3])[1]
+        if (progress := parser.in_progress()) is not None:
+            seen.append(progress)
+    calls += parser.finish()[1]
+    [call] = calls
+    assert call.function.arguments == arguments and json.loads(arguments)["note"] == 'a "} b'  # as written
+    assert {(i, name) for i, name, _ in seen} == {(call.id, "get_weather")}
+    prefixes = [so_far for _, _, so_far in seen]
+    assert prefixes == sorted(prefixes, key=len) and len(set(prefixes)) > 5
+    assert all(call.function.arguments.startswith(p) for p in prefixes) and prefixes[-1] == call.function.arguments
+    assert ToolCallParser(NAMES).parse(written)[1][0].function.arguments == call.function.arguments
+
+
 def test_text_that_only_looks_like_a_call_stays_content():
     assert ToolCallParser(NAMES).parse("a < b and <tool_ is not a tag") == ("a < b and <tool_ is not a tag", [])
     assert ToolCallParser(NAMES).parse("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
@@ -87,6 +109,11 @@ def test_tool_choice_decides_the_constraint():
     single = _request(tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
     assert "call)*" not in tool_call_constraint(single, active_tools(single)).grammar
     assert active_tools(_request(tools=[WEATHER], tool_choice="none")) == []
+    # auto beside a JSON response_format: calls, or an answer in the format
+    formatted = _request(tools=[WEATHER], response_format={"type": "json_object"})
+    grammar = tool_call_constraint(formatted, active_tools(formatted)).grammar
+    assert grammar.startswith('start: call ("\\n" call)* | %json {"type": "object"}') and "get_weather" in grammar
+    assert tool_call_constraint(_request(tools=[WEATHER], response_format={"type": "text"}), [WEATHER]) is None
 
 
 @pytest.mark.parametrize(("extra", "message"), [

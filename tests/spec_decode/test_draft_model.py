@@ -42,11 +42,13 @@ def test_the_draft_cache_comes_out_of_the_same_budget(llm_draft: LLM, llm_fp32: 
     assert draft.kv_cache_bytes <= alone.kv_cache_bytes * 0.25
 
 
-def test_sampling_with_a_draft_repeats_with_its_seed(llm_draft: LLM, prompt_token_ids):
+def test_seeded_sampling_takes_no_drafts_and_is_the_plain_text(llm_draft: LLM, llm_fp32: LLM, prompt_token_ids):
     params = SamplingParams(temperature=0.7, top_k=20, max_tokens=24, seed=5, ignore_eos=True)
+    drafts = llm_draft.engine.stats().spec_decode.num_drafts
     first = [o.outputs[0].token_ids for o in llm_draft.generate(prompt_token_ids[4:6], params, use_tqdm=False)]
-    again = [o.outputs[0].token_ids for o in llm_draft.generate(prompt_token_ids[4:6], params, use_tqdm=False)]
-    assert first == again and all(len(t) == 24 for t in first)
+    plain = [o.outputs[0].token_ids for o in llm_fp32.generate(prompt_token_ids[4:6], params, use_tqdm=False)]
+    assert first == plain and all(len(t) == 24 for t in first)
+    assert llm_draft.engine.stats().spec_decode.num_drafts == drafts
 
 
 @needs_qwen

@@ -119,11 +119,16 @@ def test_logit_bias_applies_to_every_verified_position(llm_spec: LLM, llm_fp32: 
 
 
 @pytest.mark.modes
-def test_seeded_sampling_with_speculation_repeats_itself(llm_spec: LLM, prompt_token_ids):
+def test_seeded_sampling_is_the_same_with_or_without_speculation(llm_spec: LLM, llm_fp32: LLM, prompt_token_ids):
+    """An explicit configuration too: a seeded request that samples gets no proposals, so its text is what it is
+    without speculation, at any load."""
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, seed=11, ignore_eos=True)
+    drafts = llm_spec.engine.stats().spec_decode.num_drafts
     first = _tokens(llm_spec.generate(prompt_token_ids[5:8], params, use_tqdm=False))
     again = _tokens(llm_spec.generate(prompt_token_ids[5:8], params, use_tqdm=False))
     assert first == again and all(len(t) == 40 for t in first)
+    assert first == _tokens(llm_fp32.generate(prompt_token_ids[5:8], params, use_tqdm=False))
+    assert llm_spec.engine.stats().spec_decode.num_drafts == drafts
     assert llm_spec.engine.kv_cache.num_free_blocks == llm_spec.engine.kv_cache.num_blocks
 
 

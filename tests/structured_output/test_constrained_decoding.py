@@ -1,6 +1,7 @@
 """Constrained decoding in the engine: greedy output equals transformers decoding under the same token masks,
 token for token, batched beside free requests and in every mode (speculative, preempted, chunked); sampled
-outputs follow their constraints; a complete grammar stops its request; bad constraints are refused."""
+outputs follow their constraints; a complete grammar stops its request; bad constraints are refused, and one that
+fails while decoding ends its request with the error, never as a stop."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from llmserve import LLM, SamplingParams
 from llmserve.sampling_params import StructuredOutputsParams
 from llmserve.structured_output import GrammarError, StructuredOutputManager
+from llmserve.structured_output.manager import MAX_CONSTRAINT_BYTES
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120},
@@ -143,14 +145,54 @@ def test_proposals_are_cut_at_the_first_refused_token(llm_fp32: LLM):
     assert matcher.validate_tokens(good) == len(good)  # the masks left the matcher where it was
 
 
+# A schema of flat string fields over the size budget: the grammar library took seconds on one like it, then
+# panicked with a backtrace.
+HUGE_SCHEMA = {"type": "object", "properties": {f"field_{i}": {"type": "string", "maxLength": 30,
+                                                                "description": "x" * 20} for i in range(3000)}}
+# Passes its first token, then the regex's automaton outgrows the library's limit: fails while decoding.
+FAILS_LATER = r"[a-z]{5}b{100000}"
+
+
 @pytest.mark.parametrize(("spec", "message"), [
     (dict(regex="(?<=a)b"), "look-around"),
     (dict(json={"type": "object", "properties": {"a": {"type": "strin"}}}), "strin"),
     (dict(grammar="start: undefined_rule"), "undefined_rule"),
+    (dict(grammar="start: start"), "no text satisfies it"),
+    (dict(json={"$ref": "#"}), "no text satisfies it"),
+    (dict(json={"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}),
+     "no text satisfies it"),
+    (dict(regex="a{1000000}"), "too many expressions"),  # at its first token
+    (dict(json=HUGE_SCHEMA), f"over the {MAX_CONSTRAINT_BYTES // 1024} KiB"),
+    (dict(choice=[f"c{i}" for i in range(50_000)]), "KiB"),
 ])
 def test_bad_constraints_are_refused_with_the_reason(llm_fp32: LLM, spec, message):
-    with pytest.raises(GrammarError, match=message):
+    with pytest.raises(GrammarError, match=message) as refused:
         llm_fp32.engine.structured.compile(StructuredOutputsParams(**spec))
+    assert "\n" not in str(refused.value) and "backtrace" not in str(refused.value)
+    with pytest.raises(GrammarError, match=message):  # asked again: the remembered refusal
+        llm_fp32.engine.structured.compile(StructuredOutputsParams(**spec))
+
+
+def test_a_constraint_that_fails_while_decoding_ends_with_the_error_not_a_stop(llm_fp32: LLM, prompt_token_ids):
+    failing = SamplingParams(temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(
+        regex=FAILS_LATER))
+    free = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    [broken, beside] = llm_fp32.generate(prompt_token_ids[1:3], [failing, free], use_tqdm=False)
+    assert broken.outputs[0].finish_reason == "error" and broken.finished
+    assert "failed while decoding" in broken.error and "too many expressions" in broken.error
+    assert re.fullmatch("[a-z]{1,5}", broken.outputs[0].text), broken.outputs[0].text  # what it kept to before
+    [alone] = llm_fp32.generate([prompt_token_ids[2]], free, use_tqdm=False)
+    assert beside.outputs[0].token_ids == alone.outputs[0].token_ids and beside.error is None
+    assert llm_fp32.engine.kv_cache.num_free_blocks == llm_fp32.engine.kv_cache.num_blocks
+
+
+def test_thousands_of_choices_are_one_of_them(llm_fp32: LLM, prompt_token_ids):
+    """A choice list is one alternative of the lexer, not a rule with a row per choice (rules are limited to
+    2,000 items a row by the library)."""
+    choices = [f"option {i}" for i in range(5000)]
+    params = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=choices))
+    [out] = llm_fp32.generate([prompt_token_ids[1]], params, use_tqdm=False)
+    assert out.outputs[0].text in choices and out.outputs[0].finish_reason == "stop"
 
 
 def test_one_constraint_per_request():

@@ -53,7 +53,7 @@ class ResponseCache:
         """None when the cache has nothing to do with this request."""
         if not (self.config.exact or self.semantic is not None):
             return None
-        if self.config.deterministic_only and not is_deterministic(body):
+        if self.config.deterministic_only and route != "embeddings" and not is_deterministic(body):
             return None
         directives = {d.strip().lower() for d in cache_control.split(",")}
         if "no-store" in directives:

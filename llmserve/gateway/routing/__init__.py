@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmserve.gateway.embedder import Embedder
+from llmserve.embeddings import Embedder
 from llmserve.gateway.routing.judge import Ask, JudgeScorer
 from llmserve.gateway.routing.router import ModelRouter, RandomScorer, RouterConfig, load_router_file
 

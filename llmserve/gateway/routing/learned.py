@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from llmserve.gateway.embedder import Embedder
+from llmserve.embeddings import Embedder
 
 
 def fit_logistic(features: np.ndarray, labels: np.ndarray, l2: float = 1.0,

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     texts = [o.text for o in outcomes]
     if args.router == "learned":
-        from llmserve.gateway.embedder import Embedder
+        from llmserve.embeddings import Embedder
         from llmserve.gateway.routing.learned import train
 
         labels = [not o.passed and (strong is None or s.passed) for o, s in zip(outcomes, strong or outcomes,

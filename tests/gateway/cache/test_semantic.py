@@ -9,9 +9,9 @@ import asyncio
 import numpy as np
 import pytest
 
+from llmserve.embeddings import Embedder
 from llmserve.gateway.cache.semantic import SemanticCache
 from llmserve.gateway.cache.store import MemoryStore, RedisStore, StoreUnavailable
-from llmserve.gateway.embedder import Embedder
 from tests.gateway.conftest import free_port
 
 QUESTION = "How do I reverse a list in Python?"

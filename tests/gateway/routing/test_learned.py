@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llmserve.gateway.embedder import Embedder
+from llmserve.embeddings import Embedder
 from llmserve.gateway.routing.learned import LearnedScorer, fit_logistic, predict, train
 from llmserve.gateway.routing.router import ModelRouter, RouterConfig
 from llmserve.gateway.routing.train import humaneval_outcomes

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from llmserve.gateway.embedder import Embedder
+from llmserve.embeddings import Embedder
 from llmserve.gateway.routing.judge import judge_request, rating
 from llmserve.gateway.routing.learned import LearnedScorer, train
 from llmserve.gateway.routing.router import threshold_for_share

