@@ -28,7 +28,14 @@ from llmserve.server.config import ServerConfig
 from llmserve.server.errors import APIError, install_handlers
 from llmserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from llmserve.server.middleware import GateMiddleware, RequestBodyMiddleware, RequestIdMiddleware
-from llmserve.server.openapi import API_ERRORS, MODEL_ERRORS, OPEN_ERRORS, complete_openapi, json_or_sse
+from llmserve.server.openapi import (
+    API_ERRORS,
+    MODEL_ERRORS,
+    OPEN_ERRORS,
+    STORED_ERRORS,
+    complete_openapi,
+    json_or_sse,
+)
 from llmserve.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -39,12 +46,15 @@ from llmserve.server.protocol import (
     HealthStatus,
     ModelCard,
     ModelList,
+    ResponseObject,
+    ResponsesRequest,
     VersionInfo,
 )
 from llmserve.server.serving_chat import OpenAIServingChat
 from llmserve.server.serving_completion import OpenAIServingCompletion
 from llmserve.server.serving_embedding import OpenAIServingEmbedding
 from llmserve.server.serving_engine import ModelInfo
+from llmserve.server.serving_responses import OpenAIServingResponses
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +68,7 @@ class ServerState:
         self.chat: OpenAIServingChat | None = None
         self.completion: OpenAIServingCompletion | None = None
         self.embedding: OpenAIServingEmbedding | None = None
+        self.responses: OpenAIServingResponses | None = None
         self.info: ModelInfo | None = None
         self.model_root: str | None = None  # the loaded model's own name
         self.load_error: BaseException | None = None
@@ -110,6 +121,7 @@ class ServerState:
         llm.structured_outputs.prepare()  # the grammar library's tokenizer index, built in the background
         self.chat = OpenAIServingChat(llm, self.info, self.metrics)
         self.completion = OpenAIServingCompletion(llm, self.info, self.metrics)
+        self.responses = OpenAIServingResponses(self.chat)
         self.model_root = llm.model_name
         self.llm = llm  # last: from here on the routes serve
 
@@ -232,6 +244,16 @@ def _api_routes(state: ServerState) -> APIRouter:
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         state.generating()
         return await _guarded(state.completion.create(body, raw), "completion")
+
+    @router.post("/responses", response_class=Response, responses={200: json_or_sse(ResponseObject), **API_ERRORS})
+    async def responses(body: ResponsesRequest, raw: Request) -> Response:
+        state.generating()
+        return await _guarded(state.responses.create(body, raw), "response")
+
+    @router.get("/responses/{response_id}", response_model=ResponseObject, responses=STORED_ERRORS)
+    async def stored_response(response_id: str) -> JSONResponse:
+        state.generating()
+        return JSONResponse(state.responses.get(response_id))
 
     @router.post("/embeddings", response_model=EmbeddingResponse, responses=API_ERRORS)
     async def embeddings(body: EmbeddingRequest) -> JSONResponse:

@@ -25,6 +25,9 @@ OPEN_ERRORS = _errors({401: "missing or wrong API key", 500: "a bug, confined to
                        503: "the model is loading, failed to load, or the server is shutting down"})
 MODEL_ERRORS = _errors({401: "missing or wrong API key", 404: "unknown model", 500: "a bug, confined to this request",
                         503: "the model is loading, failed to load, or the server is shutting down"})
+STORED_ERRORS = _errors({401: "missing or wrong API key", 404: "no stored response has this id",
+                         500: "a bug, confined to this request",
+                         503: "the model is loading, failed to load, or the server is shutting down"})
 API_ERRORS = _errors({
     400: "invalid request: a bad value, a prompt too long, an invalid JSON schema, ... (`error.param` names it)",
     401: "missing or wrong API key",

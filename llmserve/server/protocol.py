@@ -225,6 +225,33 @@ class EmbeddingRequest(BaseModel):
     user: str | None = None
 
 
+class ResponsesRequest(BaseModel):
+    """OpenAI's Responses API request: its items are checked where they become a chat (serving_responses.py)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool = True
+    text: dict[str, Any] | None = None
+    max_output_tokens: Integer | None = Field(default=None, ge=1)
+    temperature: Number | None = Field(default=None, ge=0, le=2)
+    top_p: Number | None = Field(default=None, le=1)
+    seed: Integer | None = None
+    stream: StrictBool = False
+    store: StrictBool = True
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    reasoning: dict[str, Any] | None = None
+    include: list[str] | None = None
+    background: StrictBool | None = None
+
+
 # --- responses --------------------------------------------------------------------------------
 
 
@@ -350,6 +377,20 @@ class EmbeddingResponse(BaseModel):
     data: list[EmbeddingData]
     model: str
     usage: EmbeddingUsage
+
+
+class ResponseObject(BaseModel):
+    """OpenAI's Responses API response (documented here by its main fields; built in serving_responses.py)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["completed", "incomplete", "failed", "in_progress"]
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None = None
 
 
 class ModelCard(BaseModel):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from functools import partial
 
 from fastapi import Request
@@ -43,8 +44,30 @@ from llmserve.server.sse import SSEResponse, unless_disconnected
 from llmserve.server.tool_calls import ToolCallParser, active_tools, chat_messages, tool_call_constraint
 
 
+@dataclass
+class ChatRun:
+    """One chat request checked, rendered and admitted-to-be: what answering it whole or streamed needs."""
+
+    request: ChatCompletionRequest
+    streams: ChoiceStreams
+    choices: list[Choice]
+    request_id: str
+    model: str
+    num_logprobs: int | None
+    tool_names: set[str]  # calls are parsed out of the text where tools are offered
+    enforced: bool  # a grammar makes the calls (their arguments may stream in pieces)
+
+
 class OpenAIServingChat(OpenAIServing):
     async def create(self, request: ChatCompletionRequest, raw: Request) -> Response:
+        run = await self.start(request)
+        if request.stream:
+            return SSEResponse(await primed(self.stream(run)))
+        return await unless_disconnected(raw, self._json(run))
+
+    async def start(self, request: ChatCompletionRequest) -> ChatRun:
+        """Check and render a request (400s here, before anything is queued). The Responses API answers through
+        this too."""
         model = self.check_model(request.model)
         self.check_unsupported(request)
         tools = active_tools(request)
@@ -57,15 +80,9 @@ class OpenAIServingChat(OpenAIServing):
         constraint = await self.constraint(request, (param, tool_grammar) if tool_grammar is not None else None)
         params = self.sampling_params(request, max_tokens, num_logprobs, structured_outputs=constraint)
         choices = self.choices([prompt_ids], [params], request.n, request.cache_salt)
-        tool_names = {t.function.name for t in tools}  # calls are parsed out of the text where tools are offered
         request_id = new_request_id("chatcmpl")
-        streams = self.streams(request_id, choices)
-        if request.stream:
-            events = await primed(self._stream(streams, choices, request, request_id, model, num_logprobs,
-                                               tool_names, enforced=tool_grammar is not None))
-            return SSEResponse(events)
-        return await unless_disconnected(raw, self._complete(streams, choices, request_id, model, num_logprobs,
-                                                             tool_names))
+        return ChatRun(request, self.streams(request_id, choices), choices, request_id, model, num_logprobs,
+                       {t.function.name for t in tools}, tool_grammar is not None)
 
     # --- request → prompt ---------------------------------------------------------------------
 
@@ -96,32 +113,37 @@ class OpenAIServingChat(OpenAIServing):
 
     # --- non-streaming ------------------------------------------------------------------------
 
-    async def _complete(self, streams: ChoiceStreams, choices: list[Choice], request_id: str, model: str,
-                        num_logprobs: int | None, tool_names: set[str]) -> JSONResponse:
-        async with streams:
-            finals = await streams.collect()
-        response = ChatCompletionResponse(id=request_id, model=model, usage=usage(choices, finals), choices=[])
+    async def complete(self, run: ChatRun) -> ChatCompletionResponse:
+        """The whole answer."""
+        async with run.streams:
+            finals = await run.streams.collect()
+        response = ChatCompletionResponse(id=run.request_id, model=run.model, usage=usage(run.choices, finals),
+                                          choices=[])
         for i in sorted(finals):
             completion = finals[i].outputs[0]
-            content, calls = ToolCallParser(tool_names).parse(completion.text) if tool_names else (completion.text, [])
+            content, calls = ToolCallParser(run.tool_names).parse(completion.text) if run.tool_names else \
+                (completion.text, [])
             response.choices.append(ChatCompletionChoice(
                 index=i,
                 message=ChatResponseMessage(content=content, tool_calls=calls),
-                logprobs=_logprobs(finals[i], num_logprobs, self.llm.token_bytes),
+                logprobs=_logprobs(finals[i], run.num_logprobs, self.llm.token_bytes),
                 finish_reason=_finish_reason(completion.finish_reason, bool(calls)),
             ))
-        return JSONResponse(response.model_dump())
+        return response
+
+    async def _json(self, run: ChatRun) -> JSONResponse:
+        return JSONResponse((await self.complete(run)).model_dump())
 
     # --- streaming ----------------------------------------------------------------------------
 
-    def _stream(self, streams: ChoiceStreams, choices: list[Choice], request: ChatCompletionRequest,
-                request_id: str, model: str, num_logprobs: int | None, tool_names: set[str], enforced: bool = False
-                ) -> AsyncGenerator[bytes, None]:
+    def stream(self, run: ChatRun) -> AsyncGenerator[bytes, None]:
         """SSE as OpenAI sends it: role chunk, content deltas, tool calls as `delta.tool_calls`, finish chunk,
         [usage chunk], [DONE]. A call the grammar enforces (`enforced`: tool_choice required or named, or beside a
         response_format) streams as OpenAI's do: its id and name, then its arguments in pieces as they are
         written. A free call (tool_choice auto) goes out whole once its closing tag came: until then it may
         still turn out to be text."""
+        streams, choices, request, request_id, model = run.streams, run.choices, run.request, run.request_id, run.model
+        num_logprobs, tool_names, enforced = run.num_logprobs, run.tool_names, run.enforced
         created = int(time.time())
         exclude = None if request.include_usage else {"usage"}
 

@@ -26,12 +26,15 @@ def _bounded(body: object) -> None:
     if not isinstance(body, dict):
         return
     for key, cap in (("max_tokens", MAX_OUTPUT_TOKENS), ("max_completion_tokens", MAX_OUTPUT_TOKENS),
-                     ("n", MAX_CHOICES), ("best_of", MAX_CHOICES), ("min_tokens", 0)):
+                     ("max_output_tokens", MAX_OUTPUT_TOKENS), ("n", MAX_CHOICES), ("best_of", MAX_CHOICES),
+                     ("min_tokens", 0)):
         value = body.get(key)
         if type(value) is int and value > cap:
             body[key] = cap
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:  # absent or null: no cap
         body["max_tokens"] = MAX_OUTPUT_TOKENS
+    if body.get("max_output_tokens") is None:  # the Responses API's name (the other routes ignore it)
+        body["max_output_tokens"] = MAX_OUTPUT_TOKENS
 
 
 @pytest.mark.slow
