@@ -466,8 +466,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def models(request: Request) -> JSONResponse:
         gateway._authenticate(request)
         now = int(time.time())
+        cards = await asyncio.gather(*(gateway.pool.model_card(name) for name in config.models))
+        upstream = dict(zip(config.models, cards, strict=True))  # a replica's root, max_model_len, ...
         return JSONResponse({"object": "list", "data": [
-            {"id": name, "object": "model", "created": now, "owned_by": "llmserve-gateway"}
+            {**upstream.get(name, {}), "id": name, "object": "model", "created": now, "owned_by": "llmserve-gateway"}
             for name in (*config.models, *config.routers)]})
 
     @app.api_route("/health", methods=["GET", "HEAD"])

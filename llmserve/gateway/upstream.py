@@ -13,6 +13,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 
@@ -21,6 +22,7 @@ from llmserve.gateway.config import GatewayConfig, HealthConfig, ModelRoute
 logger = logging.getLogger(__name__)
 
 MAX_EJECTION_S = 60.0
+CARD_TTL_S = 60.0  # how long a replica's /v1/models answer is reused for the gateway's own
 
 
 @dataclass
@@ -86,6 +88,7 @@ class UpstreamPool:
         }
         self.session: aiohttp.ClientSession | None = None
         self._prober: asyncio.Task | None = None
+        self._cards: dict[str, tuple[float, dict[str, Any]]] = {}  # model -> (read at, its replica's fields)
 
     def route(self, model: str) -> ModelRoute | None:
         return self.config.models.get(model)
@@ -113,6 +116,28 @@ class UpstreamPool:
                 await self._prober
         if self.session is not None:
             await self.session.close()
+
+    async def model_card(self, model: str) -> dict[str, Any]:
+        """What a replica of `model` says of it in its /v1/models (its `root`, `max_model_len`, ...), read once a
+        minute; {} where no replica answers."""
+        cached = self._cards.get(model)
+        if cached is not None and time.monotonic() - cached[0] < CARD_TTL_S:
+            return cached[1]
+        route, card = self.config.models[model], {}
+        for replica in self.available(model)[:1]:
+            try:
+                async with self.session.get(replica.url + "/v1/models", headers=auth_headers(replica),
+                                            timeout=aiohttp.ClientTimeout(total=self.config.health.timeout)) as r:
+                    listed = (await r.json(content_type=None)).get("data") if r.status == 200 else None
+            except (aiohttp.ClientError, TimeoutError, OSError, ValueError, AttributeError):
+                listed = None
+            wanted = route.upstream_model or model
+            found = [c for c in listed or () if isinstance(c, dict) and c.get("id") == wanted] or \
+                [c for c in listed or () if isinstance(c, dict)][:1]
+            card = {k: v for k, v in (found[0] if found else {}).items() if k not in ("id", "object", "created",
+                                                                                       "owned_by")}
+        self._cards[model] = (time.monotonic(), card)
+        return card
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self._probe(r) for r in self.all()))

@@ -84,6 +84,11 @@ def test_a_constraint_that_failed_is_passed_on_and_never_cached(gateway):
         assert events[-1] == "[DONE]" and '"constraint_failed"' in events[-2]
 
 
+def test_models_carry_what_the_replicas_say_of_them(gateway):
+    [card] = [m for m in client(gateway).models.list().data if m.id == MODEL]
+    assert (card.model_extra["root"], card.model_extra["max_model_len"]) == ("smollm2-135m", 2048)
+
+
 def test_sampled_requests_bypass_the_cache(gateway):
     c = client(gateway)
     for _ in range(2):
