@@ -107,8 +107,10 @@ class OpenAIServing:
         if not found:
             return None
         param, spec = found[0]
+        manager = self.llm.structured_outputs
+        await asyncio.wrap_future(manager.index())  # built once, at start: not a cost of this constraint
         try:
-            await asyncio.wait_for(asyncio.wrap_future(self.llm.structured_outputs.submit(spec)), COMPILE_BUDGET_S)
+            await asyncio.wait_for(asyncio.wrap_future(manager.submit(spec)), COMPILE_BUDGET_S)
         except GrammarError as e:
             raise APIError(400, f"{param}: {e}", param=param) from None
         except TimeoutError:

@@ -96,7 +96,7 @@ class OpenAIServingResponses:
             self.store.put(draft.response_id, _Stored(body, draft.conversation + draft.assistant_messages()))
         return body
 
-    async def _events(self, draft: _Draft, chunks: AsyncIterator[bytes]) -> AsyncGenerator[bytes, None]:
+    async def _events(self, draft: _Draft, chunks: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
         """The chat stream's chunks as the Responses API's events: created, then per output item its added
         event, its deltas and its done events, then completed (or incomplete, or failed)."""
         writer = _EventWriter()
@@ -106,39 +106,42 @@ class OpenAIServingResponses:
         calls: dict[int, int] = {}  # the chat's tool-call index -> output index
         usage: dict[str, Any] | None = None
         finish_reason: str | None = None
-        async for event in _chat_events(chunks):
-            if "error" in event:
-                draft.error = event["error"]
-                yield writer("response.failed", response=draft.body("failed"))
-                return
-            usage = event.get("usage") or usage
-            for choice in event.get("choices") or ():
-                delta = choice.get("delta") or {}
-                finish_reason = choice.get("finish_reason") or finish_reason
-                if delta.get("content"):
-                    if message is None:
-                        message = draft.open_message()
-                        yield writer("response.output_item.added", output_index=message,
-                                     item=draft.message_item("in_progress"))
-                        yield writer("response.content_part.added", item_id=draft.message_id, output_index=message,
-                                     content_index=0, part=_text_part(""))
-                    draft.text += delta["content"]
-                    yield writer("response.output_text.delta", item_id=draft.message_id, output_index=message,
-                                 content_index=0, delta=delta["content"], logprobs=[])
-                for piece in delta.get("tool_calls") or ():
-                    function = piece.get("function") or {}
-                    if piece["index"] not in calls:
-                        for done in self._close_message(writer, draft, message):
-                            yield done
-                        message = None
-                        calls[piece["index"]] = draft.add_call(piece["id"], function["name"], "")
-                        yield writer("response.output_item.added", output_index=calls[piece["index"]],
-                                     item=draft.call_item(calls[piece["index"]], "in_progress"))
-                    index = calls[piece["index"]]
-                    if function.get("arguments"):
-                        draft.output[index]["arguments"] += function["arguments"]
-                        yield writer("response.function_call_arguments.delta", item_id=draft.output[index]["id"],
-                                     output_index=index, delta=function["arguments"])
+        try:
+            async for event in _chat_events(chunks):
+                if "error" in event:
+                    draft.error = event["error"]
+                    yield writer("response.failed", response=draft.body("failed"))
+                    return
+                usage = event.get("usage") or usage
+                for choice in event.get("choices") or ():
+                    delta = choice.get("delta") or {}
+                    finish_reason = choice.get("finish_reason") or finish_reason
+                    if delta.get("content"):
+                        if message is None:
+                            message = draft.open_message()
+                            yield writer("response.output_item.added", output_index=message,
+                                         item=draft.message_item("in_progress"))
+                            yield writer("response.content_part.added", item_id=draft.message_id, output_index=message,
+                                         content_index=0, part=_text_part(""))
+                        draft.text += delta["content"]
+                        yield writer("response.output_text.delta", item_id=draft.message_id, output_index=message,
+                                     content_index=0, delta=delta["content"], logprobs=[])
+                    for piece in delta.get("tool_calls") or ():
+                        function = piece.get("function") or {}
+                        if piece["index"] not in calls:
+                            for done in self._close_message(writer, draft, message):
+                                yield done
+                            message = None
+                            calls[piece["index"]] = draft.add_call(piece["id"], function["name"], "")
+                            yield writer("response.output_item.added", output_index=calls[piece["index"]],
+                                         item=draft.call_item(calls[piece["index"]], "in_progress"))
+                        index = calls[piece["index"]]
+                        if function.get("arguments"):
+                            draft.output[index]["arguments"] += function["arguments"]
+                            yield writer("response.function_call_arguments.delta", item_id=draft.output[index]["id"],
+                                         output_index=index, delta=function["arguments"])
+        finally:
+            await chunks.aclose()  # a client that left: the chat stream aborts its engine request now
         for done in self._close_message(writer, draft, message):
             yield done
         for index in calls.values():

@@ -86,6 +86,11 @@ class StructuredOutputManager:
         """Compile a constraint now (cached); GrammarError with the reason when it cannot be."""
         self._compiled_matcher(spec)
 
+    def index(self) -> Future[llguidance.LLTokenizer]:
+        """The tokenizer's index (built once, in the background): what every compile waits for first."""
+        self.prepare()
+        return self._tokenizer
+
     def submit(self, spec: StructuredOutputsParams) -> Future[None]:
         """`compile` on the low-priority compile thread (the server waits for it up to COMPILE_BUDGET_S)."""
         return self._compile_pool.submit(self._compiled_matcher, spec)
