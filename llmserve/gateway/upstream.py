@@ -123,19 +123,19 @@ class UpstreamPool:
         cached = self._cards.get(model)
         if cached is not None and time.monotonic() - cached[0] < CARD_TTL_S:
             return cached[1]
-        route, card = self.config.models[model], {}
-        for replica in self.available(model)[:1]:
+        replicas, card = self.available(model), {}
+        if replicas:
+            replica = replicas[0]
             try:
                 async with self.session.get(replica.url + "/v1/models", headers=auth_headers(replica),
                                             timeout=aiohttp.ClientTimeout(total=self.config.health.timeout)) as r:
                     listed = (await r.json(content_type=None)).get("data") if r.status == 200 else None
             except (aiohttp.ClientError, TimeoutError, OSError, ValueError, AttributeError):
                 listed = None
-            wanted = route.upstream_model or model
-            found = [c for c in listed or () if isinstance(c, dict) and c.get("id") == wanted] or \
-                [c for c in listed or () if isinstance(c, dict)][:1]
-            card = {k: v for k, v in (found[0] if found else {}).items() if k not in ("id", "object", "created",
-                                                                                       "owned_by")}
+            cards = [c for c in listed or () if isinstance(c, dict)]
+            wanted = self.config.models[model].upstream_model or model
+            found = next((c for c in cards if c.get("id") == wanted), cards[0] if cards else {})
+            card = {k: v for k, v in found.items() if k not in ("id", "object", "created", "owned_by")}
         self._cards[model] = (time.monotonic(), card)
         return card
 

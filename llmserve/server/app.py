@@ -53,7 +53,7 @@ from llmserve.server.protocol import (
 from llmserve.server.serving_chat import OpenAIServingChat
 from llmserve.server.serving_completion import OpenAIServingCompletion
 from llmserve.server.serving_embedding import OpenAIServingEmbedding
-from llmserve.server.serving_engine import ModelInfo
+from llmserve.server.serving_engine import ModelInfo, check_model
 from llmserve.server.serving_responses import OpenAIServingResponses
 
 logger = logging.getLogger(__name__)
@@ -228,8 +228,7 @@ def _api_routes(state: ServerState) -> APIRouter:
     @router.head("/models/{model:path}", include_in_schema=False)
     async def model(model: str) -> JSONResponse:
         state.ready()
-        if model not in state.info.served_names:
-            raise APIError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
+        check_model(state.info, model)  # 404 model_not_found for another name
         return JSONResponse(ModelCard(id=model, root=state.model_root,
                                       max_model_len=state.info.max_model_len).model_dump())
 

@@ -15,7 +15,7 @@ import numpy as np
 from llmserve.embeddings import Embedder
 from llmserve.server.errors import APIError
 from llmserve.server.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
-from llmserve.server.serving_engine import ModelInfo
+from llmserve.server.serving_engine import ModelInfo, check_model
 
 MAX_INPUTS = 2048  # OpenAI's limit on the texts of one request
 
@@ -26,11 +26,7 @@ class OpenAIServingEmbedding:
         self.info = info
 
     async def create(self, request: EmbeddingRequest) -> EmbeddingResponse:
-        model = request.model or self.info.served_names[0]
-        if model not in self.info.served_names:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                           f"{', '.join(repr(n) for n in self.info.served_names)}", param="model",
-                           code="model_not_found")
+        model = check_model(self.info, request.model)
         texts = _texts(request.input)
         if request.dimensions is not None and request.dimensions != self.embedder.dim:
             raise APIError(400, f"dimensions: {model} embeds in {self.embedder.dim} dimensions and cannot shorten "

@@ -14,6 +14,7 @@ import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from llmserve.engine.async_engine import (
     AsyncLLM,
@@ -70,14 +71,7 @@ class OpenAIServing:
         self.metrics = metrics
 
     def check_model(self, model: str | None) -> str:
-        """The served name to answer with; 404 for a model this server does not serve."""
-        if model is None:
-            return self.info.served_names[0]
-        if model not in self.info.served_names:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                           f"{', '.join(repr(n) for n in self.info.served_names)}", param="model",
-                           code="model_not_found")
-        return model
+        return check_model(self.info, model)
 
     def check_unsupported(self, request: _SamplingRequest) -> None:
         if (refused := request.unsupported()) is not None:
@@ -150,6 +144,30 @@ class OpenAIServing:
         return ChoiceStreams(self.llm, self.metrics, request_id, choices)
 
 
+def check_model(info: ModelInfo, model: str | None) -> str:
+    """The served name to answer with; 404 for a model this server does not serve."""
+    if model is None:
+        return info.served_names[0]
+    if model not in info.served_names:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves "
+                       f"{', '.join(repr(n) for n in info.served_names)}", param="model", code="model_not_found")
+    return model
+
+
+def response_format_schema(request: _SamplingRequest) -> dict[str, Any] | None:
+    """The JSON schema a response_format asks the answer to follow (None for plain text); 400 for a json_schema
+    format without its schema."""
+    rf = request.response_format
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return {"type": "object"}
+    if rf.json_schema is None or rf.json_schema.schema_ is None:
+        raise APIError(400, "response_format: json_schema.schema is required for type 'json_schema'",
+                       param="response_format")
+    return rf.json_schema.schema_
+
+
 def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI's logit_bias keys are token ids written as JSON object keys (text): back to ints."""
     if not bias:
@@ -163,14 +181,10 @@ def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 def _constraints(request: _SamplingRequest) -> list[tuple[str, StructuredOutputsParams]]:
     """(parameter name, constraint) for each constraining parameter the request set."""
     found: list[tuple[str, dict]] = []
-    rf = request.response_format
-    if rf is not None and rf.type == "json_object":
-        found.append(("response_format", {"json_object": True}))
-    elif rf is not None and rf.type == "json_schema":
-        if rf.json_schema is None or rf.json_schema.schema_ is None:
-            raise APIError(400, "response_format: json_schema.schema is required for type 'json_schema'",
-                           param="response_format")
-        found.append(("response_format", {"json": rf.json_schema.schema_}))
+    schema = response_format_schema(request)
+    if schema is not None:
+        json_mode = request.response_format.type == "json_object"
+        found.append(("response_format", {"json_object": True} if json_mode else {"json": schema}))
     so = request.structured_outputs
     if so is not None:
         found.append(("structured_outputs", {"json": so.json_, "regex": so.regex, "choice": so.choice,

@@ -23,6 +23,7 @@ from typing import Any
 from llmserve.sampling_params import StructuredOutputsParams
 from llmserve.server.errors import APIError
 from llmserve.server.protocol import ChatCompletionRequest, ChatMessage, FunctionCall, Tool, ToolCall
+from llmserve.server.serving_engine import response_format_schema
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -88,7 +89,7 @@ def tool_call_constraint(request: ChatCompletionRequest, tools: list[Tool]) -> S
     if not tools or choice == "none":
         return None
     if choice in (None, "auto"):
-        answer = _format_schema(request)
+        answer = response_format_schema(request)
         if answer is None:
             return None
         return StructuredOutputsParams(grammar=f"start: call{_repeat(request)} | %json {json.dumps(answer)}\n"
@@ -114,19 +115,6 @@ def _call_rule(tools: list[Tool]) -> str:
         "additionalProperties": False,
     } for t in tools]}
     return f'call: "{OPEN}\\n" %json {json.dumps(schema)} "\\n{CLOSE}"\n'
-
-
-def _format_schema(request: ChatCompletionRequest) -> dict[str, Any] | None:
-    """The JSON schema a response_format asks the answer to follow (None for plain text)."""
-    rf = request.response_format
-    if rf is None or rf.type == "text":
-        return None
-    if rf.type == "json_object":
-        return {"type": "object"}
-    if rf.json_schema is None or rf.json_schema.schema_ is None:
-        raise APIError(400, "response_format: json_schema.schema is required for type 'json_schema'",
-                       param="response_format")
-    return rf.json_schema.schema_
 
 
 class ToolCallParser:

@@ -178,10 +178,10 @@ class StructuredOutputManager:
         if probe.is_error():
             return constraint_failure(probe)
         allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")[: self.vocab_size])
-        text = [int(t) for t in allowed if int(t) not in self._eos_token_ids]
-        if not text:
+        text = np.setdiff1d(allowed, self._eos_token_ids)  # a regex like `.*` allows the whole vocabulary
+        if not text.size:
             return None if probe.is_accepting() else "no text satisfies it"
-        if not probe.consume_token(text[0]) or probe.is_error():
+        if not probe.consume_token(int(text[0])) or probe.is_error():
             return constraint_failure(probe)
         return None
 
