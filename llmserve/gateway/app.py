@@ -2,6 +2,9 @@
 
     key and limits ─▶ route ─▶ cache (exact, then semantic) ─▶ compress ─▶ balance (a replica) ─▶ upstream ─▶ store
 
+Responses API calls (`/v1/responses`) take the same chain without cache or compression; a continuation
+(`previous_response_id`) goes to the replica that stored the response it continues, for the key that made it.
+
 A failure before the client's first byte (connection refused, timeout, 5xx, a stream that dies before its
 first event) is retried on another replica, at most `retries` times; after the first byte it cannot be, and
 the stream ends with an error event. A client that goes away closes the upstream connection, which aborts
@@ -35,6 +38,7 @@ from llmserve.gateway.compression import Compression, Compressor
 from llmserve.gateway.config import APIKey, GatewayConfig
 from llmserve.gateway.metrics import GatewayMetrics
 from llmserve.gateway.ratelimit import RateLimiter
+from llmserve.gateway.response_homes import ResponseHomes
 from llmserve.gateway.responses import StreamAssembler, fresh_identity, replay_events, replayable
 from llmserve.gateway.routing import build_router
 from llmserve.gateway.routing.judge import Ask
@@ -50,7 +54,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CACHE_HEADER = "x-llmserve-cache"
-_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
+_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings",
+          "responses": "/v1/responses"}
+_UNCOMPRESSED = ("embeddings", "responses")  # compression rewrites chat messages and completion prompts only
+_RESPONSE_FINAL = (b"event: response.completed", b"event: response.incomplete", b"event: response.failed")
 ROUTE_HEADER = "x-llmserve-route"  # the model a routed name chose; x-llmserve-route-reason says why
 COST_HEADER = "x-llmserve-cost-usd"  # also usage.cost (OpenRouter's field); a stream has it in its usage chunk only
 SAVED_HEADER = "x-llmserve-saved-usd"
@@ -72,7 +79,7 @@ class _UpstreamFailed(Exception):
 class _Call:
     """One request on its way upstream."""
 
-    route: str  # "chat" or "completions"
+    route: str  # a key of _PATHS
     model: str
     key: APIKey
     body: dict[str, Any]
@@ -81,6 +88,7 @@ class _Call:
     plan: CachePlan | None
     decision: RouteDecision | None = None  # a routed name's choice (`model` is the chosen one)
     compression: Compression | None = None
+    home: str | None = None  # the only replica that may answer (a Responses continuation's)
 
 
 class Gateway:
@@ -100,6 +108,7 @@ class Gateway:
         self.routers = {name: build_router(router, self._judge(router.judge_model or router.weak), self.embedder)
                         for name, router in config.routers.items()}
         self.compressor = Compressor(self._asker("completions", "compressor"), tuple(config.models))
+        self.homes = ResponseHomes()
         self._sync: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -150,9 +159,10 @@ class Gateway:
             names = [*self.config.models, *self.routers]
             raise APIError(404, f"the model {model!r} does not exist; known: {', '.join(names)}",
                            param="model", code="model_not_found")
-        if route == "embeddings" and model in self.routers:
-            raise APIError(400, f"{model!r} routes chat and completions by their difficulty; ask an embedding model "
-                           "by its own name", param="model")
+        if route in _UNCOMPRESSED and model in self.routers:
+            raise APIError(400, f"{model!r} routes chat and completions by their difficulty; ask a model by its own "
+                           f"name for {_PATHS[route]}", param="model")
+        home = self._home(key, body) if route == "responses" else None
         refusal = self.limiter.admit(key)
         if refusal is not None:
             self.metrics.rate_limited.labels(key.namespace, refusal.limit).inc()
@@ -166,8 +176,10 @@ class Gateway:
             decision = await self._route(model, route, body)
             model = decision.model
             body = {**body, "model": model}
-        plan = self.cache.plan(key.namespace, route, body, request.headers.get("cache-control", ""))
-        call = _Call(route, model, key, body, stream, include_usage, plan, decision)
+        # a Responses answer is never replayed: its id is one a later call continues, on the replica that stored it
+        plan = self.cache.plan(key.namespace, route, body, request.headers.get("cache-control", "")) \
+            if route != "responses" else None
+        call = _Call(route, model, key, body, stream, include_usage, plan, decision, home=home)
         if plan is not None:
             hit = await self.cache.lookup(plan)
             if hit is not None:
@@ -175,7 +187,7 @@ class Gateway:
         # after the cache: a hit costs no scorer call, and the key is the request as sent (`compress` included: another
         # rate is another prompt); before the upstream, which never sees the `compress` field
         call.compression = await self.compressor.apply(route, body, self.config.models[model].compress) \
-            if route != "embeddings" else Compression(body)
+            if route not in _UNCOMPRESSED else Compression(body)
         call.body = call.compression.body
         if call.compression.outcome is not None:
             self.metrics.compressions.labels(model, call.compression.outcome).inc()
@@ -191,6 +203,36 @@ class Gateway:
             decision = self.routers[name].fallback()
         self.metrics.routed.labels(name, decision.model).inc()
         return decision
+
+    def _home(self, key: APIKey, body: dict[str, Any]) -> str | None:
+        """The replica a Responses continuation must go to; 404 for a response this key did not make here."""
+        previous = body.get("previous_response_id")
+        if previous is None:
+            return None
+        home = self.homes.find(previous, key.namespace) if isinstance(previous, str) else None
+        if home is None:
+            raise APIError(404, f"no stored response has the id {previous!r}", param="previous_response_id",
+                           code="not_found")
+        return home.replica_url
+
+    async def stored_response(self, response_id: str, request: Request) -> Response:
+        """GET /v1/responses/{id}: from the replica that stored it, for the key that made it."""
+        key = self._authenticate(request)
+        home = self.homes.find(response_id, key.namespace)
+        replica = next((r for r in self.pool.all() if home is not None and r.url == home.replica_url), None)
+        if replica is None:
+            raise APIError(404, f"no stored response has the id {response_id!r}", code="not_found")
+        assert self.pool.session is not None
+        try:
+            async with self.pool.session.get(f"{replica.url}/v1/responses/{response_id}",
+                                             headers=auth_headers(replica)) as response:
+                body = await response.read()
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            raise APIError(502, f"the replica that stored {response_id!r} did not answer ({type(e).__name__})",
+                           code="upstream_error") from None
+        if response.status != 200:
+            raise _PassThrough(response.status, body)
+        return Response(body, media_type="application/json")
 
     def _judge(self, model: str) -> Ask:
         """A judge router's way to ask its model."""
@@ -255,7 +297,7 @@ class Gateway:
         payload = dict(call.body)
         if route.upstream_model:
             payload["model"] = route.upstream_model
-        if call.stream:  # usage always: for the tokens/min limits and to cache the answer whole
+        if call.stream and call.route != "responses":  # usage always: for the tokens/min limits and the cache
             payload["stream_options"] = {**(payload.get("stream_options") or {}), "include_usage": True}
         data = orjson.dumps(payload)
         path = _PATHS[call.route]
@@ -264,7 +306,8 @@ class Gateway:
         tried: set[str] = set()
         last: _UpstreamFailed | None = None
         for attempt in range(self.config.retries + 1):
-            candidates = [r for r in self.pool.available(call.model) if r.url not in tried]
+            candidates = [r for r in self.pool.available(call.model)
+                          if r.url not in tried and call.home in (None, r.url)]
             if not candidates:
                 break
             if attempt:
@@ -325,6 +368,7 @@ class Gateway:
             headers = {**_route_headers(call), CACHE_HEADER: "miss"}
             answer = _json_or_none(body)
             if isinstance(answer, dict):
+                self._remember(call, replica, answer)
                 cost = await self._account(call, answer, answer if call.plan is not None else None)
                 if isinstance(answer.get("usage"), dict):
                     answer["usage"]["cost"] = cost
@@ -362,7 +406,9 @@ class Gateway:
         try:
             event: bytes | None = first
             while event is not None:
-                if event.startswith(b"data: [DONE]"):
+                if call.route == "responses":  # typed events: the first names the response, the last ends it
+                    done = await self._response_event(call, replica, assembler, event, sent)
+                elif event.startswith(b"data: [DONE]"):
                     done = True
                     await self._finished_stream(call, replica, assembler, sent)
                 elif event.startswith(b"data:") and (assemble or _EMPTY_CHOICES[0] in event
@@ -394,6 +440,26 @@ class Gateway:
         self._failed(replica, _UpstreamFailed("stream ended without [DONE]"))
         yield APIError(502, "the upstream stream ended early", code="upstream_error").sse_event()
         yield SSE_DONE
+
+    async def _response_event(self, call: _Call, replica: Replica, assembler: StreamAssembler, event: bytes,
+                              sent: float) -> bool:
+        """Read one Responses stream event on its way to the client; True when it is the last."""
+        final = event.startswith(_RESPONSE_FINAL)
+        if final or event.startswith(b"event: response.created"):
+            _, _, data = event.partition(b"\ndata: ")
+            parsed = _json_or_none(data)
+            response = parsed.get("response") if isinstance(parsed, dict) else None
+            if isinstance(response, dict):
+                self._remember(call, replica, response)
+                assembler.usage = response.get("usage") or assembler.usage
+        if final:
+            await self._finished_stream(call, replica, assembler, sent)
+        return final
+
+    def _remember(self, call: _Call, replica: Replica, answer: dict[str, Any]) -> None:
+        """A Responses answer's home, for its continuations and reads."""
+        if call.route == "responses" and isinstance(answer.get("id"), str) and answer.get("store", True) is not False:
+            self.homes.put(answer["id"], call.key.namespace, replica.url)
 
     async def _finished_stream(self, call: _Call, replica: Replica, assembler: StreamAssembler, sent: float) -> None:
         replica.succeeded()
@@ -461,6 +527,14 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.post("/v1/embeddings")
     async def embeddings(request: Request) -> Response:
         return await gateway.handle("embeddings", request)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await gateway.handle("responses", request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str, request: Request) -> Response:
+        return await gateway.stored_response(response_id, request)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

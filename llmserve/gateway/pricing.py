@@ -54,10 +54,11 @@ class Price:
             raise ValueError(f"{where}: {e}") from None
 
     def cost(self, usage: dict[str, Any] | None) -> float:
-        """Dollars for one answer's usage (OpenAI's `prompt_tokens` / `completion_tokens`)."""
+        """Dollars for one answer's usage (`prompt_tokens` / `completion_tokens`, or the Responses API's
+        `input_tokens` / `output_tokens`)."""
         usage = usage or {}
-        prompt = int(usage.get("prompt_tokens") or 0)
-        completion = int(usage.get("completion_tokens") or 0)
+        prompt = int(usage.get("prompt_tokens") or usage.get("input_tokens") or 0)
+        completion = int(usage.get("completion_tokens") or usage.get("output_tokens") or 0)
         return (prompt * self.input_per_million + completion * self.output_per_million) / MILLION
 
 

@@ -309,3 +309,42 @@ def test_embeddings_pass_through_and_are_cached(tmp_path, embedding_server):
         assert proc.total("llmserve:gateway_cache_lookups_total") == 2
     finally:
         proc.stop()
+
+
+def test_responses_continue_on_the_replica_that_stored_them_for_their_own_key(tmp_path, replicas):
+    """Round robin over two replicas: each continuation still reaches the replica holding the response it
+    continues (else half would be 404), streamed or not; another key can neither continue nor read it."""
+    price = {"input_per_million": 150.0, "output_per_million": 600.0}
+    config = gateway_config(urls(replicas), balancing="round_robin",
+                            keys=[{"key": "key-a", "namespace": "team-a"}, {"key": "key-b", "namespace": "team-b"}])
+    config["models"][MODEL]["price"] = price
+    gw = GatewayProcess(tmp_path, config)
+    try:
+        a, b = client(gw, "key-a"), client(gw, "key-b")
+        first = a.responses.create(model=MODEL, input="Name a color.", max_output_tokens=8, temperature=0)
+        assert first.status in ("completed", "incomplete") and first.output_text
+        previous = first.id
+        for i in range(4):
+            if i % 2:
+                events = list(a.responses.create(model=MODEL, input="And another?", previous_response_id=previous,
+                                                 max_output_tokens=6, temperature=0, stream=True))
+                turn = events[-1].response  # response.completed, or .incomplete at the token limit
+                assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == turn.output_text
+            else:
+                turn = a.responses.create(model=MODEL, input="And another?", previous_response_id=previous,
+                                          max_output_tokens=6, temperature=0)
+            assert turn.previous_response_id == previous and turn.usage.output_tokens > 0
+            previous = turn.id
+        assert a.responses.retrieve(previous).id == previous
+        with pytest.raises(openai.NotFoundError):
+            b.responses.create(model=MODEL, input="And another?", previous_response_id=previous, max_output_tokens=4)
+        with pytest.raises(openai.NotFoundError):
+            b.responses.retrieve(previous)
+        # priced on the Responses API's own usage names; nothing of it is cached
+        usage = first.usage
+        cost = (usage.input_tokens * price["input_per_million"]
+                + usage.output_tokens * price["output_per_million"]) / 1e6
+        assert gw.total("llmserve:gateway_cost_dollars_total") > cost
+        assert gw.total("llmserve:gateway_cache_lookups_total") == 0
+    finally:
+        gw.stop()
