@@ -106,23 +106,24 @@ def _repeat(request: ChatCompletionRequest) -> str:
 
 
 def _call_rule(tools: list[Tool]) -> str:
-    """The Lark rule of one call in the Hermes format, its JSON following one of the tools' schemas."""
-    schema = {"anyOf": [{
-        "type": "object",
-        "properties": {"name": {"const": t.function.name},
-                       "arguments": t.function.parameters or {"type": "object"}},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-    } for t in tools]}
-    return f'call: "{OPEN}\\n" %json {json.dumps(schema)} "\\n{CLOSE}"\n'
+    """The Lark rules of one call in the Hermes format: the tag, the function's name, then arguments that follow
+    its parameter schema. Each schema is the root of its own %json, so its `$ref`s to `#/$defs/...` (what
+    Pydantic writes for a nested model) resolve as the client meant them."""
+    names = [f"call_{i}" for i in range(len(tools))]
+    rules = [f'call: "{OPEN}\\n" ({" | ".join(names)}) "}}\\n{CLOSE}"']
+    for name, tool in zip(names, tools, strict=True):
+        head = json.dumps(f'{{"name": {json.dumps(tool.function.name)}, "arguments": ')
+        rules.append(f"{name}: {head} %json {json.dumps(tool.function.parameters or {'type': 'object'})}")
+    return "\n".join(rules) + "\n"
 
 
 class ToolCallParser:
     """Splits a model's output into plain content and tool calls, whole (`parse`) or as it streams (`feed`, then
     `finish`): text that may be the start of a call is held back until it is known not to be.
 
-    Besides tagged calls, an output that is nothing but a call's JSON (an object, or a list of them, naming one
-    of the offered functions) is a call: small models (Qwen2.5-Coder-0.5B among them) often leave the tags out.
+    Besides tagged calls, an output that is nothing but calls' JSON (objects or lists of them, one after another,
+    each naming one of the offered functions) is calls: small models (Qwen2.5-Coder-0.5B among them) often leave
+    the tags out.
     An output that begins with `{` or `[` is therefore held until it ends.
 
     A call's arguments are the model's own JSON text (not re-serialised), so a call streamed in pieces
@@ -211,11 +212,16 @@ class ToolCallParser:
         return text if not self.num_calls or text.strip() else ""  # whitespace between calls is not content
 
     def _bare_calls(self, text: str) -> list[ToolCall]:
-        try:
-            obj = json.loads(text)
-        except ValueError:
-            return []
-        objs = obj if isinstance(obj, list) else [obj]
+        """Calls from JSON values one after another (an object or a list each): a model that leaves the tags out
+        writes several calls as one per line."""
+        objs: list[Any] = []
+        decoder, at = json.JSONDecoder(), 0
+        while (at := _skip_space(text, at)) < len(text):
+            try:
+                obj, at = decoder.raw_decode(text, at)
+            except ValueError:
+                return []
+            objs += obj if isinstance(obj, list) else [obj]
         if not objs or not all(isinstance(o, dict) and o.get("name") in self.names for o in objs):
             return []
         return [call for o in objs if (call := self._call(json.dumps(o))) is not None]
@@ -237,6 +243,10 @@ class ToolCallParser:
 
 # A Hermes call's JSON as the models (and our grammar) write it: the name first, then the arguments.
 _CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+
+
+def _skip_space(text: str, at: int) -> int:
+    return len(text) - len(text[at:].lstrip())
 
 
 def _new_call_id() -> str:

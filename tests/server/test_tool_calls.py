@@ -137,6 +137,14 @@ def test_an_output_that_is_only_a_calls_json_is_a_call():
     assert parser.finish()[1][0].function.name == "get_weather"
     assert ToolCallParser({"get_weather"}).parse('[{"name": "get_weather", "arguments": {}}]')[1][0].function.name \
         == "get_weather"
+    # one per line, as Qwen2.5-Coder-0.5B writes several: each a call, whole and streamed alike
+    lines = f"{bare}\n" + bare.replace("Paris", "Rome") + "\n"
+    content, calls = ToolCallParser({"get_weather"}).parse(lines)
+    assert content is None and [c.function.arguments for c in calls] == ['{"city": "Paris"}', '{"city": "Rome"}']
+    parser = ToolCallParser({"get_weather"})
+    assert [parser.feed(piece) for piece in (lines[:30], lines[30:])] == [("", [])] * 2
+    assert [c.function.arguments for c in parser.finish()[1]] == ['{"city": "Paris"}', '{"city": "Rome"}']
+    assert ToolCallParser({"get_weather"}).parse(bare + "\nThat is all.") == (bare + "\nThat is all.", [])
     for text in ('{"name": "send_mail", "arguments": {}}', '{"answer": 42}', "{ not json", ' [1, 2]'):
         assert ToolCallParser({"get_weather"}).parse(text) == (text, [])
     parser = ToolCallParser({"get_weather"})

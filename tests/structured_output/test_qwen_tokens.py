@@ -60,6 +60,25 @@ def test_a_forced_tool_call_takes_the_tag_tokens_qwen_writes(tokenizer, manager,
 
 
 @needs_qwen_tokenizer
+def test_a_forced_call_whose_schema_refers_to_its_own_defs(tokenizer, manager):
+    """Pydantic writes a nested model as `$defs` and a `$ref` from the root (instructor's list of a type is
+    such a function): the reference resolves from the function's parameters, not from a wrapper around them."""
+    cities = {"type": "function", "function": {"name": "IterableCity", "parameters": {
+        "$defs": {"City": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}},
+        "type": "object", "properties": {"tasks": {"type": "array", "items": {"$ref": "#/$defs/City"}}},
+        "required": ["tasks"]}}}
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "Two cities?"}], tools=[cities],
+                                    tool_choice="required")
+    spec = tool_call_constraint(request, active_tools(request))
+    manager.compile(spec)
+    call = '<tool_call>\n{"name": "IterableCity", "arguments": {"tasks": [{"name": "Rome"}, {"name": "Milan"}]}}' \
+           '\n</tool_call>'
+    assert _follows(manager, spec, tokenizer.encode(call, add_special_tokens=False))
+    wrong = call.replace('{"name": "Rome"}', '{"town": "Rome"}')  # not a City: the grammar refuses it
+    assert not _follows(manager, spec, tokenizer.encode(wrong, add_special_tokens=False))
+
+
+@needs_qwen_tokenizer
 def test_a_regex_with_the_tag_as_text_takes_the_tag_token(tokenizer, manager):
     spec = StructuredOutputsParams(regex="<tool_call>[a-z]+")
     assert _follows(manager, spec, tokenizer.encode("<tool_call>weather", add_special_tokens=False))
