@@ -1,7 +1,8 @@
 # `make run` on a fresh machine: set up .venv, serve the default model and answer one request.
 # `make test`: the fast tier, every module's behaviour (at most 10 minutes on 2 cores).
 # `make test-all`: everything, with real models, compiled graphs, processes and a clean install (what CI runs).
-.PHONY: setup run test test-all lint bench docs
+# `make test-clients`: client libraries' quick-starts from PyPI against the server and the gateway (CI runs it too).
+.PHONY: setup run test test-all test-clients lint bench docs
 
 setup: .venv/.setup-done
 
@@ -20,7 +21,10 @@ test: lint
 	.venv/bin/python -m pytest -q -m "not full" tests
 
 test-all: lint
-	.venv/bin/python -m pytest -q tests
+	.venv/bin/python -m pytest -q -m "not clients" tests
+
+test-clients: setup
+	.venv/bin/python -m pytest -q -m clients tests
 
 # docs/configuration.md from the config's own fields and help texts
 docs: setup

@@ -30,6 +30,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from llmserve import __version__
 from llmserve.embeddings import Embedder
 from llmserve.gateway import dashboard
+from llmserve.gateway.admin import AdminGate
 from llmserve.gateway.balancing import make_balancer, prefix_chunks
 from llmserve.gateway.cache.response_cache import CachePlan, ResponseCache
 from llmserve.gateway.cache.store import CacheStore, StoreUnavailable, open_store
@@ -89,6 +90,26 @@ class _Call:
     decision: RouteDecision | None = None  # a routed name's choice (`model` is the chosen one)
     compression: Compression | None = None
     home: str | None = None  # the only replica that may answer (a Responses continuation's)
+
+
+@dataclass
+class _Lease:
+    """A replica's outstanding slot and its open answer, given back exactly once however the request ends:
+    answered, failed, or its client gone before the first byte or after it."""
+
+    replica: Replica
+    response: aiohttp.ClientResponse
+    released: bool = False
+
+    def release(self, clean: bool = False) -> None:
+        if self.released:
+            return
+        self.released = True
+        if clean:
+            self.response.release()  # read to the end: the connection goes back to the pool
+        else:
+            self.response.close()  # aborts the upstream request
+        self.replica.finished()
 
 
 class Gateway:
@@ -306,7 +327,7 @@ class Gateway:
         tried: set[str] = set()
         last: _UpstreamFailed | None = None
         for attempt in range(self.config.retries + 1):
-            candidates = [r for r in self.pool.available(call.model)
+            candidates = [r for r in self.pool.candidates(call.model)
                           if r.url not in tried and call.home in (None, r.url)]
             if not candidates:
                 break
@@ -323,6 +344,9 @@ class Gateway:
                 self._failed(replica, e)
                 last = e
                 continue
+            except BaseException:  # the request's own error, or its client gone (cancelled) while connecting
+                replica.finished()
+                raise
             self.metrics.upstream_ttfb.labels(replica.url).observe(time.perf_counter() - sent)
             return replica, response, sent
         if last is not None and last.status is not None:  # the upstream's own error, as it sent it
@@ -381,23 +405,27 @@ class Gateway:
         """Headers of a 200 only once an upstream has sent its first event: until then, failures retry."""
         for _ in range(self.config.retries + 1):
             replica, response, sent = await self._send(call)
+            lease = _Lease(replica, response)
             events = _sse_events(response)
             try:
                 first = await anext(events)
             except (aiohttp.ClientError, TimeoutError, OSError, StopAsyncIteration) as e:
-                response.release()
-                replica.finished()
+                lease.release()
                 self._failed(replica, _UpstreamFailed(f"stream ended before its first event ({type(e).__name__})"))
                 continue
+            except BaseException:
+                lease.release()
+                raise
             self.metrics.requests.labels(call.model, "200").inc()
-            relay = self._relay(call, replica, response, events, first, sent)
-            return SSEResponse(relay, headers={**_route_headers(call), CACHE_HEADER: "miss"})
+            relay = self._relay(call, lease, events, first, sent)
+            return SSEResponse(relay, headers={**_route_headers(call), CACHE_HEADER: "miss"}, on_close=lease.release)
         raise APIError(502, "upstream streams failed before their first event", code="upstream_error")
 
-    async def _relay(self, call: _Call, replica: Replica, response: aiohttp.ClientResponse,
-                     events: AsyncIterator[bytes], first: bytes, sent: float) -> AsyncGenerator[bytes, None]:
+    async def _relay(self, call: _Call, lease: _Lease, events: AsyncIterator[bytes], first: bytes,
+                     sent: float) -> AsyncGenerator[bytes, None]:
         """Forward the upstream's events as they come; the answer is accounted (and cached) before [DONE] goes
         out, since a client may hang up the moment it reads [DONE]."""
+        replica = lease.replica
         assembler = StreamAssembler(call.route)
         # parse every event only to cache the answer; else only the usage chunk (choices: []), which is read
         # for the tokens/min budget and withheld from a client that did not ask for it
@@ -432,11 +460,7 @@ class Gateway:
             yield SSE_DONE
             return
         finally:
-            if done:
-                response.release()
-            else:
-                response.close()  # aborts the upstream request (a client that left, a broken stream)
-            replica.finished()
+            lease.release(clean=done)  # else aborts the upstream request (a client that left, a broken stream)
         self._failed(replica, _UpstreamFailed("stream ended without [DONE]"))
         yield APIError(502, "the upstream stream ended early", code="upstream_error").sse_event()
         yield SSE_DONE
@@ -505,6 +529,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await gateway.start()
+        _log_isolation(config)
         logger.info("gateway serving %s", ", ".join(f"{name} ({len(r.upstreams)} upstream(s), {r.balancing})"
                                                     for name, r in config.models.items()))
         yield
@@ -515,6 +540,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     install_handlers(app)
 
     app.add_middleware(RequestBodyMiddleware, max_bytes=config.max_request_body_bytes, timeout=30.0)
+    app.add_middleware(AdminGate, admin_key=config.admin_key, protected=config.admin_protected)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -566,6 +592,21 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return JSONResponse(dashboard.snapshot(gateway.metrics.registry))
 
     return app
+
+
+def _log_isolation(config: GatewayConfig) -> None:
+    """Who shares what, said once at start-up: an operator should never learn it from a leak."""
+    if not config.keys:
+        logger.warning("no API keys: the gateway is open, and every caller shares one namespace (its cached "
+                       "answers, limits and costs)")
+    for namespace, n in config.shared_namespaces().items():
+        logger.warning("namespace %r is shared on purpose by %d keys: their callers get each other's cached "
+                       "answers", namespace, n)
+    if config.admin_protected:
+        logger.info("admin pages (/dashboard, /metrics, /docs): %s", "the admin key" if config.admin_key
+                    else "closed (no admin key)")
+    elif config.keys:
+        logger.warning("admin pages (/dashboard, /metrics, /docs) are open to anyone (open_admin)")
 
 
 async def _sse_events(response: aiohttp.ClientResponse) -> AsyncGenerator[bytes, None]:

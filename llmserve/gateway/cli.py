@@ -12,6 +12,7 @@ import uvicorn
 from llmserve.gateway.config import BALANCING, APIKey, CacheConfig, load_config, parse_upstream
 
 API_KEY_ENV = "LLMSERVE_GATEWAY_API_KEY"
+ADMIN_KEY_ENV = "LLMSERVE_GATEWAY_ADMIN_KEY"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,8 +26,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8080, help="port to bind (default: %(default)s)")
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY[:NAMESPACE]",
-                        help=f"a key callers must send as 'Authorization: Bearer KEY', with its cache namespace "
-                        f"(default namespace: 'default'); repeat for more (default: env {API_KEY_ENV}, else open)")
+                        help=f"a key callers must send as 'Authorization: Bearer KEY'; keys that name the same "
+                        "NAMESPACE share cached answers and limits, a key without one has its own; repeat for more "
+                        f"(default: env {API_KEY_ENV}, else open)")
+    parser.add_argument("--admin-key", default=None, metavar="KEY",
+                        help=f"the key /dashboard, /metrics and /docs need while API keys are set (default: env "
+                        f"{ADMIN_KEY_ENV}; none: those pages are closed)")
+    parser.add_argument("--open-admin", action="store_true",
+                        help="leave /dashboard, /metrics and /docs open to anyone even while API keys are set")
     cache = parser.add_argument_group("cache")
     cache.add_argument("--redis-url", default=None, help="redis://host:port/db: a cache shared by gateways and kept "
                        "across restarts (default: in this process)")
@@ -54,7 +61,9 @@ def run(args: argparse.Namespace) -> int:
             cache.update(exact=False, semantic=False)
         elif args.semantic_cache:
             cache["semantic"] = True
-        config = load_config(args.config, models=models, keys=keys, cache=cache, retries=args.retries)
+        config = load_config(args.config, models=models, keys=keys, cache=cache, retries=args.retries,
+                             admin_key=args.admin_key or os.environ.get(ADMIN_KEY_ENV) or None,
+                             open_admin=args.open_admin or None)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -70,4 +79,4 @@ def _key(spec: str) -> APIKey:
     key, _, namespace = spec.partition(":")
     if not key:
         raise ValueError(f"--api-key {spec!r}: empty key")
-    return APIKey(key=key, namespace=namespace or "default")
+    return APIKey(key=key, namespace=namespace or None)

@@ -19,6 +19,9 @@ routers:                        # names that resolve per request to a weak or a 
   coder: {weak: qwen-0.5b, strong: qwen-1.5b, router: learned, file: coder-router.json, strong_share: 0.3}
 keys:                           # none: open, every caller in namespace "default"
   - {key_env: TEAM_A_KEY, namespace: team-a, requests_per_minute: 600, tokens_per_minute: 200000}
+  - {key_env: TEAM_B_KEY}       # no namespace: its own (cache, limits, costs); keys share one only when named
+admin_key_env: GATEWAY_ADMIN_KEY  # with keys, /dashboard, /metrics and /docs need this key (admin.py)
+open_admin: false               # true: those pages open to anyone, on purpose
 cache:
   redis_url: redis://127.0.0.1:6379/0   # none: an in-process store
   ttl: 3600
@@ -26,13 +29,14 @@ cache:
   semantic: false
   semantic_threshold: 0.97
   deterministic_only: true
-health: {interval: 2.0, timeout: 2.0, eject_after: 3, eject_seconds: 5.0}
+health: {interval: 2.0, timeout: 2.0, eject_after: 3, eject_seconds: 5.0, down_after: 3}
 retries: 2
 ```
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -70,9 +74,15 @@ class ModelRoute:
 @dataclass(frozen=True)
 class APIKey:
     key: str
-    namespace: str = "default"
+    # what the key's callers share (cached answers, limits' counters, cost labels) with the other keys that name
+    # it; None: a namespace of its own, so no caller ever gets another key's cached answer by default
+    namespace: str | None = None
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.namespace is None:  # named by a digest: the key itself never reaches a label or a log
+            object.__setattr__(self, "namespace", "key-" + hashlib.sha256(self.key.encode()).hexdigest()[:10])
 
 
 @dataclass(frozen=True)
@@ -99,6 +109,7 @@ class HealthConfig:
     interval: float = 2.0  # seconds between active /health probes of each replica
     timeout: float = 2.0
     eject_after: int = 3  # consecutive failures (errors, timeouts) that eject a replica
+    down_after: int = 3  # consecutive probes without an answer (timeout, refused) that mark a replica not ready
     eject_seconds: float = 5.0  # first ejection; doubles on each failed half-open trial, up to 60 s
 
 
@@ -114,6 +125,8 @@ class GatewayConfig:
     read_timeout: float = 600.0  # between two bytes of an upstream answer
     max_request_body_bytes: int = 4 * 1024 * 1024
     prefix_balance_slack: int = 4  # prefix_aware: outstanding requests a warm replica may carry above the least
+    admin_key: str | None = None  # read from admin_key_env at load time, never written in the file
+    open_admin: bool = False  # the admin pages open to anyone even while keys are set, on purpose
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -134,6 +147,18 @@ class GatewayConfig:
     def key_table(self) -> dict[str, APIKey]:
         return {k.key: k for k in self.keys}
 
+    @property
+    def admin_protected(self) -> bool:
+        """Whether the admin pages need the admin key: once callers need keys, unless opened on purpose."""
+        return bool(self.keys or self.admin_key) and not self.open_admin
+
+    def shared_namespaces(self) -> dict[str, int]:
+        """Namespaces that several keys name on purpose, and how many keys each."""
+        counts: dict[str, int] = {}
+        for k in self.keys:
+            counts[k.namespace] = counts.get(k.namespace, 0) + 1
+        return {name: n for name, n in counts.items() if n > 1}
+
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> GatewayConfig:
     """The file (if any), then the flags' values on top (None: not given)."""
@@ -152,7 +177,12 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> GatewayConf
     keys = tuple(_key(entry) for entry in raw.get("keys") or ()) + tuple(overrides.pop("keys", None) or ())
     cache = _section(CacheConfig, raw.get("cache"), "cache", overrides.pop("cache", None))
     health = _section(HealthConfig, raw.get("health"), "health", None)
-    top = {k: v for k, v in raw.items() if k not in ("models", "routers", "keys", "cache", "health")}
+    top = {k: v for k, v in raw.items() if k not in ("models", "routers", "keys", "cache", "health", "admin_key_env")}
+    admin_env = raw.get("admin_key_env")
+    if admin_env:
+        top["admin_key"] = os.environ.get(admin_env)
+        if not top["admin_key"]:
+            raise ValueError(f"admin_key_env names {admin_env}, which is not set")
     top.update({k: v for k, v in overrides.items() if v is not None})
     known = {f.name for f in fields(GatewayConfig)}
     unknown = set(top) - known

@@ -1,9 +1,15 @@
 """The replicas behind each model, and what the gateway believes about their health.
 
-A replica takes traffic only while it is *ready* (its last active `/health` probe answered 200) and not
-*ejected*. Passive health: `eject_after` consecutive failures (connection errors, timeouts, 5xx) eject it
-for `eject_seconds`; after that one trial request is let through (half-open): success puts it back,
-failure ejects it again for twice as long (up to a minute). A success resets the count.
+A replica takes traffic while it is *ready* and not *ejected*. Active health: a probe of its `/health` that
+answers anything but 200 (loading, draining) marks it not ready at once, since that is the replica's own word;
+probes that time out or cannot connect mark it not ready only after `down_after` in a row, since a replica
+busy with a full batch may answer its probe late while serving well, and a request it answers counts as a
+probe that passed. Passive health: `eject_after` consecutive failures (connection errors, timeouts, 5xx) eject
+it for `eject_seconds`; after that one trial request is let through (half-open): success puts it back, failure
+ejects it again for twice as long (up to a minute). A success resets the count.
+
+When no replica of a model is available, requests go to the least bad one rather than being refused: the one
+that failed least recently counts, and a replica that is really gone fails fast and is retried elsewhere.
 """
 
 from __future__ import annotations
@@ -30,7 +36,10 @@ class Replica:
     url: str
     model: str
     api_key: str | None = None
-    ready: bool = True  # the last probe's verdict (replicas are probed once before the gateway serves)
+    ready: bool = True  # the probes' verdict (replicas are probed once before the gateway serves)
+    probe_failures: int = 0  # consecutive probes that timed out or could not connect
+    answered_probe: bool = False  # a replica never seen healthy is marked down by its first failed probe
+    said_not_ready: bool = False  # its last probe answered non-200: only a probe's 200 brings it back
     outstanding: int = 0  # requests sent and not yet finished
     failures: int = 0  # consecutive
     ejected_until: float = 0.0
@@ -52,7 +61,10 @@ class Replica:
             self.trial_in_flight = True
 
     def succeeded(self) -> None:
+        """A request it answered: as good as a probe that passed."""
         self.failures = 0
+        self.probe_failures = 0
+        self.ready = self.ready or not self.said_not_ready
         if self.ejection_s:
             logger.info("replica %s recovered", self.url)
         self.ejection_s = 0.0
@@ -75,6 +87,23 @@ class Replica:
     def finished(self) -> None:
         self.outstanding -= 1
 
+    def probed(self, status: int | None, health: HealthConfig) -> None:
+        """A probe's answer: its HTTP status, or None when it timed out or could not connect."""
+        self.said_not_ready = status is not None and status != 200
+        if status == 200:
+            self.ready, self.probe_failures, self.answered_probe = True, 0, True
+            return
+        if self.said_not_ready:
+            self.ready = False  # the replica's own word (loading, draining)
+            return
+        self.probe_failures += 1
+        if self.probe_failures >= health.down_after or not self.answered_probe:
+            self.ready = False
+
+    def badness(self, now: float) -> tuple[float, int, int]:
+        """For the fallback when none is available: still ejected for how long, then failures, then load."""
+        return max(0.0, self.ejected_until - now), self.failures + self.probe_failures, self.outstanding
+
 
 class UpstreamPool:
     """Every model's replicas, one HTTP session for all of them, and the active health prober."""
@@ -96,6 +125,15 @@ class UpstreamPool:
     def available(self, model: str) -> list[Replica]:
         now = time.monotonic()
         return [r for r in self.replicas.get(model, ()) if r.available(now)]
+
+    def candidates(self, model: str) -> list[Replica]:
+        """Where a request may go: the available replicas, else every replica, least bad first (a request is
+        tried rather than refused because the gateway's view of health may be stale)."""
+        available = self.available(model)
+        if available:
+            return available
+        now = time.monotonic()
+        return sorted(self.replicas.get(model, ()), key=lambda r: r.badness(now))
 
     def all(self) -> list[Replica]:
         return [r for replicas in self.replicas.values() for r in replicas]
@@ -152,12 +190,15 @@ class UpstreamPool:
         try:
             async with self.session.get(replica.url + replica.health_path, headers=auth_headers(replica),
                                         timeout=aiohttp.ClientTimeout(total=self.config.health.timeout)) as r:
-                ready = r.status == 200
+                status: int | None = r.status
         except (aiohttp.ClientError, TimeoutError, OSError):
-            ready = False
-        if ready != replica.ready:
-            logger.warning("replica %s of %s is %s", replica.url, replica.model, "ready" if ready else "NOT ready")
-        replica.ready = ready
+            status = None
+        was = replica.ready
+        replica.probed(status, self.config.health)
+        if replica.ready != was:
+            logger.warning("replica %s of %s is %s (probe: %s)", replica.url, replica.model,
+                           "ready" if replica.ready else "NOT ready",
+                           status if status is not None else f"{replica.probe_failures} without an answer")
 
 
 def auth_headers(replica: Replica) -> dict[str, str]:

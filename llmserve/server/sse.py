@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TypeVar
 
 from fastapi import Request
@@ -34,18 +34,24 @@ class SSEResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncGenerator[bytes, None], headers: dict[str, str] | None = None) -> None:
+    def __init__(self, events: AsyncGenerator[bytes, None], headers: dict[str, str] | None = None,
+                 on_close: Callable[[], None] | None = None) -> None:
         self.status_code = 200
         self.background = None
         self.events = events
+        self.on_close = on_close  # runs however the response ends, even where `events` never started
         self.init_headers({**SSE_HEADERS, **(headers or {})})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        writer = asyncio.ensure_future(self._write(send))
-        await _cancel_on_disconnect(writer, receive)
-        if not writer.cancelled():
-            writer.result()  # a failure to send raises here, for the server to log
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            writer = asyncio.ensure_future(self._write(send))
+            await _cancel_on_disconnect(writer, receive)
+            if not writer.cancelled():
+                writer.result()  # a failure to send raises here, for the server to log
+        finally:
+            if self.on_close is not None:
+                self.on_close()
 
     async def _write(self, send: Send) -> None:
         try:

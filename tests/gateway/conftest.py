@@ -67,6 +67,7 @@ class GatewayProcess:
         folder.mkdir(parents=True, exist_ok=True)
         self.config_path = folder / f"gateway-{self.port}.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
+        self.admin_headers = {"Authorization": f"Bearer {config['admin_key']}"} if config.get("admin_key") else {}
         self.log_path = folder / f"gateway-{self.port}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         cmd = [sys.executable, "-m", "llmserve.cli", "gateway", "--config", str(self.config_path), "--port",
@@ -87,7 +88,8 @@ class GatewayProcess:
     def metrics(self) -> dict[str, float]:
         """llmserve:gateway_* samples, keyed by name and labels."""
         out: dict[str, float] = {}
-        for family in text_string_to_metric_families(httpx.get(f"{self.base}/metrics", timeout=10).text):
+        for family in text_string_to_metric_families(httpx.get(f"{self.base}/metrics", timeout=10,
+                                                                        headers=self.admin_headers).text):
             for s in family.samples:
                 if s.name.startswith("llmserve:gateway_"):
                     labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))

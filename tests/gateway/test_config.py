@@ -26,6 +26,25 @@ retries: 1
     assert (config.cache.ttl, config.cache.semantic, config.retries) == (30.0, True, 1)
 
 
+def test_each_key_has_its_own_namespace_unless_keys_share_one_by_name(tmp_path, monkeypatch):
+    monkeypatch.setenv("ADMIN", "admin-secret")
+    path = tmp_path / "gw.yaml"
+    path.write_text("""
+models: {m: {upstreams: [http://a]}}
+keys: [{key: kc}, {key: kd}, {key: k1, namespace: team}, {key: k2, namespace: team}]
+admin_key_env: ADMIN
+""")
+    config = load_config(path)
+    table = config.key_table()
+    assert table["kc"].namespace != table["kd"].namespace  # named by a digest, never by the key itself
+    assert all("kc" not in table[k].namespace for k in ("kc", "kd"))
+    assert table["k1"].namespace == table["k2"].namespace == "team"
+    assert config.shared_namespaces() == {"team": 2}
+    assert config.admin_key == "admin-secret" and config.admin_protected
+    assert not load_config(path, open_admin=True).admin_protected
+    assert not load_config(None, models={"m": parse_upstream("m=http://a")}).admin_protected  # no keys: open
+
+
 @pytest.mark.parametrize("text, message", [
     ("models: {m: {upstreams: [http://a]}}\nbogus: 1", "unknown gateway setting"),
     ("models: {m: {upstreams: [http://a], weight: 2}}", "models.m: unknown setting"),

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
+import time
 
 import httpx
 import openai
 import pytest
 
-from tests.gateway.conftest import MODEL, GatewayProcess, RedisProcess, gateway_config
+from tests.gateway.conftest import MODEL, GatewayProcess, RedisProcess, free_port, gateway_config
 from tests.server.conftest import ServerProcess
 from tests.structured_output.test_constrained_decoding import FAILS_LATER
 
@@ -256,6 +258,7 @@ def test_every_answer_reports_its_cost_and_the_metrics_add_it_up(tmp_path, repli
     config = gateway_config(urls(replicas))
     config["models"][MODEL]["price"] = price
     config["keys"] = [{"key": "team-key", "namespace": "team"}]
+    config["admin_key"] = "admin-key"
     gw = GatewayProcess(tmp_path, config)
 
     def expected(usage) -> float:
@@ -316,7 +319,8 @@ def test_responses_continue_on_the_replica_that_stored_them_for_their_own_key(tm
     continues (else half would be 404), streamed or not; another key can neither continue nor read it."""
     price = {"input_per_million": 150.0, "output_per_million": 600.0}
     config = gateway_config(urls(replicas), balancing="round_robin",
-                            keys=[{"key": "key-a", "namespace": "team-a"}, {"key": "key-b", "namespace": "team-b"}])
+                            keys=[{"key": "key-a", "namespace": "team-a"}, {"key": "key-b", "namespace": "team-b"}],
+                            admin_key="admin-key")
     config["models"][MODEL]["price"] = price
     gw = GatewayProcess(tmp_path, config)
     try:
@@ -346,5 +350,123 @@ def test_responses_continue_on_the_replica_that_stored_them_for_their_own_key(tm
                 + usage.output_tokens * price["output_per_million"]) / 1e6
         assert gw.total("llmserve:gateway_cost_dollars_total") > cost
         assert gw.total("llmserve:gateway_cache_lookups_total") == 0
+    finally:
+        gw.stop()
+
+
+PIN = "My bank PIN is 4417 and my name is Carol Diaz. "
+SECRETS = {  # each key's own question and its rewording (cosine above 0.92)
+    "kc": (PIN + "What is the capital of France?", PIN + "Which city is the capital of France?"),
+    "kd": ("My card ends in 9921 and I am Dan Reyes. How do I reset my online banking password?",
+           "My card ends in 9921 and I am Dan Reyes. How can I reset my online banking password?"),
+}
+
+
+def test_keys_never_get_each_others_cached_answers_unless_they_share_on_purpose(tmp_path, replicas):
+    """Two keys from flags, with the semantic cache on: each key's answer, exact or reworded, stays its own, both
+    ways; within one key, two end users (`user`) stay apart too; keys that name one namespace share it."""
+    config = gateway_config(urls(replicas), cache={"semantic": True, "semantic_threshold": 0.92},
+                            keys=[{"key": "k1", "namespace": "team"}, {"key": "k2", "namespace": "team"}])
+    gw = GatewayProcess(tmp_path, config, "--api-key", "kc", "--api-key", "kd", "--api-key", "ke")
+    question = [{"role": "user", "content": SECRETS["kc"][0]}]
+    reworded = [{"role": "user", "content": SECRETS["kc"][1]}]
+    try:
+        # a probe's own miss is cached in its own namespace: the reworded probe comes from a third key, so that
+        # it cannot meet the exact probe's answer
+        for owner, other in (("kc", "kd"), ("kd", "kc")):
+            mine, mine_reworded = ([{"role": "user", "content": text}] for text in SECRETS[owner])
+            text, kind = ask(client(gw, owner), messages=mine)
+            assert kind == "miss"
+            assert ask(client(gw, owner), messages=mine) == (text, "hit")
+            assert ask(client(gw, owner), messages=mine_reworded) == (text, "semantic")  # the cache works
+            assert ask(client(gw, other), messages=mine)[1] == "miss"
+            assert ask(client(gw, "ke"), messages=mine_reworded)[1] == "miss"
+        # one key, two end users
+        text, _ = ask(client(gw, "kc"), messages=question, user="carol")
+        assert ask(client(gw, "kc"), messages=question, user="carol") == (text, "hit")
+        assert ask(client(gw, "kc"), messages=question, user="dan")[1] == "miss"
+        assert ask(client(gw, "kc"), messages=reworded, user="erin")[1] == "miss"
+        # a namespace named by two keys is shared, and the log says so at start-up
+        text, _ = ask(client(gw, "k1"), messages=question)
+        assert ask(client(gw, "k2"), messages=question) == (text, "hit")
+        assert "namespace 'team' is shared on purpose by 2 keys" in gw.log()
+    finally:
+        gw.stop()
+
+
+ADMIN_PATHS = ("/dashboard", "/dashboard/data", "/metrics", "/docs", "/openapi.json")
+
+
+def test_admin_pages_need_the_admin_key_once_keys_are_set(tmp_path, replicas, gateway):
+    for path in ADMIN_PATHS:  # no keys: a local gateway, open
+        assert httpx.get(gateway.base + path, timeout=10).status_code == 200, path
+    config = gateway_config(urls(replicas), keys=[{"key": "tenant"}], admin_key="admin-secret")
+    gw = GatewayProcess(tmp_path / "admin", config)
+    closed = GatewayProcess(tmp_path / "closed", gateway_config(urls(replicas), keys=[{"key": "tenant"}]))
+    try:
+        basic = "Basic " + base64.b64encode(b"anyone:admin-secret").decode()
+        for path in ADMIN_PATHS:
+            none = httpx.get(gw.base + path, timeout=10)
+            assert none.status_code == 401 and "Basic" in none.headers["www-authenticate"], path
+            assert none.json()["error"]["message"] == "the admin pages need the admin key"
+            tenant = httpx.get(gw.base + path, headers={"Authorization": "Bearer tenant"}, timeout=10)
+            assert tenant.status_code == 403, path
+            for auth in ("Bearer admin-secret", basic):
+                assert httpx.get(gw.base + path, headers={"Authorization": auth}, timeout=10).status_code == 200
+            shut = httpx.get(closed.base + path, headers={"Authorization": "Bearer tenant"}, timeout=10)
+            assert shut.status_code == 403 and "admin key" in shut.json()["error"]["message"], path
+        # the API itself is the tenants': the admin key is not one of theirs
+        assert ask(client(gw, "tenant"))[0]
+        with pytest.raises(openai.AuthenticationError):
+            ask(client(gw, "admin-secret"))
+        assert httpx.get(gw.base + "/health", timeout=10).status_code == 200  # probes carry no key
+    finally:
+        gw.stop()
+        closed.stop()
+
+
+def test_probes_that_time_out_do_not_refuse_traffic_the_replica_serves(tmp_path, replicas):
+    """Every probe times out (a 1 ms budget), as one does under a full batch: the replica still gets the
+    requests and answers them, none refused with 503."""
+    config = gateway_config(urls(replicas[:1]))
+    config["health"] = {"interval": 0.2, "timeout": 0.001}
+    gw = GatewayProcess(tmp_path, config)
+    try:
+        c = client(gw)
+        for i in range(6):
+            text, _ = ask(c, messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=4)
+            assert text
+            time.sleep(0.3)  # probes keep failing in between
+        assert "NOT ready" in gw.log() or gw.total("llmserve:gateway_replica_healthy") == 0
+        assert gw.total("llmserve:gateway_requests_total") == 6
+    finally:
+        gw.stop()
+
+
+def test_outstanding_requests_return_to_zero_on_every_way_out(tmp_path, replicas):
+    """Success, an upstream's 400, a retry off a dead replica, a client gone before the first byte (streamed or
+    not) and one gone after it: each gives back its replica's slot."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    gw = GatewayProcess(tmp_path, gateway_config([*urls(replicas[:1]), dead], balancing="round_robin",
+                                                 cache={"exact": False}))
+    body = {"model": MODEL, "messages": QUESTION, "temperature": 0}
+    try:
+        c = client(gw)
+        for _ in range(2):  # round robin: one of each pair meets the dead replica first and is retried
+            assert ask(c, max_tokens=4)[0]
+            assert ask(c, stream=True, max_tokens=4)[0]
+        with pytest.raises(openai.BadRequestError):
+            c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=-1)
+        for stream in (False, True):  # gone before the first byte: a long answer, a short client timeout
+            with pytest.raises(httpx.TimeoutException):
+                httpx.post(f"{gw.base}/v1/chat/completions", json={**body, "max_tokens": 400, "stream": stream,
+                                                                   "ignore_eos": True}, timeout=0.3).read()
+        with httpx.stream("POST", f"{gw.base}/v1/chat/completions", timeout=60,  # gone after the first byte
+                          json={**body, "max_tokens": 400, "stream": True, "ignore_eos": True}) as r:
+            next(r.iter_lines())
+        deadline = time.monotonic() + 30
+        while gw.total("llmserve:gateway_replica_outstanding_requests") != 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert gw.total("llmserve:gateway_replica_outstanding_requests") == 0, gw.metrics()
     finally:
         gw.stop()

@@ -1,9 +1,10 @@
 """What a cached answer is keyed by.
 
 The exact key is a digest of everything that can change the answer: the caller's namespace, the route, the
-model, the messages or prompt, and every parameter but the few that only change how it is delivered
-(`stream`, `stream_options`, `user`). Unknown fields stay in the key: a parameter we have not heard of may
-well change the output.
+model, the messages or prompt, and every parameter but the two that only change how it is delivered
+(`stream`, `stream_options`). Unknown fields stay in the key: a parameter we have not heard of may well
+change the output. OpenAI's `user` (the application's end user) stays in it too: one end user's answer, and
+what its question said, is never replayed to another, exactly or by meaning.
 
 The semantic scope is the same digest without the last user message: a semantic hit must agree exactly on
 the model, the system prompt, every earlier turn and every parameter, and only the last user message is
@@ -19,7 +20,7 @@ from typing import Any
 import orjson
 
 # delivery-only fields: the same answer whatever their value
-_DELIVERY_FIELDS = frozenset({"stream", "stream_options", "user"})
+_DELIVERY_FIELDS = frozenset({"stream", "stream_options"})
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,10 @@ def body(**kw) -> dict:
 
 def test_delivery_fields_do_not_change_the_key_and_everything_else_does():
     base = cache_keys("ns", "chat", body())
-    assert cache_keys("ns", "chat", body(stream=True, stream_options={"include_usage": True}, user="u")) == base
+    assert cache_keys("ns", "chat", body(stream=True, stream_options={"include_usage": True})) == base
+    # another end user (OpenAI's `user`) is another key and another semantic scope: nothing crosses between them
+    carol, dan = cache_keys("ns", "chat", body(user="carol")), cache_keys("ns", "chat", body(user="dan"))
+    assert len({base.exact, carol.exact, dan.exact}) == 3 and len({base.scope, carol.scope, dan.scope}) == 3
     for change in ({"max_tokens": 5}, {"top_p": 0.5}, {"seed": 1}, {"some_new_param": 1}, {"model": "other"}):
         assert cache_keys("ns", "chat", body(**change)).exact != base.exact
     assert cache_keys("other-ns", "chat", body()).exact != base.exact
