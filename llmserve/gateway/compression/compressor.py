@@ -80,7 +80,7 @@ class Compressor:
         if policy.scorer not in self.models:
             raise APIError(400, f"compress.scorer: {policy.scorer!r} is not a model of this gateway",
                            param="compress")
-        found = split(route, body)
+        found = split(route, body, policy.context)
         if isinstance(found, Refusal):
             return Compression(body, policy, refusal=found)
         estimate = sum(len(p.text) for p in found.parts) // CHARS_PER_TOKEN

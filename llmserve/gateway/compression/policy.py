@@ -6,6 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+# what may be compressed: the material before the question in the last user message (a pasted or retrieved
+# document), earlier user and assistant turns, and system / developer messages (the operator's instructions)
+CONTEXTS = ("documents", "turns", "system")
+
 
 @dataclass(frozen=True)
 class CompressPolicy:
@@ -13,6 +17,8 @@ class CompressPolicy:
     rate: float = 0.6  # keep at most this share of the context's tokens (the question and protected spans count)
     min_tokens: int = 400  # a context shorter than this (scorer tokens) is sent as it is: not worth a scorer call
     keep_question_words: bool = True  # keep the question's content words wherever the context has them
+    # instructions are never compressed unless named: a dropped "not" in a system prompt changes the rule
+    context: tuple[str, ...] = ("documents", "turns")
 
     def __post_init__(self) -> None:
         if isinstance(self.rate, bool) or not isinstance(self.rate, int | float) or not 0.0 < self.rate <= 1.0:
@@ -23,6 +29,10 @@ class CompressPolicy:
             raise ValueError("scorer must be a model name")
         if not isinstance(self.keep_question_words, bool):
             raise ValueError("keep_question_words must be true or false")
+        context = (self.context,) if isinstance(self.context, str) else self.context
+        if not isinstance(context, list | tuple) or not context or not set(context) <= set(CONTEXTS):
+            raise ValueError(f"context must name some of {', '.join(CONTEXTS)}, not {self.context!r}")
+        object.__setattr__(self, "context", tuple(context))  # a YAML or JSON list
 
     @classmethod
     def from_config(cls, raw: dict[str, Any], where: str) -> CompressPolicy:

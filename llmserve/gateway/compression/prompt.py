@@ -6,7 +6,9 @@ while it is only a cue ("Answer:") or short without a '?' or an instruction (so 
 stays whole). Long-context prompts put the ask after the material (LongBench, RAG templates, a pasted document
 then "summarise this"); a message of one paragraph is all question. Everything before it (system prompts and
 their documents, earlier turns, the pasted material) is context. Tool results and non-text parts are left as
-they are: they are data.
+they are: they are data. Of the context, only what the policy names is compressed: by default the documents (the
+material before the question) and earlier turns; system and developer messages, the operator's instructions, only
+when the policy names `system`.
 
 Refused, sent unchanged with a reason: code the user asks to edit (the model must see every token of it, and
 the prose around it carries the requirements), JSON (one dropped token and it no longer parses), and a request
@@ -23,7 +25,8 @@ import orjson
 
 from llmserve.gateway.compression.protect import FENCE, code_lines, instruction_spans
 
-_CONTEXT_ROLES = frozenset({"system", "developer", "user", "assistant"})
+_ROLE_CONTEXT = {"system": "system", "developer": "system", "user": "turns", "assistant": "turns"}
+DEFAULT_CONTEXT = ("documents", "turns")
 _PARAGRAPH = re.compile(r"\n[ \t]*\n")
 _EDIT = re.compile(r"\b(?:fix|edit|change|modify|refactor|rewrite|update|improve|optimi[sz]e|debug|rename|add|remove|"
                    r"delete|implement|complete|convert|port|patch|correct|clean up|extend|migrate|replace|simplify)\b",
@@ -56,15 +59,16 @@ class Prompt:
     question: str
 
 
-def split(route: str, body: dict[str, Any]) -> Prompt | Refusal:
-    """The request's compressible context and its question, or why it must not be compressed."""
+def split(route: str, body: dict[str, Any], context: tuple[str, ...] = DEFAULT_CONTEXT) -> Prompt | Refusal:
+    """The request's compressible context (the kinds `context` names) and its question, or why it must not be
+    compressed."""
     if route == "chat":
-        found = _split_chat(body.get("messages"))
+        found = _split_chat(body.get("messages"), context)
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             return Refusal("not_text", "the prompt is not one string")
-        start = question_start(prompt)
+        start = question_start(prompt) if "documents" in context else 0
         found = ((Part(None, 0, start, prompt[:start]),) if start else ()), prompt[start:], [prompt]
     if isinstance(found, Refusal):
         return found
@@ -76,7 +80,7 @@ def split(route: str, body: dict[str, Any]) -> Prompt | Refusal:
             where = "the prompt" if part.message is None else f"message {part.message}"
             return Refusal("structured", f"{where} is JSON")
     if not any(p.text.strip() for p in parts):
-        return Refusal("no_context", "nothing before the question to compress")
+        return Refusal("no_context", f"nothing of {' or '.join(context)} before the question to compress")
     return Prompt(parts, question)
 
 
@@ -117,7 +121,7 @@ def replace(body: dict[str, Any], parts: tuple[Part, ...], texts: list[str]) -> 
     return body
 
 
-def _split_chat(messages: Any) -> tuple[tuple[Part, ...], str, list[str]] | Refusal:
+def _split_chat(messages: Any, context: tuple[str, ...]) -> tuple[tuple[Part, ...], str, list[str]] | Refusal:
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         return Refusal("not_text", "messages is not a list of objects")
     users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
@@ -126,11 +130,11 @@ def _split_chat(messages: Any) -> tuple[tuple[Part, ...], str, list[str]] | Refu
     last = users[-1]
     texts = [m["content"] for m in messages if isinstance(m.get("content"), str)]
     parts = [Part(i, 0, len(m["content"]), m["content"]) for i, m in enumerate(messages[:last])
-             if m.get("role") in _CONTEXT_ROLES and isinstance(m.get("content"), str) and m["content"]]
+             if _ROLE_CONTEXT.get(m.get("role")) in context and isinstance(m.get("content"), str) and m["content"]]
     content = messages[last].get("content")
     if not isinstance(content, str):
         return tuple(parts), _text_of(content), texts
-    start = question_start(content)
+    start = question_start(content) if "documents" in context else 0
     if start:
         parts.append(Part(last, 0, start, content[:start]))
     return tuple(parts), content[start:], texts

@@ -84,3 +84,35 @@ def test_long_contexts_are_scored_in_windows_cut_at_whitespace():
     assert len(windows) == 3 and windows[0][0] == 0 and windows[-1][1] == len(text)
     assert all(a[1] == b[0] and text[b[0]] == " " for a, b in zip(windows, windows[1:], strict=False))
     assert all(e - s <= WINDOW_CHARS for s, e in windows)
+
+
+# An operator's system prompt of 1,102 characters: rules whose every word can matter
+POLICY_PROMPT = " ".join([
+    "You are the support assistant of Harbor & Pine, an online store for outdoor furniture.",
+    "Refunds are granted within 30 days of delivery when the item is unused and in its original packaging.",
+    "Shipping costs are not refundable unless the item arrived damaged.",
+    "Customers must send a photo of the damage within 7 days of delivery for a damaged-item claim.",
+    "Never promise a refund before the claim is approved by a human agent.",
+    "Do not share other customers' orders, addresses or payment details under any circumstances.",
+    "If a customer asks about an order, ask for the order number and the email address used at checkout.",
+    "Orders over $500 ship by freight; freight deliveries must be scheduled by phone with the carrier.",
+    "Assembly is not included in the price, except for the Premium collection, which is assembled on delivery.",
+    "Gift cards cannot be exchanged for cash and expire 24 months after purchase.",
+    "Answer politely and briefly, in the customer's language, and end with the ticket number if one exists.",
+    "Escalate to a human agent when the customer is angry, mentions a lawyer, or asks three times for the same.",
+])
+
+
+def test_the_system_prompt_is_never_compressed_unless_the_policy_names_it(compressor):
+    """What compression may drop is the documents and earlier turns: a system prompt, the operator's rules, goes
+    up whole (dropping "are", "refundable" and "item" once turned a rule into its opposite)."""
+    assert len(POLICY_PROMPT) > 1000
+    body = {"model": MODEL, "messages": [{"role": "system", "content": POLICY_PROMPT},
+                                         {"role": "user", "content": PASSAGE + "\n\n" + QUESTION}]}
+    kept = asyncio.run(compressor.apply("chat", body, CompressPolicy(scorer=MODEL, rate=0.4, min_tokens=100)))
+    assert kept.refusal is None and kept.after < kept.before
+    assert kept.body["messages"][0]["content"] == POLICY_PROMPT
+    assert len(kept.body["messages"][1]["content"]) < len(body["messages"][1]["content"])
+    named = CompressPolicy(scorer=MODEL, rate=0.4, min_tokens=100, context=("documents", "turns", "system"))
+    squeezed = asyncio.run(compressor.apply("chat", body, named))
+    assert len(squeezed.body["messages"][0]["content"]) < len(POLICY_PROMPT)  # only when named

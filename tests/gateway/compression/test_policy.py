@@ -13,7 +13,10 @@ def test_a_request_changes_the_models_policy():
     assert request_policy(model, True) is model
     assert request_policy(None, True) == CompressPolicy()  # no scorer: the compressor says so
     assert request_policy(model, {"rate": 0.3}) == CompressPolicy(scorer="small", rate=0.3, min_tokens=400)
-    for bad in ({"rate": 0}, {"rate": 1.5}, {"rate": "half"}, {"min_tokens": -1}, {"speed": 2}, "yes", 3):
+    assert model.context == ("documents", "turns")  # instructions are not compressed unless named
+    assert request_policy(model, {"context": ["documents", "system"]}).context == ("documents", "system")
+    for bad in ({"rate": 0}, {"rate": 1.5}, {"rate": "half"}, {"min_tokens": -1}, {"speed": 2}, "yes", 3,
+                {"context": []}, {"context": ["tools"]}):
         with pytest.raises(ValueError):
             request_policy(model, bad)
 

@@ -14,8 +14,12 @@ def test_the_question_is_the_last_paragraph_of_the_last_user_message():
     found = split("chat", body)
     assert isinstance(found, Prompt)
     assert found.question == "Where is the river?"
-    assert [p.message for p in found.parts] == [0, 1, 2, 4]  # the tool result is data: left alone
+    assert [p.message for p in found.parts] == [1, 2, 4]  # the system prompt is instructions, the tool result data
     assert found.parts[-1].text == DOC + "\n\n"
+    assert [p.message for p in split("chat", body, ("turns",)).parts] == [1, 2]  # only what the policy names
+    assert [p.message for p in split("chat", body, ("documents",)).parts] == [4]
+    found = split("chat", body, ("documents", "turns", "system"))
+    assert [p.message for p in found.parts] == [0, 1, 2, 4]
     new = replace(body, found.parts, ["S", "U", "A", "C"])
     assert [m["content"] for m in new["messages"]] == ["S", "U", "A", "{\"result\": 1}", "CWhere is the river?"]
     assert body["messages"][0]["content"].startswith("You are helpful.")  # the caller's body is untouched
@@ -47,8 +51,10 @@ def test_code_the_user_asks_to_edit_is_refused():
 
 
 def test_json_context_and_a_lone_question_are_refused():
-    refusal = split("chat", {"messages": [{"role": "system", "content": '{"users": [{"id": 1}]}'},
+    refusal = split("chat", {"messages": [{"role": "user", "content": '{"users": [{"id": 1}]}'},
                                           {"role": "user", "content": "How many users?"}]})
     assert refusal == Refusal("structured", "message 0 is JSON")
+    assert split("chat", {"messages": [{"role": "system", "content": DOC},  # instructions are not context
+                                       {"role": "user", "content": "Where is the river?"}]}).code == "no_context"
     assert split("chat", {"messages": [{"role": "user", "content": "Just a question?"}]}).code == "no_context"
     assert split("chat", {"messages": [{"role": "assistant", "content": "hi"}]}).code == "no_context"
