@@ -129,6 +129,19 @@ def test_gateway(tmp_path: Path) -> None:
     assert "| learned |" in (tmp_path / "routing.md").read_text() and "| length |" in out
 
 
+def test_gateway_soak(tmp_path: Path) -> None:
+    """Two replicas and Redis behind the gateway, with Redis stopped and a replica killed mid-run: every request
+    that had not started streaming is answered, and nothing is left outstanding at the end."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (.ci/run installs it)")
+    run("gateway_soak.py", "--minutes", "0.5", "--smoke", "--port", str(free_ports(4)), "--out-dir", str(tmp_path),
+        timeout=300)
+    doc = json.loads((tmp_path / "soak.json").read_text())
+    assert doc["outcomes"]["ok"] > 0 and "failed_before_stream" not in doc["outcomes"], doc["outcomes"]
+    assert doc["end"]["outstanding"] == 0 and [e["event"] for e in doc["events"]][-1] == "replica 1 ready again"
+    assert (tmp_path / "soak.png").is_file() and "| total |" in (tmp_path / "soak.md").read_text()
+
+
 def test_structured_outputs(tmp_path: Path) -> None:
     run("structured_outputs.py", "--parts", "masks", "--tokenizers", "smollm2-135m", "--schemas", "plain",
         "--out-dir", str(tmp_path))
