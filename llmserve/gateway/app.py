@@ -456,14 +456,15 @@ class Gateway:
                 event = await anext(events, None)
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             self._failed(replica, _UpstreamFailed(f"stream broken: {type(e).__name__}"))
-            yield APIError(502, f"the upstream stream broke ({type(e).__name__})", code="upstream_error").sse_event()
-            yield SSE_DONE
+            for event in _stream_error(call.route, APIError(502, f"the upstream stream broke ({type(e).__name__})",
+                                                            code="upstream_error")):
+                yield event
             return
         finally:
             lease.release(clean=done)  # else aborts the upstream request (a client that left, a broken stream)
-        self._failed(replica, _UpstreamFailed("stream ended without [DONE]"))
-        yield APIError(502, "the upstream stream ended early", code="upstream_error").sse_event()
-        yield SSE_DONE
+        self._failed(replica, _UpstreamFailed("stream ended without its last event"))
+        for event in _stream_error(call.route, APIError(502, "the upstream stream ended early", code="upstream_error")):
+            yield event
 
     async def _response_event(self, call: _Call, replica: Replica, assembler: StreamAssembler, event: bytes,
                               sent: float) -> bool:
@@ -622,6 +623,15 @@ async def _sse_events(response: aiohttp.ClientResponse) -> AsyncGenerator[bytes,
             lines = []
     if lines:
         yield b"\n".join(lines) + b"\n\n"
+
+
+def _stream_error(route: str, error: APIError) -> list[bytes]:
+    """A stream's failure as its own protocol says it: the Responses API's `error` event, else the error
+    envelope as an event and [DONE]."""
+    if route == "responses":
+        return [b"event: error\ndata: " + orjson.dumps({"type": "error", "code": error.code, "message": error.message,
+                                                        "param": error.param}) + b"\n\n"]
+    return [error.sse_event(), SSE_DONE]
 
 
 async def _iterate(items: list[bytes]) -> AsyncGenerator[bytes, None]:

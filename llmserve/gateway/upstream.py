@@ -8,8 +8,9 @@ probe that passed. Passive health: `eject_after` consecutive failures (connectio
 it for `eject_seconds`; after that one trial request is let through (half-open): success puts it back, failure
 ejects it again for twice as long (up to a minute). A success resets the count.
 
-When no replica of a model is available, requests go to the least bad one rather than being refused: the one
-that failed least recently counts, and a replica that is really gone fails fast and is retried elsewhere.
+When no replica of a model is available, requests go to the least bad one rather than being refused (the
+shortest ejection left, then the fewest failures): the gateway's view of health may be stale, and a replica that
+is really gone fails fast and the request is retried on the next.
 """
 
 from __future__ import annotations
