@@ -63,6 +63,10 @@ KEY_NOTES: dict[str, dict[str, str]] = {
         "max_request_body_bytes": "larger request bodies get 413",
         "prefix_balance_slack": "`prefix_aware`: requests in flight a warm replica may carry above the least "
                                 "loaded one before it is passed over",
+        "admin_key": "the key `/dashboard`, `/metrics` and `/docs` need once `keys` are set (better: "
+                     "`admin_key_env`); none: those pages are closed while keys are set",
+        "admin_key_env": "instead of `admin_key`: an environment variable holding it, read at start",
+        "open_admin": "`true`: the admin pages open to anyone even while keys are set, on purpose",
     },
     "ModelRoute": {
         "upstreams": "base URLs of the OpenAI-compatible servers (replicas) that serve this model",
@@ -81,6 +85,9 @@ KEY_NOTES: dict[str, dict[str, str]] = {
         "rate": "keep at most this share of the context's tokens",
         "min_tokens": "a context shorter than this (scorer tokens) is sent as it is",
         "keep_question_words": "keep the question's content words wherever the context has them",
+        "context": "what may be compressed: `documents` (the material before the question in the last user "
+                   "message), `turns` (earlier user and assistant messages), `system` (system and developer "
+                   "prompts: the operator's instructions, only when named)",
     },
     "RouterConfig": {
         "weak": "a model of `models:`, the cheap one",
@@ -96,8 +103,8 @@ KEY_NOTES: dict[str, dict[str, str]] = {
     "APIKey": {
         "key": "the key callers send as `Authorization: Bearer KEY`",
         "key_env": "instead of `key`: an environment variable holding it, read at start",
-        "namespace": "the caller's namespace: cached answers never cross namespaces; cost metrics are labelled "
-                     "with it",
+        "namespace": "the caller's namespace: cached answers never cross namespaces; limits and cost metrics are "
+                     "kept per namespace; none: one of its own (keys share only a namespace they name)",
         "requests_per_minute": "requests this key may send in a sliding minute (429 with `Retry-After` past it)",
         "tokens_per_minute": "tokens (prompt + completion) this key may spend in a sliding minute",
     },
@@ -114,6 +121,8 @@ KEY_NOTES: dict[str, dict[str, str]] = {
         "interval": "seconds between active probes of each replica",
         "timeout": "seconds a probe may take",
         "eject_after": "consecutive failures (connection errors, timeouts, 5xx) that eject a replica",
+        "down_after": "consecutive probes without an answer (timeout, refused) that mark a replica not ready; a "
+                      "non-200 answer does at once",
         "eject_seconds": "the first ejection; it doubles at each failed trial request, up to 60 s",
     },
 }
@@ -315,7 +324,8 @@ def _gateway_file() -> list[str]:
            "A YAML file of these sections (`llmserve/gateway/config.py`). An unknown key anywhere is refused at",
            "start with its place named. The example in the module's docstring:", "",
            "```yaml", example, "```", "",
-           "### Top level", "", *_key_table(gw.GatewayConfig, sections=("cache", "health")),
+           "### Top level", "", *_key_table(gw.GatewayConfig, sections=("cache", "health"),
+                                            extra={"admin_key_env": ("str | None", None)}),
            "### `models.NAME`", "",
            "`NAME` is the model name clients send. `upstreams` may be one URL or a list.", "",
            *_key_table(gw.ModelRoute, skip=("name", "api_key"), extra={"api_key_env": ("str | None", None)},
@@ -340,7 +350,7 @@ def _gateway_file() -> list[str]:
     return out
 
 
-_GATEWAY_EXTRA_NOTES = {"api_key_env": "ModelRoute", "key_env": "APIKey"}
+_GATEWAY_EXTRA_NOTES = {"api_key_env": "ModelRoute", "key_env": "APIKey", "admin_key_env": "GatewayConfig"}
 
 
 def _key_table(cls: type, skip: tuple[str, ...] = (), extra: dict[str, tuple[str, Any]] | None = None,
