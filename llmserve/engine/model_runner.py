@@ -28,7 +28,8 @@ from llmserve.layers.attention import ATTENTION_BACKENDS, attention_metadata
 from llmserve.layers.linear import prepack_linears
 from llmserve.layers.sampler import SamplingMetadata, sample
 from llmserve.loader import Checkpoint, build_model
-from llmserve.models.llama import LayerMethods, compile_layers, fused_decode_stack
+from llmserve.models.decoder import LayerMethods, compile_layers
+from llmserve.models.fused_stack import fused_decode_stack
 from llmserve.quantization.weight_arena import place_on_huge_pages
 from llmserve.quantization.weight_only import quantize_model
 from llmserve.sampling_params import SamplingParams

@@ -99,7 +99,7 @@ def load_cpu_kernels() -> bool:
 
     # shapes for torch.compile, which keeps both ops inside its graphs
     @torch.library.register_fake("llmserve::paged_decode_attention")
-    def _(q, k_cache, v_cache, block_table, context_lens, scale):
+    def _(q, k_cache, v_cache, block_table, context_lens, scale, window=0):
         return torch.empty_like(q)
 
     @torch.library.register_fake("llmserve::write_kv")

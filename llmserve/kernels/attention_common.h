@@ -28,14 +28,29 @@ namespace attention {
 bool is_quantized_cache(const at::Tensor& cache);
 int64_t cache_head_dim(const at::Tensor& cache);
 at::Tensor decode_quantized(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& block_table, const at::Tensor& context_lens, double scale);
+                            const at::Tensor& block_table, const at::Tensor& context_lens, double scale,
+                            int64_t window);
 // `paged_decode_attention` into a caller's output (contiguous, q's shape and dtype): the op's checks and kernels
-// without the dispatcher's call and the output's allocation (the decode stack's step buffer, decode_layer.cpp)
+// without the dispatcher's call and the output's allocation (the decode stack's step buffer, decode_layer.cpp).
+// `window`: as the op's (0: the whole context).
 void decode_attention_out(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                          const at::Tensor& block_table, const at::Tensor& context_lens, double scale, at::Tensor& out);
+                          const at::Tensor& block_table, const at::Tensor& context_lens, double scale, at::Tensor& out,
+                          int64_t window = 0);
 // k, v [rows, head_dim] (contiguous) quantized into the caches' rows `slots` (checked by the caller)
 void write_quantized(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
                      const int64_t* slots, int64_t rows);
+
+// Sliding-window attention (`window` > 0, transformers' semantics): the query at position len - 1 attends the
+// keys at positions p with len - 1 - window < p <= len - 1, the context's last `window` tokens; 0: all of them.
+inline int64_t window_start(int64_t len, int64_t window) { return window > 0 && len > window ? len - window : 0; }
+
+// Where the split kernels start reading a windowed context: the window's start rounded down to a multiple of 16 (their
+// parts and 16-token runs start at one: the AMX score tiles need it), but never into an earlier block (blocks that
+// left the window need not be valid). The tokens read before the window get probability 0 (`PartTask::skip`).
+inline int64_t read_start(int64_t len, int64_t window, int64_t block_size) {
+  const int64_t start = window_start(len, window);
+  return start ? std::max(start & ~int64_t{15}, start - start % block_size) : 0;
+}
 
 inline float to_float(float x) { return x; }
 inline float to_float(double x) { return static_cast<float>(x); }
@@ -188,8 +203,8 @@ void run_tasks(int64_t num_tasks, const Worker& worker, bool interleaved = false
 // token's score (K) and its probability (V).
 template <typename T, typename Row, typename ReadRow>
 void decode_portable(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                     const at::Tensor& block_table, const at::Tensor& context_lens, double scale, at::Tensor& out,
-                     const ReadRow& read_row) {
+                     const at::Tensor& block_table, const at::Tensor& context_lens, double scale, int64_t window,
+                     at::Tensor& out, const ReadRow& read_row) {
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2), width = k_cache.size(3);
   const int64_t group = num_heads / num_kv_heads, max_blocks = block_table.size(1);
@@ -203,14 +218,15 @@ void decode_portable(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   run_tasks(batch * num_kv_heads, [&](auto next_task) {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), row(head_dim), scores;
     for (int64_t task; (task = next_task()) >= 0;) {
-      const int64_t b = task / num_kv_heads, h = task % num_kv_heads, ctx = lens[b];
+      const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
+      const int64_t first = window_start(lens[b], window), ctx = lens[b] - first;  // the tokens attended
       const int32_t* blocks = table + b * max_blocks;
       for (int64_t g = 0; g < group; ++g)
         for (int64_t d = 0; d < head_dim; ++d)
           qf[g * head_dim + d] = to_float(q_ptr[(b * num_heads + h * group + g) * head_dim + d]) * fscale;
       scores.resize(group * ctx);
       // scores[g, t] = q_g . k_t
-      RowWalker<Row> k_rows(k_ptr, blocks, h, num_kv_heads, block_size, width, 0, ctx);
+      RowWalker<Row> k_rows(k_ptr, blocks, h, num_kv_heads, block_size, width, first, first + ctx);
       for (int64_t t = 0; t < ctx; ++t) {
         const float factor = read_row(k_rows.next(), head_dim, row.data());
         for (int64_t g = 0; g < group; ++g) {
@@ -227,7 +243,7 @@ void decode_portable(const at::Tensor& q, const at::Tensor& k_cache, const at::T
       }
       // acc[g] = sum_t p[g, t] v_t
       std::fill(acc.begin(), acc.end(), 0.f);
-      RowWalker<Row> v_rows(v_ptr, blocks, h, num_kv_heads, block_size, width, 0, ctx);
+      RowWalker<Row> v_rows(v_ptr, blocks, h, num_kv_heads, block_size, width, first, first + ctx);
       for (int64_t t = 0; t < ctx; ++t) {
         const float factor = read_row(v_rows.next(), head_dim, row.data());
         for (int64_t g = 0; g < group; ++g) {
@@ -245,27 +261,30 @@ void decode_portable(const at::Tensor& q, const at::Tensor& k_cache, const at::T
 // Too few (sequence, KV head) tasks to keep every thread busy (a step of one or two requests): each context is
 // split into `parts` of `part_len` tokens (a multiple of 16) whose softmax statistics are merged at the end
 // (flash-decoding). Parts come in a multiple of the threads' count where contexts are long enough, and then the tasks
-// run interleaved (`run_tasks`).
+// run interleaved (`run_tasks`). A windowed context (`window` > 0) is split from its `read_start` on.
 struct ContextSplit {
   int64_t parts, part_len;
   bool interleaved;
+  int64_t window, block_size;
 };
 
-// A decode kernel's entry (q, k_cache, v_cache, block_table, context_lens, scale, out): each vector kernel's
+// A decode kernel's entry (q, k_cache, v_cache, block_table, context_lens, scale, window, out): each vector kernel's
 // compile-time variants (query heads per KV head, head_dim chunks) sit in a table of these, picked at run time.
 using DecodeKernel = void (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                              const at::Tensor&, double, at::Tensor&);
+                              const at::Tensor&, double, int64_t, at::Tensor&);
 
 // One task of a split: sequence b's KV head h over tokens [first, first + ctx). `ctx` is 0 for a short context's
-// later parts: such a task writes `empty` statistics, which `merge_parts` skips.
+// later parts: such a task writes `empty` statistics, which `merge_parts` skips. Its first `skip` tokens lie before
+// the sliding window (read only to keep the part's start aligned): the kernel gives them probability 0.
 struct PartTask {
-  int64_t b, h, first, ctx;
+  int64_t b, h, first, ctx, skip;
 
   PartTask(int64_t task, const ContextSplit& split, int64_t num_kv_heads, const int32_t* lens)
       : b(task / (num_kv_heads * split.parts)),
         h(task / split.parts % num_kv_heads),
-        first(task % split.parts * split.part_len),
-        ctx(std::max<int64_t>(0, std::min<int64_t>(lens[b] - first, split.part_len))) {}
+        first(read_start(lens[b], split.window, split.block_size) + task % split.parts * split.part_len),
+        ctx(std::max<int64_t>(0, std::min<int64_t>(lens[b] - first, split.part_len))),
+        skip(std::clamp<int64_t>(window_start(lens[b], split.window) - first, 0, ctx)) {}
 
   // the part's per-query-head statistics (max, sum; rows of `stride` floats) when it has no token
   static void empty(float* result, int64_t group, int64_t stride) {
@@ -273,16 +292,20 @@ struct PartTask {
   }
 };
 
-inline ContextSplit split_contexts(int64_t pairs, const int32_t* lens, int64_t batch) {
+inline ContextSplit split_contexts(int64_t pairs, const int32_t* lens, int64_t batch, int64_t window,
+                                   int64_t block_size) {
   const int64_t threads = at::get_num_threads();
-  const int64_t max_ctx = *std::max_element(lens, lens + batch);
+  int64_t max_ctx = 0;  // the most tokens a context reads
+  for (int64_t b = 0; b < batch; ++b)
+    max_ctx = std::max<int64_t>(max_ctx, lens[b] - read_start(lens[b], window, block_size));
   int64_t parts = 1;
   if (pairs < 2 * threads) {
     const int64_t most = std::max<int64_t>(1, (max_ctx + 63) / 64);  // parts of 64 tokens at least
     parts = std::min(((4 * threads + pairs - 1) / pairs + threads - 1) / threads * threads, most);
     if (parts > threads) parts = parts / threads * threads;
   }
-  return {parts, ((max_ctx + parts - 1) / parts + 15) / 16 * 16, parts > 1 && parts % threads == 0};
+  return {parts, ((max_ctx + parts - 1) / parts + 15) / 16 * 16, parts > 1 && parts % threads == 0, window,
+          block_size};
 }
 
 // Merges each query head's parts (flash-decoding): `partial` holds, per (sequence, KV head) pair, part and query

@@ -10,6 +10,9 @@
 // Layout (see layers/attention.py): cache [num_blocks, num_kv_heads, block_size, head_dim].
 // Scores, softmax and the weighted sum of V run in float32 whatever the cache dtype.
 //
+// Sliding-window attention (Mistral, Gemma 3's local layers): `window` > 0 attends only each context's last
+// `window` tokens (attention_common.h, window_start); 0, the default, the whole context.
+//
 // bf16 caches: vector loops with vdpbf16ps (AVX512-BF16); on CPUs with AMX the scores (K rows as one tile
 // per 16 tokens against the G queries) and the weighted sum of V (the probabilities against V rows
 // interleaved in pairs, per 32 tokens) run as tile products instead, the same bf16 products with float32
@@ -160,7 +163,7 @@ inline void score_chunk_amx(const uint16_t* rows, const uint16_t (*q_pairs)[16 *
 // bounds they would live on the stack, and the loop control would take a large share of the kernel's time).
 template <int G, int C>
 void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& block_table, const at::Tensor& context_lens, double scale,
+                        const at::Tensor& block_table, const at::Tensor& context_lens, double scale, int64_t window,
                         at::Tensor& out) {
   constexpr int64_t head_dim = 32 * C;
   const int64_t batch = q.size(0), num_heads = q.size(1);
@@ -178,7 +181,7 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
   static const PairLaneOrder lanes;  // acc lanes -> head_dim order (see the V loop)
   const __m512i perm_a = lanes.a, perm_b = lanes.b;
   const int64_t pairs = batch * num_kv_heads;
-  const ContextSplit split = split_contexts(pairs, lens, batch);
+  const ContextSplit split = split_contexts(pairs, lens, batch, window, block_size);
   const int64_t parts = split.parts;
   // per task and query head: the scores' max, the sum of their exponentials, the unnormalised V sum
   constexpr int64_t stride = head_dim + 2;
@@ -267,7 +270,8 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
       probs.assign(G * ctx2, 0);
       for (int g = 0; g < G; ++g) {
         float* s = scores.data() + g * ctx;
-        const ExpSum stats = exp_shifted16(s, ctx);
+        const ExpSum stats = exp_shifted16(s + part.skip, ctx - part.skip);
+        std::fill_n(s, part.skip, 0.f);  // before the window
         result[g * stride] = stats.max;
         result[g * stride + 1] = stats.sum;
         uint16_t* p = probs.data() + g * ctx2;
@@ -408,7 +412,8 @@ inline __m256 sum8x8(const __m256* d) {
 // Row: the cache's element as stored (float, or uint16_t for bf16); T: q's and out's dtype
 template <typename T, typename Row, int G>
 void decode_kernel_avx2(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& block_table, const at::Tensor& context_lens, double scale, at::Tensor& out) {
+                        const at::Tensor& block_table, const at::Tensor& context_lens, double scale, int64_t window,
+                        at::Tensor& out) {
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2), c8 = head_dim / 8;
   const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2), max_blocks = block_table.size(1);
   const T* q_ptr = q.data_ptr<T>();
@@ -419,7 +424,7 @@ void decode_kernel_avx2(const at::Tensor& q, const at::Tensor& k_cache, const at
   T* out_ptr = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
   const int64_t pairs = batch * num_kv_heads;
-  const ContextSplit split = split_contexts(pairs, lens, batch);
+  const ContextSplit split = split_contexts(pairs, lens, batch, window, block_size);
   const int64_t parts = split.parts;
   // per task and query head: the scores' max, the sum of their exponentials, the unnormalised V sum
   const int64_t stride = head_dim + 2;
@@ -465,7 +470,9 @@ void decode_kernel_avx2(const at::Tensor& q, const at::Tensor& k_cache, const at
         for (int g = 0; g < G; ++g) scores[g * ctx + t] = sum8(dot[g]);
       }
       for (int g = 0; g < G; ++g) {
-        const ExpSum stats = exp_shifted8(scores.data() + g * ctx, ctx);
+        float* s = scores.data() + g * ctx;
+        const ExpSum stats = exp_shifted8(s + part.skip, ctx - part.skip);
+        std::fill_n(s, part.skip, 0.f);  // before the window
         result[g * stride] = stats.max;
         result[g * stride + 1] = stats.sum;
       }
@@ -511,9 +518,10 @@ constexpr auto kBf16Avx2Kernels =
 #endif  // AVX2 and FMA
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_table, const at::Tensor& context_lens, double scale) {
+                                  const at::Tensor& block_table, const at::Tensor& context_lens, double scale,
+                                  int64_t window) {
   at::Tensor out = at::empty(q.sizes(), q.options());
-  llmserve::attention::decode_attention_out(q, k_cache, v_cache, block_table, context_lens, scale, out);
+  llmserve::attention::decode_attention_out(q, k_cache, v_cache, block_table, context_lens, scale, out, window);
   return out;
 }
 
@@ -553,7 +561,7 @@ namespace llmserve::attention {
 
 void decode_attention_out(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& block_table, const at::Tensor& context_lens, double scale,
-                          at::Tensor& out) {
+                          at::Tensor& out, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "expected q [B, heads, head_dim] and caches [blocks, kv_heads, block_size, head_dim]");
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
@@ -569,23 +577,27 @@ void decode_attention_out(const at::Tensor& q, const at::Tensor& k_cache, const 
   TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == q.size(0) && context_lens.numel() == q.size(0),
               "one block-table row and one context length per query");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: the whole context)");
   const at::Tensor qc = q.contiguous(), table = block_table.contiguous(), lens = context_lens.contiguous();
-  // a bad index would read outside the cache: check them all (a few hundred ints) before any work
+  // a bad index would read outside the cache: check them all (a few hundred ints) before any work; a window's
+  // kernels read no block before the one holding its first token, so the table's earlier ids go unchecked
   const int64_t width = table.size(1), block_size = k_cache.size(2), num_blocks = k_cache.size(0);
   const int32_t* tp = table.data_ptr<int32_t>();
   const int32_t* lp = lens.data_ptr<int32_t>();
   for (int64_t b = 0; b < qc.size(0); ++b) {
     TORCH_CHECK(lp[b] >= 1 && lp[b] <= width * block_size, "context length out of range for the block table");
-    for (int64_t i = 0; i < (lp[b] + block_size - 1) / block_size; ++i)
+    for (int64_t i = read_start(lp[b], window, block_size) / block_size; i < (lp[b] + block_size - 1) / block_size;
+         ++i)
       TORCH_CHECK(tp[b * width + i] >= 0 && tp[b * width + i] < num_blocks, "block id out of range");
   }
   if (quantized) {
-    out.copy_(decode_quantized(qc, k_cache, v_cache, table, lens, scale));
+    out.copy_(decode_quantized(qc, k_cache, v_cache, table, lens, scale, window));
     return;
   }
 #if defined(__AVX512BF16__)
   if (qc.scalar_type() == at::kBFloat16 && bf16_fast_path_fits(qc.size(1) / k_cache.size(1), qc.size(2))) {
-    kBf16Kernels[qc.size(1) / k_cache.size(1) - 1][qc.size(2) / 32 - 1](qc, k_cache, v_cache, table, lens, scale, out);
+    kBf16Kernels[qc.size(1) / k_cache.size(1) - 1][qc.size(2) / 32 - 1](qc, k_cache, v_cache, table, lens, scale,
+                                                                        window, out);
     return;
   }
 #endif
@@ -593,19 +605,20 @@ void decode_attention_out(const at::Tensor& q, const at::Tensor& k_cache, const 
   const int64_t group = qc.size(1) / k_cache.size(1);
   if (group <= kMaxGroupAvx2 && qc.size(2) % 8 == 0) {
     if (qc.scalar_type() == at::kFloat) {
-      kFloatAvx2Kernels[group - 1](qc, k_cache, v_cache, table, lens, scale, out);
+      kFloatAvx2Kernels[group - 1](qc, k_cache, v_cache, table, lens, scale, window, out);
       return;
     }
 #if !defined(__AVX512BF16__)
     if (qc.scalar_type() == at::kBFloat16) {
-      kBf16Avx2Kernels[group - 1](qc, k_cache, v_cache, table, lens, scale, out);
+      kBf16Avx2Kernels[group - 1](qc, k_cache, v_cache, table, lens, scale, window, out);
       return;
     }
 #endif
   }
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    decode_portable<scalar_t, scalar_t>(qc, k_cache, v_cache, table, lens, scale, out, read_plain_row<scalar_t>);
+    decode_portable<scalar_t, scalar_t>(qc, k_cache, v_cache, table, lens, scale, window, out,
+                                        read_plain_row<scalar_t>);
   });
 }
 
@@ -613,7 +626,7 @@ void decode_attention_out(const at::Tensor& q, const at::Tensor& k_cache, const 
 
 TORCH_LIBRARY(llmserve, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
-        "Tensor context_lens, float scale) -> Tensor");
+        "Tensor context_lens, float scale, int window=0) -> Tensor");
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
 }
 

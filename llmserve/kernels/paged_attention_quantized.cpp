@@ -87,7 +87,8 @@ inline __m512i widen(const uint8_t* p) {
 // One task per (sequence, KV head, part of the context); parts' softmax statistics merged at the end.
 template <typename T, int G, int C>
 void decode_int8_vnni(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                      const at::Tensor& block_table, const at::Tensor& context_lens, double scale, at::Tensor& out) {
+                      const at::Tensor& block_table, const at::Tensor& context_lens, double scale, int64_t window,
+                      at::Tensor& out) {
   constexpr int64_t head_dim = 32 * C;
   const int64_t batch = q.size(0), num_heads = q.size(1);
   const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2), width = k_cache.size(3);
@@ -104,7 +105,7 @@ void decode_int8_vnni(const at::Tensor& q, const at::Tensor& k_cache, const at::
   static const PairLaneOrder lanes;  // value-sum lanes -> head_dim order
   const __m512i perm_a = lanes.a, perm_b = lanes.b;
   const int64_t pairs = batch * num_kv_heads;
-  const ContextSplit split = split_contexts(pairs, lens, batch);
+  const ContextSplit split = split_contexts(pairs, lens, batch, window, block_size);
   const int64_t parts = split.parts;
   constexpr int64_t stride = head_dim + 2;  // max, sum, then the unnormalised V sum
   // not zeroed: every task writes its own (and a zeroing here would pass each line written on another core twice)
@@ -166,7 +167,8 @@ void decode_int8_vnni(const at::Tensor& q, const at::Tensor& k_cache, const at::
       float pstep[G];
       for (int g = 0; g < G; ++g) {
         float* s = scores.data() + g * ctx;
-        const ExpSum stats = exp_shifted16(s, ctx);
+        const ExpSum stats = exp_shifted16(s + part.skip, ctx - part.skip);
+        std::fill_n(s, part.skip, 0.f);  // before the window
         result[g * stride] = stats.max;
         result[g * stride + 1] = stats.sum;
         for (int64_t t = 0; t < ctx; ++t) s[t] *= vscales[t];
@@ -267,7 +269,8 @@ int64_t cache_head_dim(const at::Tensor& cache) {
 }
 
 at::Tensor decode_quantized(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                            const at::Tensor& block_table, const at::Tensor& context_lens, double scale) {
+                            const at::Tensor& block_table, const at::Tensor& context_lens, double scale,
+                            int64_t window) {
   at::Tensor out = at::empty_like(q);
   const bool fp8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -275,16 +278,16 @@ at::Tensor decode_quantized(const at::Tensor& q, const at::Tensor& k_cache, cons
   if (!fp8 && group <= kMaxGroup && head_dim % 32 == 0 && head_dim / 32 <= kMaxChunks &&
       (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat)) {
     const auto& kernels = q.scalar_type() == at::kBFloat16 ? kVnniBf16 : kVnniFloat;
-    kernels[group - 1][head_dim / 32 - 1](q, k_cache, v_cache, block_table, context_lens, scale, out);
+    kernels[group - 1][head_dim / 32 - 1](q, k_cache, v_cache, block_table, context_lens, scale, window, out);
     return out;
   }
 #endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_quantized", [&] {
     if (fp8)
-      decode_portable<scalar_t, uint8_t>(q, k_cache, v_cache, block_table, context_lens, scale, out,
+      decode_portable<scalar_t, uint8_t>(q, k_cache, v_cache, block_table, context_lens, scale, window, out,
                                          read_quantized_row<true>);
     else
-      decode_portable<scalar_t, uint8_t>(q, k_cache, v_cache, block_table, context_lens, scale, out,
+      decode_portable<scalar_t, uint8_t>(q, k_cache, v_cache, block_table, context_lens, scale, window, out,
                                          read_quantized_row<false>);
   });
   return out;

@@ -21,11 +21,15 @@ faster on CPU than SDPA for a one-token query. They are split into a few groups 
 length, so one long request does not pad every short one to its length (16 decodes at 200 tokens
 beside one at 2,000 would otherwise gather 5x the KV they need). Each prefill chunk runs on its own
 through SDPA (a step carries few of them).
+
+Sliding-window attention (Mistral, Gemma 3's local layers) is a per-call `window`: the same step's metadata serves
+windowed and full layers alike (Gemma 3 interleaves them), so each window's masks are derived from it on first use
+and kept on it for the step's other layers (`AttentionMetadata.windowed`); the native kernel takes the window itself.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +79,21 @@ class AttentionMetadata:
     # single-token decodes, at the front of the batch: a DecodeBatch for the native kernel, else groups
     decodes: DecodeBatch | list[DecodeGroup]
     prefills: list[PrefillSpan]
+    # this step's sliding-window variants by window, built by `windowed` on a windowed layer's first call
+    _windows: dict[int, AttentionMetadata] = field(default_factory=dict, repr=False, compare=False)
+
+    def windowed(self, window: int, block_size: int) -> AttentionMetadata:
+        """This step's metadata for sliding-window attention over the last `window` positions: the decode groups'
+        bias and the prefill chunks' masks banded (a chunk's context gathered from the first block any of its
+        queries sees), the native kernel's batch as it is (the kernel takes the window). Built once per step and
+        window, then shared by every layer with that window."""
+        if window not in self._windows:
+            decodes = self.decodes
+            if not isinstance(decodes, DecodeBatch):
+                decodes = [replace(group, bias=windowed_bias(group.bias, window)) for group in decodes]
+            prefills = [windowed_span(span, window, block_size, self.write_slots.device) for span in self.prefills]
+            self._windows[window] = AttentionMetadata(self.write_slots, decodes, prefills)
+        return self._windows[window]
 
 
 class AttentionBackend:
@@ -102,9 +121,14 @@ class AttentionBackend:
         raise NotImplementedError
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
         """Write this step's K/V into the cache, then attend. q [T, heads, head_dim], k and v
-        [T, kv_heads, head_dim]; returns [T, heads, head_dim]."""
+        [T, kv_heads, head_dim]; returns [T, heads, head_dim].
+
+        `window` 0: causal attention over the whole context. `window` W > 0: sliding-window attention as
+        transformers masks it for Mistral and Gemma 3's sliding layers (masking_utils'
+        sliding_window_causal_mask_function: `kv_idx > q_idx - W` and `kv_idx <= q_idx`): the query at position p
+        attends the keys at positions k with p - W < k <= p, its last W positions, itself included."""
         raise NotImplementedError
 
     def stay_eager_in_compiled_graphs(self) -> None:
@@ -135,11 +159,11 @@ class NativeAttention(AttentionBackend):
         return DecodeBatch(len(tables), padded_tables(tables, torch.int32, device, min_width=2),
                            torch.tensor([start + 1 for start in context_starts], dtype=torch.int32, device=device))
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window: int = 0) -> torch.Tensor:
         torch.ops.llmserve.write_kv(k, v, k_cache, v_cache, meta.write_slots)
         if not meta.prefills:
-            return _native_decode(q, k_cache, v_cache, meta.decodes, scale)
-        return self._mixed(q, k, v, k_cache, v_cache, meta, scale)
+            return _native_decode(q, k_cache, v_cache, meta.decodes, scale, window)
+        return self._mixed(q, k, v, k_cache, v_cache, meta, scale, window)
 
     def stay_eager_in_compiled_graphs(self) -> None:
         """Only a step with prompt tokens: its data-dependent Python runs eagerly (a graph break); a decode-only
@@ -163,9 +187,11 @@ class TorchAttention(AttentionBackend):
             groups.append(DecodeGroup(start, end, rows, bias))
         return groups
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, window: int = 0) -> torch.Tensor:
         write_rows(k_cache, meta.write_slots, k)
         write_rows(v_cache, meta.write_slots, v)
+        if window:
+            meta = meta.windowed(window, k_cache.shape[2])
         if len(meta.decodes) == 1 and not meta.prefills:  # the common decode-only step: no output copy
             return _decode_attention(q, k_cache, v_cache, meta.decodes[0], scale)
         out = torch.empty_like(q)
@@ -179,11 +205,14 @@ class TorchAttention(AttentionBackend):
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {"native": NativeAttention, "torch": TorchAttention}
 
 
-def _native_mixed(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _native_mixed(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
     """A step with prompt tokens on the native path: the decodes on the kernel, each prompt chunk on SDPA."""
+    if window:
+        meta = meta.windowed(window, k_cache.shape[2])
     out = torch.empty_like(q)
     if meta.decodes.size:
-        out[: meta.decodes.size] = _native_decode(q[: meta.decodes.size], k_cache, v_cache, meta.decodes, scale)
+        out[: meta.decodes.size] = _native_decode(q[: meta.decodes.size], k_cache, v_cache, meta.decodes, scale,
+                                                  window)
     _prefills_into(out, q, k, v, k_cache, v_cache, meta, scale)
     return out
 
@@ -194,9 +223,10 @@ def _prefills_into(out, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scal
 
 
 def _native_decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch, scale: float, window: int = 0
 ) -> torch.Tensor:
-    return torch.ops.llmserve.paged_decode_attention(q, k_cache, v_cache, batch.block_table, batch.context_lens, scale)
+    return torch.ops.llmserve.paged_decode_attention(q, k_cache, v_cache, batch.block_table, batch.context_lens, scale,
+                                                     window)
 
 
 # What one more decode group costs beyond the KV it gathers (the per-call overhead of its ~6 ops in every
@@ -289,6 +319,36 @@ def cache_rows(block_table: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """[rows, kv_heads, max_blocks]: each request's rows of the (block, kv head) view of the cache."""
     heads = torch.arange(num_kv_heads, device=block_table.device)
     return block_table.unsqueeze(1) * num_kv_heads + heads.view(1, -1, 1)
+
+
+def windowed_bias(bias: torch.Tensor, window: int) -> torch.Tensor:
+    """A decode group's bias [B, num_heads, L] with -inf also on the keys older than the last `window` positions.
+    Each decode's context length is its bias's count of zeros (the padding after it is -inf): derived on the bias's
+    device, with no host sync, so a captured CUDA graph's bias (engine/cuda_graphs.py) works as a step's does."""
+    if bias.shape[-1] <= window:  # no key can be older than the window
+        return bias
+    context = (bias[:, :1] == 0).sum(-1, keepdim=True)  # [B, 1, 1]
+    older = torch.arange(bias.shape[-1], device=bias.device) < context - window
+    return bias.masked_fill(older, float("-inf"))
+
+
+def windowed_span(span: PrefillSpan, window: int, block_size: int, device: torch.device) -> PrefillSpan:
+    """A prefill chunk's span for sliding-window attention: its mask banded to each query's last `window` positions,
+    and a continued chunk's context gathered from the block of the earliest key any of its queries sees (the rows
+    are [kv_heads * blocks], head-major)."""
+    n = span.end - span.start
+    if span.context_len <= window:  # every key within every query's window: the causal mask as it is
+        return span
+    if span.context_rows is None:  # a fresh chunk longer than the window
+        query, key = torch.arange(n, device=device).unsqueeze(1), torch.arange(n, device=device)
+        return replace(span, mask=(key <= query) & (key > query - window))
+    first = span.context_len - n  # the chunk's first position
+    skipped = max(0, first - window + 1) // block_size * block_size  # whole blocks before every query's window
+    blocks = -(-span.context_len // block_size)
+    rows = span.context_rows.view(-1, blocks)[:, skipped // block_size :].flatten()
+    query = torch.arange(first, span.context_len, device=device).unsqueeze(1)
+    key = torch.arange(skipped, span.context_len, device=device)
+    return PrefillSpan(span.start, span.end, rows, span.context_len - skipped, (key <= query) & (key > query - window))
 
 
 def padding_bias(padding: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:

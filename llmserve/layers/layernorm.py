@@ -3,6 +3,9 @@
 `native` (chosen by the build plan; eager steps on CPU, see kernels/fused_elementwise.cpp): one op
 instead of five, and `add_forward` folds the residual add in; rounded once at the end instead of after
 each op. Compiled code keeps PyTorch's ops, which Inductor fuses itself.
+
+`unit_offset` (Gemma): the weight is stored as w and scales by 1 + w, computed in float32 and rounded once,
+as Gemma's reference does (Llama rounds the normed value first, then scales): PyTorch's ops only.
 """
 
 from __future__ import annotations
@@ -12,13 +15,17 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, native: bool = False) -> None:
+    def __init__(self, hidden_size: int, eps: float, native: bool = False, unit_offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.native = native
+        self.unit_offset = unit_offset
+        self.native = native and not unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.unit_offset:
+            normed = nn.functional.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
         if self.native and not torch.compiler.is_compiling():
             return torch.ops.llmserve.rms_norm(x, self.weight, self.eps)
         # x * rsqrt(mean(x^2) + eps) in float32 (one call instead of five), rounded back, then the weight

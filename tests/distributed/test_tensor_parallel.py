@@ -157,9 +157,9 @@ def test_grids_are_cut_as_their_weights_whatever_their_groups():
     """int4 grids (per 32 inputs) and Q6_K grids (d per 256, sc per 16) follow their weights' rows and columns; a
     grid whose groups a rank's columns would split is left out (that layer re-quantizes its slice)."""
     from llmserve.distributed.tensor_parallel import TensorParallel, shard_grids
-    from llmserve.models.llama import LlamaConfig
+    from llmserve.models.config import ModelConfig
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=512, intermediate_size=1536, num_layers=1, num_heads=8,
+    cfg = ModelConfig(vocab_size=64, hidden_size=512, intermediate_size=1536, num_layers=1, num_heads=8,
                       num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=64,
                       tie_word_embeddings=False)
     tp = TensorParallel(rank=1, size=2, group=None)

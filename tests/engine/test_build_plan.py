@@ -3,6 +3,8 @@ block of log says what was chosen and why; choices asked for by name win."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from llmserve.config import SpeculativeConfig, engine_config
@@ -10,9 +12,9 @@ from llmserve.engine import build_plan
 from llmserve.engine.build_plan import AUTO_DRAFT_BELOW, AUTO_SPECULATION_BELOW, resolve_plan
 from llmserve.host import cpu_has_vnni
 from llmserve.loader import default_models
-from llmserve.models.llama import LlamaConfig
+from llmserve.models.config import ModelConfig, MoEConfig
 
-SMOLLM = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+SMOLLM = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                      num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=10000.0,
                      max_position_embeddings=8192, tie_word_embeddings=True)
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
@@ -234,3 +236,33 @@ def test_the_device_is_a_gpu_where_there_is_one(monkeypatch):
     for cpu_only in asks + ([{"int8_activations": True}] if cpu_has_vnni() else []):  # else refused on this CPU
         assert _plan(_formats("Q4_1"), **cpu_only).device == "cpu", cpu_only
     assert _plan(_formats("Q4_1"), device="cpu").device == "cpu"  # as asked
+
+
+GEMMA_SHAPED = dataclasses.replace(SMOLLM, architecture="Gemma3ForCausalLM", norm_unit_offset=True, qk_norm=True,
+                                   sandwich_norms=True, activation="gelu_tanh", embedding_scale=True,
+                                   layer_windows=(512, 0) * 15, local_rope_theta=10_000.0)
+
+
+def test_a_family_past_llamas_shape_runs_layer_by_layer_and_says_why():
+    """The one native decode call computes Llama's layer: a Gemma-shaped model's decode steps run layer by layer
+    (so no automatic speculation either), and the plan names what the model has beyond Llama's shape."""
+    plan = resolve_plan(engine_config(kv_cache_memory_gb=0.01), GEMMA_SHAPED, _formats("Q4_K"))
+    assert plan.weights == "int4" and plan.fused_decode_max_tokens == 0 and plan.speculative is None
+    assert "sliding-window attention" in plan.reasons["decode steps"] and "query/key norms" in plan.describe()
+    assert _plan(_formats("Q4_K")).fused_decode_max_tokens  # where the Llama shape has it
+
+
+@pytest.mark.parametrize(("options", "needle"), [({"quantization": "awq"}, "searches Llama-shaped"),
+                                                 ({"kv_cache_dtype": "int8"}, "smooths keys")])
+def test_what_computes_llamas_layer_itself_is_refused_for_other_shapes(options, needle):
+    with pytest.raises(ValueError, match=f"{needle}.*Gemma3ForCausalLM has norms that scale by 1 \\+ w"):
+        resolve_plan(engine_config(kv_cache_memory_gb=0.01, **options), GEMMA_SHAPED, _formats("Q4_K"))
+    resolve_plan(engine_config(kv_cache_memory_gb=0.01, **options), SMOLLM, _formats("Q4_K"))  # Llama's: fine
+
+
+def test_experts_never_compile():
+    moe = dataclasses.replace(SMOLLM, architecture="MixtralForCausalLM",
+                              moe=MoEConfig(num_experts=8, top_k=2, expert_intermediate_size=1536,
+                                            normalize_top_k=True))
+    plan = resolve_plan(engine_config(kv_cache_memory_gb=0.01, compile=True, quantization="none"), moe, None)
+    assert plan.compile == "off" and "experts" in plan.reasons["decode steps"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llmserve import LLM, SamplingParams
-from llmserve.models.llama import use_native_elementwise
+from llmserve.models.decoder import use_native_elementwise
 from tests.greedy import assert_greedy_equals
 
 GREEDY_64 = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)

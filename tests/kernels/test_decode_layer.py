@@ -12,7 +12,7 @@ from llmserve.engine.build_plan import BuildPlan
 from llmserve.host import cpu_has_vnni
 from llmserve.kernels import native_quantized_kernels
 from llmserve.loader.default_models import PARTED_MODELS, installed_path
-from llmserve.models.llama import fused_decode_stack
+from llmserve.models.fused_stack import fused_decode_stack
 from llmserve.quantization.weight_only import StackedLinear, WeightOnlyLinear
 
 QWEN = "qwen2.5-coder-0.5b"

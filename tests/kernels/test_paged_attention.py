@@ -34,8 +34,9 @@ def _paged_case(batch, num_heads, num_kv_heads, head_dim, block_size, dtype, see
     return q, k_cache, v_cache, block_table, context.to(torch.int32)
 
 
-def _torch_path(q, k_cache, v_cache, block_table, context, scale):
-    """The engine's PyTorch decode attention on the same request, one request per group."""
+def _torch_path(q, k_cache, v_cache, block_table, context, scale, window=0):
+    """The engine's PyTorch decode attention on the same request, one request per group; `window` > 0: its last
+    `window` tokens only (an explicit banded bias)."""
     num_heads, num_kv_heads, block_size = q.shape[1], k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
     for b in range(q.shape[0]):
@@ -43,6 +44,8 @@ def _torch_path(q, k_cache, v_cache, block_table, context, scale):
         rows = (block_table[b, :blocks].long().unsqueeze(0) * num_kv_heads + torch.arange(num_kv_heads).view(-1, 1))
         bias = torch.zeros(1, num_heads, blocks * block_size, dtype=q.dtype)
         bias[..., int(context[b]) :] = float("-inf")
+        if window:
+            bias[..., : max(0, int(context[b]) - window)] = float("-inf")
         out[b : b + 1] = _decode_attention(q[b : b + 1], k_cache, v_cache, DecodeGroup(b, b + 1, rows.flatten(), bias),
                                            scale)
     return out
@@ -153,6 +156,86 @@ def test_a_context_gives_the_same_bits_in_blocks_of_any_size(cache_dtype, thread
         torch.set_num_threads(before)
     assert outs[0].isfinite().all()
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (6, 2, 48)])
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("window", [1, 15, 16, 17, 50])
+def test_windowed_decode_equals_torch_path_float32(num_heads, num_kv_heads, head_dim, block_size, window):
+    # sliding-window attention: each request's last `window` tokens (contexts from 1 to 12 blocks, below and past it)
+    q, k_cache, v_cache, table, context = _paged_case(7, num_heads, num_kv_heads, head_dim, block_size, torch.float32,
+                                                      seed=window)
+    scale = head_dim**-0.5
+    out = torch.ops.llmserve.paged_decode_attention(q, k_cache, v_cache, table, context, scale, window)
+    torch.testing.assert_close(out, _torch_path(q, k_cache, v_cache, table, context, scale, window), atol=1e-5,
+                               rtol=1e-5)
+    if int(context.max()) > window:  # some context is cut by the window: not the full attention
+        assert not torch.allclose(out, _torch_path(q, k_cache, v_cache, table, context, scale), atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("window", [40, 100, 333, 1000])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_windowed_contexts_split_into_parts_stay_as_close(dtype, threads, window, block_size):
+    # one long request (fewer (request, KV head) tasks than 2 threads): its window (from any token, read from a
+    # multiple of 16 within its block) is split into parts across threads; the tokens read before the window must
+    # weigh nothing in any part
+    q, k_cache, v_cache, _, _ = _paged_case(1, 9, 3, 64, block_size, dtype, seed=window, max_blocks=800 // block_size)
+    gen = torch.Generator().manual_seed(window)
+    table = torch.randperm(k_cache.shape[0], generator=gen)[: -(-777 // block_size)].to(torch.int32).unsqueeze(0)
+    context = torch.tensor([777], dtype=torch.int32)
+    scale = 64**-0.5
+    exact = torch.ops.llmserve.paged_decode_attention(q.float(), k_cache.float(), v_cache.float(), table, context,
+                                                     scale, window)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ours = torch.ops.llmserve.paged_decode_attention(q, k_cache, v_cache, table, context, scale, window).float()
+    finally:
+        torch.set_num_threads(before)
+    theirs = _torch_path(q, k_cache, v_cache, table, context, scale, window).float()
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    assert (ours - exact).abs().max() <= max(2 * (theirs - exact).abs().max(), 1e-2)
+    torch.testing.assert_close(exact, _torch_path(q.float(), k_cache.float(), v_cache.float(), table, context, scale,
+                                                  window), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32, torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_blocks_before_the_window_are_never_read(cache_dtype, block_size):
+    # blocks that left the window may be freed: their table entries may be anything, even out of range
+    gen = torch.Generator().manual_seed(block_size)
+    dtype = torch.float32 if cache_dtype == torch.float32 else torch.bfloat16
+    k, v = (torch.randn(300, 3, 64, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(1, 9, 64, generator=gen).to(dtype)
+    lens = torch.tensor([300], dtype=torch.int32)
+    k_cache, v_cache, table = _laid_out(k, v, block_size, cache_dtype, gen)
+    window = 70
+    out = torch.ops.llmserve.paged_decode_attention(q, k_cache, v_cache, table, lens, 0.125, window)
+    freed = table.clone()
+    freed[0, : (300 - window) // block_size] = -1  # every block before the one holding the window's first token
+    assert torch.equal(torch.ops.llmserve.paged_decode_attention(q, k_cache, v_cache, freed, lens, 0.125, window),
+                       out)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        torch.ops.llmserve.paged_decode_attention(q, k_cache, v_cache, freed, lens, 0.125)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32, torch.int8, torch.float8_e4m3fn])
+def test_window_zero_or_past_the_context_is_the_full_attention_bit_for_bit(cache_dtype):
+    gen = torch.Generator().manual_seed(5)
+    dtype = torch.float32 if cache_dtype == torch.float32 else torch.bfloat16
+    k, v = (torch.randn(600, 3, 64, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(1, 9, 64, generator=gen).to(dtype)
+    lens = torch.tensor([600], dtype=torch.int32)
+    caches = _laid_out(k, v, 16, cache_dtype, gen)
+    full = torch.ops.llmserve.paged_decode_attention(q, *caches, lens, 0.125)
+    for window in (0, 600, 10_000):
+        assert torch.equal(torch.ops.llmserve.paged_decode_attention(q, *caches, lens, 0.125, window), full)
+    assert torch.equal(torch.ops.llmserve.paged_decode_attention(q, *caches, lens, 0.125, window=0), full)
+    with pytest.raises(RuntimeError, match="window must be >= 0"):
+        torch.ops.llmserve.paged_decode_attention(q, *caches, lens, 0.125, -1)
 
 
 def test_write_kv_equals_index_copy():

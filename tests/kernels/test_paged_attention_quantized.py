@@ -26,10 +26,11 @@ def _quantized_case(batch, num_heads, num_kv_heads, head_dim, block_size, fmt, q
     return q.to(q_dtype), quantize_rows(k, fmt), quantize_rows(v, fmt), table, context
 
 
-def _on_dequantized(q, k_rows, v_rows, table, context, scale):
+def _on_dequantized(q, k_rows, v_rows, table, context, scale, window=0):
     """The reference: the float32 kernel on the float32 values the quantized rows stand for."""
     return torch.ops.llmserve.paged_decode_attention(q.float(), dequantize_rows(k_rows, torch.float32),
-                                                     dequantize_rows(v_rows, torch.float32), table, context, scale)
+                                                     dequantize_rows(v_rows, torch.float32), table, context, scale,
+                                                     window)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -53,6 +54,30 @@ def test_bfloat16_queries_and_split_long_contexts(fmt):
     scale = 64**-0.5
     out = torch.ops.llmserve.paged_decode_attention(q, k, v, table, context, scale).float()
     torch.testing.assert_close(out, _on_dequantized(q, k, v, table, context, scale), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("window", [1, 17, 50])
+def test_windowed_native_equals_attention_on_the_dequantized_cache(fmt, block_size, window):
+    # sliding-window attention on a 1-byte cache: contexts below and past the window, and the float32 reference
+    # itself against the PyTorch path with an explicit banded bias
+    q, k, v, table, context = _quantized_case(7, 9, 3, 64, block_size, fmt, torch.float32, seed=window)
+    scale = 64**-0.5
+    out = torch.ops.llmserve.paged_decode_attention(q, k, v, table, context, scale, window)
+    reference = _on_dequantized(q, k, v, table, context, scale, window)
+    torch.testing.assert_close(out, reference, atol=2e-4, rtol=1e-3)
+    torch.testing.assert_close(reference, _torch_path(q, k, v, table, context, scale, window), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("window", [100, 333])
+def test_windowed_bfloat16_queries_and_split_long_contexts(fmt, window):
+    q, k, v, table, context = _quantized_case(1, 9, 3, 64, 16, fmt, torch.bfloat16, seed=3, max_blocks=60)
+    assert int(context.max()) > 512
+    scale = 64**-0.5
+    out = torch.ops.llmserve.paged_decode_attention(q, k, v, table, context, scale, window).float()
+    torch.testing.assert_close(out, _on_dequantized(q, k, v, table, context, scale, window), atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

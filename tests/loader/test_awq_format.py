@@ -52,10 +52,10 @@ def test_read_awq_tensors_dequantizes_each_linear_and_keeps_the_rest():
 
 @pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
 def test_written_config_reads_back_as_the_same_model(architecture):
-    from llmserve.loader.safetensors import config_from_hf, config_to_hf
-    from llmserve.models.llama import LlamaConfig
+    from llmserve.models.config import ModelConfig
+    from llmserve.models.families import config_from_hf, config_to_hf
 
-    config = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+    config = ModelConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=32, rms_norm_eps=1e-5, rope_theta=500000.0,
                          max_position_embeddings=4096, tie_word_embeddings=architecture == "LlamaForCausalLM",
                          attention_bias=architecture == "Qwen2ForCausalLM",
