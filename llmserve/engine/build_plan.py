@@ -12,6 +12,7 @@ model is built from the plan in one pass, and each layer holds the method it was
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psutil
@@ -24,7 +25,7 @@ from llmserve.host import cpu_has_native_bf16, cpu_has_vnni, transparent_huge_pa
 from llmserve.kernels import amx_int8_gemm, load_cpu_kernels, native_quantized_kernels
 from llmserve.kernels.quantized_gemv import int4_packs
 from llmserve.kv_cache.kv_cache_spec import KVCacheSpec
-from llmserve.layers.attention import ATTENTION_BACKENDS
+from llmserve.layers.attention import ATTENTION_BACKENDS, choose_attention
 from llmserve.loader.awq_format import AWQ_FORMAT
 from llmserve.loader.default_models import registered_draft
 from llmserve.loader.gguf import INT4_GRID_FORMATS
@@ -75,15 +76,8 @@ class BuildPlan:
     reasons: dict[str, str] = field(default_factory=dict, compare=False)  # why, per choice
 
     def step_route(self, decode_only: bool, num_tokens: int, has_graph: bool) -> str:
-        """How a step runs: "fused" (the decoder as one native call), "cuda graph" (a captured CUDA graph),
-        "graph" (the compiled decode graph) or "eager" (layer by layer). The one place this is decided."""
-        if decode_only and self.fused_decode_max_tokens:
-            return "fused"
-        if decode_only and num_tokens <= self.cuda_graph_max_tokens:
-            return "cuda graph"
-        if decode_only and has_graph:
-            return "graph"
-        return "eager"
+        """How a step runs: the first of `STEP_ROUTES` that can run it. The one place this is decided."""
+        return next(name for name, can_run in STEP_ROUTES if can_run(self, decode_only, num_tokens, has_graph))
 
     def describe(self) -> str:
         rows = [
@@ -135,6 +129,18 @@ class BuildPlan:
         return "; ".join(parts)
 
 
+# The ways a step can run, in the order they are tried, each with when it can (the plan, whether the step is
+# decode-only, its tokens, whether a compiled decode graph was built): "fused" (the decoder as one native call),
+# "cuda graph" (a captured CUDA graph), "graph" (the compiled decode graph), "eager" (layer by layer, any step).
+# A new route is a line here and its runner in engine/model_runner.py.
+STEP_ROUTES: tuple[tuple[str, Callable[[BuildPlan, bool, int, bool], bool]], ...] = (
+    ("fused", lambda plan, decode_only, tokens, graph: decode_only and plan.fused_decode_max_tokens > 0),
+    ("cuda graph", lambda plan, decode_only, tokens, graph: decode_only and tokens <= plan.cuda_graph_max_tokens),
+    ("graph", lambda plan, decode_only, tokens, graph: decode_only and graph),
+    ("eager", lambda plan, decode_only, tokens, graph: True),
+)
+
+
 def resolve_plan(config: EngineConfig, model: ModelConfig, source_formats: dict[str, str] | None = None) -> BuildPlan:
     """The plan for this config, model and host. `source_formats`: how the checkpoint stored each tensor
     (a GGUF's GGML types), for the automatic choice of weights. Raises ValueError (or RuntimeError, for
@@ -150,7 +156,7 @@ def resolve_plan(config: EngineConfig, model: ModelConfig, source_formats: dict[
     if mc.kernels == "native" and not built:
         raise RuntimeError("kernels='native' but llmserve's native CPU kernels cannot run here (see the log)")
 
-    attention = "native" if built else "torch"
+    attention = choose_attention(device, built, reasons)
     argmax = "native" if built else "torch"
     _check_family(config, model)
     weights = _weights(mc.quantization, source_formats, on_cpu, reasons)

@@ -7,7 +7,7 @@
 // are scored together, so GQA costs no extra KV traffic. Blocks shared by a common prompt prefix are read
 // by many tasks and stay in cache.
 //
-// Layout (see layers/attention.py): cache [num_blocks, num_kv_heads, block_size, head_dim].
+// Layout (see layers/attention/__init__.py): cache [num_blocks, num_kv_heads, block_size, head_dim].
 // Scores, softmax and the weighted sum of V run in float32 whatever the cache dtype.
 //
 // Sliding-window attention (Mistral, Gemma 3's local layers): `window` > 0 attends only each context's last

@@ -1,7 +1,7 @@
 """What one layer's KV cache looks like, as its attention backend declares it: the block count follows
 from a memory budget and `bytes_per_block`, and the runner allocates exactly `shape(num_blocks)`.
 
-Layout, per layer (one tensor for K, one for V; see layers/attention.py):
+Layout, per layer (one tensor for K, one for V; see layers/attention/__init__.py):
 
     [num_blocks, num_kv_heads, block_size, head_dim]
      └─ block id                └─ offset of a token in its block

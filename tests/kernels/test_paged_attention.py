@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from llmserve.kernels import build_directory, load_cpu_kernels
-from llmserve.layers.attention import DecodeGroup, _decode_attention
+from llmserve.layers.attention import DecodeGroup
+from llmserve.layers.attention.torch_ops import _decode_attention
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmserve.layers.attention import GROUP_OVERHEAD_BLOCKS, decode_groups
+from llmserve.layers.attention.torch_ops import GROUP_OVERHEAD_BLOCKS, decode_groups
 
 
 def test_similar_lengths_share_one_group():
@@ -37,3 +37,13 @@ def test_batched_correctness_prompts_span_several_groups(prompt_token_ids):
     # tests/engine/test_correctness.py's batched run must exercise more than one decode group
     blocks = sorted(-(-(len(ids) + 1) // 16) for ids in prompt_token_ids)
     assert len(decode_groups(blocks)) > 1
+
+
+def test_the_plan_takes_the_first_registered_backend_that_can_run_and_says_why_it_passed_others():
+    from llmserve.layers.attention import ATTENTION_BACKENDS, choose_attention
+
+    assert list(ATTENTION_BACKENDS) == ["native", "torch"]  # the order of preference
+    reasons: dict[str, str] = {}
+    assert choose_attention("cpu", True, reasons) == "native" and "attention" not in reasons
+    assert choose_attention("cpu", False, reasons) == "torch" and "not built" in reasons["attention"]
+    assert choose_attention("cuda:0", True, reasons) == "torch" and "a CPU kernel" in reasons["attention"]
