@@ -101,10 +101,7 @@ class DecoderLayer(nn.Module):
         # and a break inside a nested call would split the layer into four compiled regions, not two.
         attn = self.self_attn
         q, k, v = attn.project(self.input_layernorm(x), rope[attn.rope])
-        if attn.window:
-            o = attn.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, attn.scale, attn.window)
-        else:
-            o = attn.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, attn.scale)
+        o = attn.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, attn.scale, attn.window)
         o = attn.o_proj(o.flatten(1))
         if self.tp is not None:
             o = self.tp.all_reduce(o)
