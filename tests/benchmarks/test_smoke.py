@@ -156,3 +156,21 @@ def test_device_throughput(tmp_path: Path) -> None:
         "--modes", "default", "--out", str(tmp_path / "device.json"))
     rows = json.loads((tmp_path / "device.json").read_text())
     assert len(rows) == 1 and rows[0]["shape"] == "tiny" and rows[0]["out_tok_s"] > 0
+
+
+def test_moe_decode(tmp_path: Path) -> None:
+    """A tiny Mixtral and the dense Llama of its active size, built here, alternated as loaded and under int4 (the
+    dense one also layer by layer); the experts a step runs are counted."""
+    run("moe_decode.py", "--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--experts", "4",
+        "--expert-intermediate", "32", "--output-len", "4", "--concurrency", "1", "2", "--rounds", "1",
+        "--out-dir", str(tmp_path))
+    doc = json.loads((tmp_path / "decode.json").read_text())
+    assert [(r["quantization"], r["concurrency"]) for r in doc["rows"]] == [("auto", 1), ("auto", 2), ("int4", 1),
+                                                                            ("int4", 2)]
+    assert all(r["moe_tok_s"] > 0 and r["dense_tok_s"] > 0 for r in doc["rows"])
+    assert doc["rows"][0]["experts_run_per_layer"] == 2  # top-2 of one token
+    moe, dense = doc["models"]["moe"], doc["models"]["dense"]
+    assert moe["params_active"] == dense["params_active"] + 2 * 4 * 64  # the same, but for the routers' rows
+    assert moe["plans"]["int4"]["decode_steps"] == "layer by layer"
+    assert "| int4 | 1 |" in (tmp_path / "decode.md").read_text()
+    assert (tmp_path / "decode.png").read_bytes()[:4] == b"\x89PNG"
