@@ -7,12 +7,29 @@ import pytest
 
 from llmserve.loader.default_models import PARTED_MODELS, installed_path, resolve_model_path
 
+
+def _file_marks(name: str, tier_marker: str) -> tuple[str | None, pytest.MarkDecorator, list]:
+    """A registered model's assembled path (None where it is not), the skip where it is missing, and that skip with
+    the marker that keeps its heavier tests in the full tier."""
+    path = installed_path(PARTED_MODELS[name])
+    missing = pytest.mark.skipif(path is None,
+                                 reason=f"{name} is not assembled here (`llmserve download {name}`; setup does it)")
+    return path, missing, [missing, getattr(pytest.mark, tier_marker)]
+
+
+def _with(marks: list, test):
+    for mark in marks:
+        test = mark(test)
+    return test
+
+
 QWEN = "qwen2.5-coder-0.5b"
-QWEN_PATH = installed_path(PARTED_MODELS[QWEN])
-# Skipped where the file is missing; in the full tier only (the `qwen` marker: a model 4x the default's size).
-QWEN_FILE = pytest.mark.skipif(QWEN_PATH is None,
-                               reason=f"{QWEN} is not assembled here (`llmserve download {QWEN}`; setup does it)")
-QWEN_MARKS = [QWEN_FILE, pytest.mark.qwen]
+# the `qwen` marker: a model 4x the default's size
+QWEN_PATH, QWEN_FILE, QWEN_MARKS = _file_marks(QWEN, "qwen")
+GEMMA3 = "gemma3-270m"
+# the `gemma3` marker: a test that loads transformers' Gemma 3 or the file's 262,144-token vocabulary (seconds to
+# a minute)
+GEMMA3_PATH, GEMMA3_FILE, GEMMA3_MARKS = _file_marks(GEMMA3, "gemma3")
 
 
 def needs_qwen_tokenizer(test):
@@ -22,18 +39,7 @@ def needs_qwen_tokenizer(test):
 
 def needs_qwen(test):
     """A test of the real Qwen2.5-Coder-0.5B: skipped without its file, full tier only."""
-    for mark in QWEN_MARKS:
-        test = mark(test)
-    return test
-
-
-GEMMA3 = "gemma3-270m"
-GEMMA3_PATH = installed_path(PARTED_MODELS[GEMMA3])
-GEMMA3_FILE = pytest.mark.skipif(
-    GEMMA3_PATH is None, reason=f"{GEMMA3} is not assembled here (`llmserve download {GEMMA3}`; setup does it)")
-# the `gemma3` marker: a test that loads transformers' Gemma 3 or the file's 262,144-token vocabulary (seconds to
-# a minute), in the full tier only
-GEMMA3_MARKS = [GEMMA3_FILE, pytest.mark.gemma3]
+    return _with(QWEN_MARKS, test)
 
 
 def needs_gemma3_file(test):
@@ -43,9 +49,7 @@ def needs_gemma3_file(test):
 
 def needs_gemma3(test):
     """A test of the real Gemma 3 270M's weights or tokenizer: skipped without its file, full tier only."""
-    for mark in GEMMA3_MARKS:
-        test = mark(test)
-    return test
+    return _with(GEMMA3_MARKS, test)
 
 
 def gguf_files() -> list:
