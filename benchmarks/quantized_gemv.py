@@ -244,7 +244,7 @@ def compare_six_bit(num_layers: int, shapes: list[tuple[int, int]], head: tuple[
     """The weights a Q4_K_M file stores as Q6_K (the output head, half the ffn_down) on the int8 op in both layouts:
     re-quantized to int8 per row, and the file's 6-bit values (`pack_int6`), weights streamed, alternated."""
     from llmserve.kernels.quantized_gemv import pack_int6, pack_int8
-    from llmserve.quantization.weight_only import _quantize_int8
+    from llmserve.quantization.methods.int8 import quantize_int8
 
     print("packing the Q6_K layers in both layouts ...", flush=True)
     packs: dict[str, list] = {"int8 per row": [], "6-bit": []}
@@ -253,7 +253,7 @@ def compare_six_bit(num_layers: int, shapes: list[tuple[int, int]], head: tuple[
         d = (torch.rand(out_features, in_features // 256) * 1e-3).half().float()
         sc = torch.randint(-128, 128, (out_features, in_features // 16), dtype=torch.int8)
         w = (d.repeat_interleave(16, dim=1) * sc.float()).repeat_interleave(16, dim=1) * (q - 32).float()
-        q8, scales, _ = _quantize_int8(w)
+        q8, scales, _ = quantize_int8(w)
         packs["int8 per row"].append((pack_int8(q8), scales.float(), out_features, in_features))
         packs["6-bit"].append((pack_int6(q, d, sc), torch.ones(out_features), out_features, in_features))
         del w, q8

@@ -15,10 +15,13 @@ import json
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from llmserve.quantization.methods import LINEAR_METHODS, MIXED_METHODS
+
 # Names only: importing torch here would make every `--help` pay for it.
 DTYPES = ("float32", "bfloat16", "float16")
-# weight-only, see quantization/weight_only.py; awq: int4 after activation-aware scales (quantization/awq.py)
-QUANTIZATION_METHODS = ("int8", "int4", "int4+int8", "awq")
+# weight-only, the registered formats and their mixes (quantization/methods/); awq: int4 after activation-aware
+# scales (quantization/awq.py)
+QUANTIZATION_METHODS = (*LINEAR_METHODS, *MIXED_METHODS, "awq")
 KERNEL_CHOICES = ("auto", "native", "torch")
 # KV cache formats (vLLM's names): the model dtype, or 1-byte values with a float32 scale per token and
 # KV head (kv_cache/kv_quant.py). "fp8" is vLLM's alias of fp8_e4m3.

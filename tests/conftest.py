@@ -78,6 +78,31 @@ def hf_reference(hf_model, prompt_token_ids) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
+def gemma3_reference():
+    """transformers' Gemma3ForCausalLM from Gemma 3 270M's GGUF (its own reading and dequantization; ~35 s), loaded
+    once for the model's tests and the loader's. Shared, so no test may change it (`quantized_reference` copies)."""
+    return reference_model(_gemma3_name(), torch.float32)
+
+
+@pytest.fixture(scope="session")
+def gemma3_checkpoint():
+    """Gemma 3 270M's file as our loader reads it (~5 s), once for the same tests; read, never changed, by them."""
+    from llmserve.loader import load_checkpoint
+
+    return load_checkpoint(_gemma3_name())
+
+
+def _gemma3_name() -> str:
+    """Its users carry tests/model_files.py's Gemma 3 marks (the skip where the file is missing, the full tier's
+    marker); this skip only guards one that does not."""
+    from tests.model_files import GEMMA3, GEMMA3_PATH
+
+    if GEMMA3_PATH is None:
+        pytest.skip(f"{GEMMA3} is not assembled here")
+    return GEMMA3
+
+
+@pytest.fixture(scope="session")
 def mixed_kquant_gguf(tmp_path_factory) -> str:
     """A small Qwen2 GGUF whose fused linears mix Q4_K and Q6_K rows, as Qwen2.5-Coder-1.5B's file does
     (tests/models/mixed_gguf.py); its tokenizer is the 0.5B's, cut to 4,096 tokens."""

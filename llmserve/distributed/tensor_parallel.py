@@ -25,8 +25,7 @@ from torch import nn
 
 from llmserve.layers.mlp import GatedMLP
 from llmserve.models.config import ModelConfig
-
-INT4_GROUP = 32  # a checkpoint's int4 grid: one scale and minimum per 32 inputs
+from llmserve.quantization.methods import LINEAR_METHODS, methods_of
 
 
 @dataclass(frozen=True)
@@ -68,21 +67,22 @@ class TensorParallel:
         return slice(min(self.rank * share, vocab_size), min((self.rank + 1) * share, vocab_size))
 
 
-def check_shardable(cfg: ModelConfig, size: int, int4: bool) -> None:
-    """ValueError unless the model's heads and MLP split evenly over `size` ranks (and, with int4 weights,
-    every row-parallel slice holds whole groups of 32 inputs)."""
+def check_shardable(cfg: ModelConfig, size: int, weights: str = "as loaded") -> None:
+    """ValueError unless the model's heads and MLP split evenly over `size` ranks (and, with quantized `weights`,
+    every row-parallel slice holds whole groups of its formats' inputs: `LinearMethodSpec.shard_inputs`)."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
     for what, n in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
                     *(("MLP hidden units", units) for units in _mlp_widths(cfg))):
         if n % size:
             raise ValueError(f"tensor_parallel_size={size} does not divide the model's {n} {what}")
-    if int4:
+    methods = [] if weights == "as loaded" else [LINEAR_METHODS[m] for m in methods_of(weights)]
+    for spec in methods:
         for what, n in (("o_proj inputs", cfg.num_heads * cfg.head_dim),
                         *(("down_proj inputs", units) for units in _mlp_widths(cfg))):
-            if (n // size) % INT4_GROUP:
-                raise ValueError(f"tensor_parallel_size={size}: a rank's {n // size} {what} are not whole int4 "
-                                 f"groups of {INT4_GROUP}")
+            if (n // size) % spec.shard_inputs:
+                raise ValueError(f"tensor_parallel_size={size}: a rank's {n // size} {what} are not whole "
+                                 f"{spec.name} groups of {spec.shard_inputs}")
 
 
 def _mlp_widths(cfg: ModelConfig) -> list[int]:

@@ -26,13 +26,11 @@ from llmserve.kernels import amx_int8_gemm, load_cpu_kernels, native_quantized_k
 from llmserve.kernels.quantized_gemv import int4_packs
 from llmserve.kv_cache.kv_cache_spec import KVCacheSpec
 from llmserve.layers.attention import ATTENTION_BACKENDS, choose_attention
-from llmserve.loader.awq_format import AWQ_FORMAT
 from llmserve.loader.default_models import registered_draft
-from llmserve.loader.gguf import INT4_GRID_FORMATS
-from llmserve.loader.int8_format import INT8_FORMAT
 from llmserve.models.config import ModelConfig
 from llmserve.models.fused_stack import fused_stack_refusal
-from llmserve.quantization.weight_only import AMX_MIN_TOKENS, Q8_MAX_TOKENS, QUANTIZED_MAX_TOKENS, small_step_cap
+from llmserve.quantization.methods import LINEAR_METHODS, MIXED_METHODS, methods_of, small_step_tokens
+from llmserve.quantization.weight_only import AMX_MIN_TOKENS, Q8_MAX_TOKENS, small_step_cap
 
 logger = logging.getLogger(__name__)
 
@@ -142,9 +140,11 @@ STEP_ROUTES: tuple[tuple[str, Callable[[BuildPlan, bool, int, bool], bool]], ...
 
 
 def resolve_plan(config: EngineConfig, model: ModelConfig, source_formats: dict[str, str] | None = None) -> BuildPlan:
-    """The plan for this config, model and host. `source_formats`: how the checkpoint stored each tensor
-    (a GGUF's GGML types), for the automatic choice of weights. Raises ValueError (or RuntimeError, for
-    kernels asked for by name that cannot run here) before anything is built."""
+    """The plan for this config, model and host: each concern resolved in turn by its own function below (device
+    and dtype, kernels, attention, weights, their products, elementwise ops, the decode route, the KV cache), each
+    recording its reason. `source_formats`: how the checkpoint stored each tensor (a GGUF's GGML types), for the
+    automatic choice of weights. Raises ValueError (or RuntimeError, for kernels asked for by name that cannot run
+    here) before anything is built."""
     mc = config.model
     reasons: dict[str, str] = {}
     device = _device(config, reasons)
@@ -157,7 +157,6 @@ def resolve_plan(config: EngineConfig, model: ModelConfig, source_formats: dict[
         raise RuntimeError("kernels='native' but llmserve's native CPU kernels cannot run here (see the log)")
 
     attention = choose_attention(device, built, reasons)
-    argmax = "native" if built else "torch"
     _check_family(config, model)
     weights = _weights(mc.quantization, source_formats, on_cpu, reasons)
     tp = config.parallel.tensor_parallel_size
@@ -168,7 +167,39 @@ def resolve_plan(config: EngineConfig, model: ModelConfig, source_formats: dict[
         weights = head = "int4"  # on PyTorch's int4 kernel a step would cost more than the target's
         reasons["weights"] = ("auto: a speculative draft, whose weights decide which tokens are proposed, never "
                               "which are kept: the fastest, output head included")
-    small, small_max, products, parts = "", 0, "", 2
+    products = _products(config, weights, on_cpu, built, wanted, reasons)
+    huge_pages = _huge_pages(mc.huge_pages, products.small == "native", reasons)
+    elementwise = _elementwise(mc.kernels, built, dtype, weights, products.int8_activations, reasons)
+    route = _decode_route(config, model, device, weights, products, elementwise, attention, reasons)
+    max_model_len = min(mc.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
+    spec, num_blocks = _kv_cache(config, model, attention, dtype, max_model_len, device, reasons)
+    return BuildPlan(
+        device=device, dtype=dtype, weights=weights, small_step_kernels=products.small,
+        small_step_max_tokens=products.small_max, int8_activations=products.int8_activations,
+        int8_products=products.int8_products, attention=attention, elementwise=elementwise,
+        argmax="native" if built else "torch", compile=route.compile, fused_decode_max_tokens=route.fused_max_tokens,
+        kv_cache=spec, num_kv_blocks=num_blocks, max_model_len=max_model_len, head=head, tensor_parallel_size=tp,
+        activation_parts=products.activation_parts, speculative=route.speculative,
+        cuda_graph_max_tokens=route.cuda_graph_max_tokens, huge_pages=huge_pages, reasons=reasons,
+    )
+
+
+@dataclass(frozen=True)
+class _Products:
+    """How quantized linears multiply: the small-step kernels and the largest step they take, the int4 inputs'
+    parts (1: Q8_0), and whether large steps run int8 x int8, on which kernel. Dense weights: the defaults."""
+
+    small: str = ""
+    small_max: int = 0
+    activation_parts: int = 2
+    int8_activations: bool = False
+    int8_products: str = ""
+
+
+def _products(config: EngineConfig, weights: str, on_cpu: bool, built: bool, wanted: bool,
+              reasons: dict[str, str]) -> _Products:
+    mc = config.model
+    tp = config.parallel.tensor_parallel_size
     int8_activations = bool(mc.int8_activations)
     if mc.q8_activations and weights not in ("int4", "int4+int8"):
         raise ValueError(f"q8_activations are the int4 kernel's inputs, and this model's weights run "
@@ -179,67 +210,90 @@ def resolve_plan(config: EngineConfig, model: ModelConfig, source_formats: dict[
     if int8_activations and on_cpu and not cpu_has_vnni():
         raise ValueError("int8_activations needs a CPU with VNNI (AVX512-VNNI, AVX-VNNI or AMX): without it "
                          "oneDNN's int8 products saturate and give wrong results")
-    if weights != "as loaded":
-        vectorized = built and native_quantized_kernels()
-        if mc.kernels == "native" and not vectorized:
-            raise RuntimeError("kernels='native' but the native quantized kernels need AVX-512 VNNI or AVX2")
-        small = "native" if vectorized else "torch"
-        if built and not vectorized:
-            reasons["small steps"] = "llmserve's need AVX-512 VNNI or AVX2"
-        small_max = QUANTIZED_MAX_TOKENS[weights]
-        if mc.q8_activations and small != "native":
-            raise ValueError("q8_activations need llmserve's native int4 kernel (AVX-512 VNNI or AVX2)")
-        if weights == "int4+int8":  # with ~16-bit inputs (Q8_0's below)
-            reasons["small steps"] = f"int8 layers up to {QUANTIZED_MAX_TOKENS['int8']} tokens"
-        if mc.int8_activations is None:  # auto: where the file itself is 4-bit and int8 products are fast here
-            # not for int4+int8: on a K-quant mix they cost far more perplexity than its weights alone do, which
-            # is not the file's quality (docs/performance.md, "Large steps: int8 activations and dense products")
-            int8_activations = mc.quantization == "auto" and weights == "int4" and cpu_has_vnni()
-            if int8_activations and tp > 1:
-                int8_activations = False
-                reasons["large steps"] = "auto: tensor parallel (the calibration runs in one process)"
-            elif int8_activations and config.scheduler.max_num_batched_tokens <= small_max:
-                # no step is ever large (and calibration, seeing none, would have nothing to measure)
-                int8_activations = False
-                reasons["large steps"] = "auto: max_num_batched_tokens leaves every step to the small-step kernels"
-            elif int8_activations:
-                reasons["large steps"] = ("auto: a 4-bit file, and this CPU multiplies int8 natively; +0.2-0.3 % "
-                                          "perplexity on SmolLM2 (docs/performance.md, "
-                                          "\"Large steps: int8 activations and dense products\")")
-            elif weights == "int4+int8":
-                reasons["large steps"] = "auto: int8 activations cost this kind of file +1.8 % perplexity"
-        q8 = mc.q8_activations
-        if q8 is None:  # auto: where `llmserve eval` measured them to leave the model's quality as it was
-            q8 = mc.quantization == "auto" and small == "native" and (weights == "int4+int8" or mc.draft)
-        if q8:
-            parts = 1
-            if not int8_activations:  # the int4 layers take steps up to Q8_MAX_TOKENS; dense products beyond
-                small_max = Q8_MAX_TOKENS
-            why = ("as asked" if mc.q8_activations else "auto: a draft's weights only propose" if mc.draft else
-                   f"auto: a K-quant mix, {_Q8_MEASURED}")
-            reasons["small steps"] = "; ".join(filter(None, [
-                why, f"{'int4 and int8' if weights == 'int4+int8' else 'int4'} layers up to {small_max} tokens, "
-                "their inputs as Q8_0: half the integer work"]))
-        elif mc.q8_activations is None and small == "native" and weights == "int4":
-            reasons["small steps"] = f"auto: ~16-bit int4 inputs for a 4-bit file, {_Q8_MEASURED}"
-        if int8_activations:
-            products = "amx" if wanted and amx_int8_gemm() else "onednn"
-            if products == "amx":
-                small_max = min(small_max, AMX_MIN_TOKENS - 1)
-                amx_note = f"AMX takes steps from {AMX_MIN_TOKENS} tokens"
-                reasons["large steps"] = "; ".join(filter(None, [reasons.get("large steps"), amx_note]))
+    if weights == "as loaded":
+        return _Products(int8_activations=int8_activations)
+    vectorized = built and native_quantized_kernels()
+    if mc.kernels == "native" and not vectorized:
+        raise RuntimeError("kernels='native' but the native quantized kernels need AVX-512 VNNI or AVX2")
+    small = "native" if vectorized else "torch"
+    if built and not vectorized:
+        reasons["small steps"] = "llmserve's need AVX-512 VNNI or AVX2"
+    small_max = small_step_tokens(weights)
+    if mc.q8_activations and small != "native":
+        raise ValueError("q8_activations need llmserve's native int4 kernel (AVX-512 VNNI or AVX2)")
+    if weights == "int4+int8":  # with ~16-bit inputs (Q8_0's below)
+        reasons["small steps"] = f"int8 layers up to {LINEAR_METHODS['int8'].small_step_tokens} tokens"
+    if mc.int8_activations is None:  # auto: where the file itself is 4-bit and int8 products are fast here
+        # not for int4+int8: on a K-quant mix they cost far more perplexity than its weights alone do, which
+        # is not the file's quality (docs/performance.md, "Large steps: int8 activations and dense products")
+        int8_activations = mc.quantization == "auto" and weights == "int4" and cpu_has_vnni()
+        if int8_activations and tp > 1:
+            int8_activations = False
+            reasons["large steps"] = "auto: tensor parallel (the calibration runs in one process)"
+        elif int8_activations and config.scheduler.max_num_batched_tokens <= small_max:
+            # no step is ever large (and calibration, seeing none, would have nothing to measure)
+            int8_activations = False
+            reasons["large steps"] = "auto: max_num_batched_tokens leaves every step to the small-step kernels"
+        elif int8_activations:
+            reasons["large steps"] = ("auto: a 4-bit file, and this CPU multiplies int8 natively; +0.2-0.3 % "
+                                      "perplexity on SmolLM2 (docs/performance.md, "
+                                      "\"Large steps: int8 activations and dense products\")")
+        elif weights == "int4+int8":
+            reasons["large steps"] = "auto: int8 activations cost this kind of file +1.8 % perplexity"
+    parts = 2
+    q8 = mc.q8_activations
+    if q8 is None:  # auto: where `llmserve eval` measured them to leave the model's quality as it was
+        q8 = mc.quantization == "auto" and small == "native" and (weights == "int4+int8" or mc.draft)
+    if q8:
+        parts = 1
+        if not int8_activations:  # the int4 layers take steps up to Q8_MAX_TOKENS; dense products beyond
+            small_max = Q8_MAX_TOKENS
+        why = ("as asked" if mc.q8_activations else "auto: a draft's weights only propose" if mc.draft else
+               f"auto: a K-quant mix, {_Q8_MEASURED}")
+        reasons["small steps"] = "; ".join(filter(None, [
+            why, f"{'int4 and int8' if weights == 'int4+int8' else 'int4'} layers up to {small_max} tokens, "
+            "their inputs as Q8_0: half the integer work"]))
+    elif mc.q8_activations is None and small == "native" and weights == "int4":
+        reasons["small steps"] = f"auto: ~16-bit int4 inputs for a 4-bit file, {_Q8_MEASURED}"
+    products = ""
+    if int8_activations:
+        products = "amx" if wanted and amx_int8_gemm() else "onednn"
+        if products == "amx":
+            small_max = min(small_max, AMX_MIN_TOKENS - 1)
+            amx_note = f"AMX takes steps from {AMX_MIN_TOKENS} tokens"
+            reasons["large steps"] = "; ".join(filter(None, [reasons.get("large steps"), amx_note]))
+    return _Products(small, small_max, parts, int8_activations, products)
 
-    huge_pages = _huge_pages(mc.huge_pages, small == "native", reasons)
-    # In float32 (the dtype held to transformers' rounding) the kernels sum RMSNorm's squares in another order,
-    # and a last-bit difference can move an int8 activation's level: there, only when asked for by name, or
-    # under int4 weights without int8 activations (the int4 kernel splits an activation into ~16 bits, so a
-    # last bit moves it by 1/508 of a level, never a whole one), where they open the one-call decode stack, which
-    # a float32 host needs most (docs/performance.md, "The one-call decode step").
-    elementwise = "native" if built and (dtype == torch.bfloat16 or mc.kernels == "native" or (
+
+def _elementwise(kernels: str, built: bool, dtype: torch.dtype, weights: str, int8_activations: bool,
+                 reasons: dict[str, str]) -> str:
+    """The layers' norms, rotary and gate in eager steps. In float32 (the dtype held to transformers' rounding) the
+    kernels sum RMSNorm's squares in another order, and a last-bit difference can move an int8 activation's level:
+    there, only when asked for by name, or under int4 weights without int8 activations (the int4 kernel splits an
+    activation into ~16 bits, so a last bit moves it by 1/508 of a level, never a whole one), where they open the
+    one-call decode stack, which a float32 host needs most (docs/performance.md, "The one-call decode step")."""
+    elementwise = "native" if built and (dtype == torch.bfloat16 or kernels == "native" or (
         weights == "int4" and not int8_activations)) else "torch"
     if built and elementwise == "torch":
         reasons["elementwise"] = "the native ones are used in bfloat16, under int4 weights, or with kernels='native'"
+    return elementwise
 
+
+@dataclass(frozen=True)
+class _DecodeRoute:
+    """How decode steps run: compiled ("graph", "layers") or not, as one native call up to `fused_max_tokens`,
+    replayed CUDA graphs up to `cuda_graph_max_tokens`, and speculation."""
+
+    compile: str
+    fused_max_tokens: int
+    speculative: SpeculativeConfig | None
+    cuda_graph_max_tokens: int
+
+
+def _decode_route(config: EngineConfig, model: ModelConfig, device: str, weights: str, products: _Products,
+                  elementwise: str, attention: str, reasons: dict[str, str]) -> _DecodeRoute:
+    mc = config.model
+    tp = config.parallel.tensor_parallel_size
     compile_mode = "off"
     if mc.compile and tp > 1:
         reasons["decode steps"] = "tensor parallel: eager (compiled graphs would hold the collectives)"
@@ -252,9 +306,11 @@ def resolve_plan(config: EngineConfig, model: ModelConfig, source_formats: dict[
     refusal = fused_stack_refusal(model)
     if refusal and weights != "as loaded":
         reasons["decode steps"] = refusal
-    fused = (refusal is None and tp == 1 and weights != "as loaded" and small == "native" and elementwise == "native"
-             and attention == "native" and all(int4_packs(*shape) for shape in _linear_shapes(model)))
-    fused_max = min(small_step_cap(m, small_max, parts) for m in weights.split("+")) if fused else 0
+    fused = (refusal is None and tp == 1 and weights != "as loaded" and products.small == "native"
+             and elementwise == "native" and attention == "native"
+             and all(int4_packs(*shape) for shape in _linear_shapes(model)))
+    fused_max = (min(small_step_cap(m, products.small_max, products.activation_parts) for m in methods_of(weights))
+                 if fused else 0)
     # at every size: past the small-step kernels the call makes the layers' large-step products itself (int8 x int8,
     # or dense), as layer by layer a large step spends a good share of its time between the ops
     # (docs/performance.md, "The one-call decode step")
@@ -273,8 +329,12 @@ def resolve_plan(config: EngineConfig, model: ModelConfig, source_formats: dict[
             1 + (speculative.num_speculative_tokens if speculative else 0)))
         reasons["decode steps"] = ("CUDA: each batch and context size class captured at its first step, then "
                                    "replayed (one launch instead of ~60 a layer)")
+    return _DecodeRoute(compile_mode, fused_max, speculative, cuda_graphs)
 
-    max_model_len = min(mc.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
+
+def _kv_cache(config: EngineConfig, model: ModelConfig, attention: str, dtype: torch.dtype, max_model_len: int,
+              device: str, reasons: dict[str, str]) -> tuple[KVCacheSpec, int]:
+    """The attention backend's cache layout and how many blocks of it fit."""
     backend = ATTENTION_BACKENDS[attention]()
     spec = backend.kv_cache_spec(model.num_layers, model.num_kv_heads, model.head_dim, config.cache.block_size, dtype,
                                  config.cache.kv_cache_dtype)
@@ -284,14 +344,7 @@ def resolve_plan(config: EngineConfig, model: ModelConfig, source_formats: dict[
                                      dtype)
         reasons["KV cache"] += (f"; {config.cache.kv_cache_dtype}: {full.bytes_per_block / spec.bytes_per_block:.2f}x "
                                 f"the tokens of a {str(dtype).removeprefix('torch.')} cache")
-    return BuildPlan(
-        device=device, dtype=dtype, weights=weights, small_step_kernels=small, small_step_max_tokens=small_max,
-        int8_activations=int8_activations, int8_products=products, attention=attention,
-        elementwise=elementwise, argmax=argmax, compile=compile_mode,
-        fused_decode_max_tokens=fused_max, kv_cache=spec, num_kv_blocks=num_blocks,
-        max_model_len=max_model_len, head=head, tensor_parallel_size=tp, activation_parts=parts,
-        speculative=speculative, cuda_graph_max_tokens=cuda_graphs, huge_pages=huge_pages, reasons=reasons,
-    )
+    return spec, num_blocks
 
 
 def _speculation(asked: SpeculativeConfig | str | None, fused: bool, model: str | None,
@@ -318,22 +371,18 @@ def _speculation(asked: SpeculativeConfig | str | None, fused: bool, model: str 
 
 
 def _check_family(config: EngineConfig, model: ModelConfig) -> None:
-    """ValueError for what runs only on Llama-shaped layers (their calibrations compute the layer themselves)."""
-    extras = model.beyond_llama
-    if not extras:
-        return
-    has = f"{model.architecture} has {', '.join(extras)}"
-    if config.model.quantization == "awq":
-        raise ValueError(f"quantization='awq' searches Llama-shaped layers, and {has}: use 'auto', 'int4' or 'int8'")
-    if config.cache.kv_cache_dtype == "int8":
-        raise ValueError(f"kv_cache_dtype='int8' smooths keys on Llama-shaped layers, and {has}: use 'fp8_e4m3'")
+    """ValueError for a calibration this model's layers do not have: AWQ searches dense feed-forward layers (the
+    calibrations run the serving forward, so every dense family's norms and windows are searched as served)."""
+    if config.model.quantization == "awq" and model.moe is not None:
+        raise ValueError(f"quantization='awq' searches dense layers, and {model.architecture} has experts: "
+                         "use 'auto', 'int4' or 'int8'")
 
 
 def _check_tensor_parallel(config: EngineConfig, model: ModelConfig, weights: str, reasons: dict[str, str]) -> None:
     """ValueError for what tensor parallelism cannot run: a model whose heads or MLP do not split, AWQ
     searched at start (each rank would search its own), int8 activations (calibrated in one process)."""
     tp = config.parallel.tensor_parallel_size
-    check_shardable(model, tp, int4=weights in ("int4", "int4+int8"))
+    check_shardable(model, tp, weights)
     if config.model.quantization == "awq":
         raise ValueError("tensor_parallel_size > 1 with quantization='awq': search once with `llmserve quantize "
                          "MODEL --method awq --out DIR` and serve DIR")
@@ -349,29 +398,22 @@ def _check_tensor_parallel(config: EngineConfig, model: ModelConfig, weights: st
 # group of 32 that holds one rounds its other 31 coarsely).
 _Q8_MEASURED = "Q8_0 inputs cost Qwen2.5-Coder-1.5B's Q4_K_M +0.03 % perplexity, SmolLM2's Q4_1 +1.45 %"
 
-# GGML types stored on a 4-bit grid that int4 takes over (groups of 32, fp16 scale and minimum: Q4_1's
-# grid holds Q4_0 and Q4_1 exactly, and Q4_K up to the fp16 rounding of its scales and minimums): the
-# loader's, which reads those grids
-_INT4_GRIDS = INT4_GRID_FORMATS | {AWQ_FORMAT}  # and an AWQ checkpoint's groups (loader/awq_format.py)
-# GGML types with more than 4 bits a weight whose values int8 holds exactly (`Checkpoint.int8_grids`: Q6_K in the
-# int8 kernel's 6-bit layout, Q8_0 and Q5_0 as int8 with their fp16 d per 32 inputs)
-_INT8_GRIDS = {"Q6_K", "Q8_0", "Q5_0"}
-# GGML types with more than 4 bits a weight, which int8 (on their own grid above, else per output channel) stands
-# in for beside int4
-_WIDER = {"Q5_1", "Q5_K"} | _INT8_GRIDS
+# GGML types with more than 4 bits a weight that int8 stands in for per output channel beside int4 in a K-quant mix
+# (each value changed by at most half an int8 step of its row); those int8 holds exactly are its `file_types`
+_WIDER_PER_CHANNEL = {"Q5_1", "Q5_K"}
 _DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _weights(choice: str | None, formats: dict[str, str] | None, on_cpu: bool, reasons: dict[str, str]) -> str:
-    """"as loaded", "int8", "int4" or "int4+int8". auto: int4 where the file's decoder weights are 4-bit,
-    on their own grid, so the int4 path computes with the values shipped (as llama.cpp does, activations
-    quantized to 8 bits in the small steps). A K-quant mix (mostly 4-bit, some tensors in 5-8 bits, as
-    Q4_K_M files are) runs int4 on the 4-bit tensors and int8 on the others ("int4+int8"): Q6_K, Q8_0 and Q5_0
-    ones at the file's own values (`Checkpoint.int8_grids`), the rest per channel, each value changed by at most
-    half an int8 step of its row (docs/performance.md, "Weight quantization quality"), which only a mostly 4-bit
-    file takes. A file of those int8 grids alone runs "int8". Any
-    other file keeps its weights as loaded (int4 would change them: measure its cost with `llmserve eval` first)."""
-    if choice in ("int8", "int4", "int4+int8"):
+    """"as loaded", a registered format (quantization/methods/) or a mix of them. auto: the first format whose
+    `file_types` hold every one of the file's decoder weights, so the layers compute with the values shipped (int4 on
+    a 4-bit file, as llama.cpp does, activations quantized to 8 bits in the small steps; int8 on Q6_K, Q8_0, Q5_0 or
+    its own per-channel files). A K-quant mix (mostly 4-bit, some tensors in 5-8 bits, as Q4_K_M files are) runs int4
+    on the 4-bit tensors and int8 on the others ("int4+int8"): Q6_K, Q8_0 and Q5_0 ones at the file's own values
+    (`Checkpoint.int8_grids`), the rest per channel, each value changed by at most half an int8 step of its row
+    (docs/performance.md, "Weight quantization quality"), which only a mostly 4-bit file takes. Any other file keeps
+    its weights as loaded (int4 would change them: measure its cost with `llmserve eval` first)."""
+    if choice in LINEAR_METHODS or choice in MIXED_METHODS:
         reasons["weights"] = "as asked"
         return choice
     if choice == "awq":  # the checkpoint's weights are on AWQ's groups by now (quantize_checkpoint)
@@ -382,24 +424,21 @@ def _weights(choice: str | None, formats: dict[str, str] | None, on_cpu: bool, r
     linear = [fmt for name, fmt in (formats or {}).items()
               if name.endswith(".weight") and any(f".{p}." in name for p in _DECODER_LINEARS)]
     stored = set(linear)
-    if on_cpu and stored == {INT8_FORMAT}:  # an int8 checkpoint (`llmserve quantize --method int8`)
-        reasons["weights"] = "auto: the file's linear weights are int8 per channel"
-        return "int8"
-    four_bit = sum(fmt in _INT4_GRIDS for fmt in linear)
-    if on_cpu and stored and stored <= _INT4_GRIDS:
-        reasons["weights"] = f"auto: the file's linear weights are {'/'.join(sorted(stored))}, on a grid int4 holds"
-        return "int4"
-    if on_cpu and stored and stored <= _INT8_GRIDS:
-        reasons["weights"] = (f"auto: the file's linear weights are {'/'.join(sorted(stored))}, on a grid int8 "
-                              "holds (the file's values)")
-        return "int8"
-    exact = stored <= _INT4_GRIDS | _INT8_GRIDS  # every value kept: int4 or int8 on the file's own grids
-    if on_cpu and stored and stored <= _INT4_GRIDS | _WIDER and (exact or 2 * four_bit >= len(linear)):
-        on_grid, per_channel = sorted(stored & _INT8_GRIDS), sorted(stored - _INT4_GRIDS - _INT8_GRIDS)
+    for spec in LINEAR_METHODS.values() if on_cpu and stored else ():
+        if stored <= spec.file_types:
+            reasons["weights"] = (f"auto: the file's linear weights are {'/'.join(sorted(stored))}, on a grid "
+                                  f"{spec.name} holds (the file's values)")
+            return spec.name
+    four_bit_types, wider_types = (LINEAR_METHODS[m].file_types for m in MIXED_METHODS["int4+int8"])
+    four_bit = sum(fmt in four_bit_types for fmt in linear)
+    exact = stored <= four_bit_types | wider_types  # every value kept: int4 or int8 on the file's own grids
+    if (on_cpu and stored and stored <= four_bit_types | wider_types | _WIDER_PER_CHANNEL
+            and (exact or 2 * four_bit >= len(linear))):
+        on_grid, per_channel = sorted(stored & wider_types), sorted(stored & _WIDER_PER_CHANNEL)
         how = "; ".join([f"{'/'.join(on_grid)} at the file's values"] * bool(on_grid) +
                         [f"{'/'.join(per_channel)} per channel"] * bool(per_channel))
         reasons["weights"] = (f"auto: {four_bit} of the file's {len(linear)} linear weights are 4-bit "
-                              f"({'/'.join(sorted(stored & _INT4_GRIDS))}: int4 on their grid), the others int8 "
+                              f"({'/'.join(sorted(stored & four_bit_types))}: int4 on their grid), the others int8 "
                               f"({how})")
         return "int4+int8"
     reasons["weights"] = ("auto: " + (f"the file's linear weights are {'/'.join(sorted(stored))}, which int4 would "

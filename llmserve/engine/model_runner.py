@@ -23,7 +23,7 @@ from llmserve.engine.build_plan import BuildPlan
 from llmserve.engine.cuda_graphs import CudaGraphs
 from llmserve.engine.heap import trim_heap
 from llmserve.engine.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from llmserve.kv_cache.key_smoothing import smooth_keys
+from llmserve.kv_cache.key_smoothing import cannot_smooth, smooth_keys
 from llmserve.layers.attention import ATTENTION_BACKENDS, attention_metadata
 from llmserve.layers.linear import prepack_linears
 from llmserve.layers.sampler import SamplingMetadata, sample
@@ -88,21 +88,23 @@ class ModelRunner:
         model = build_model(ckpt, plan.dtype, plan.device, methods)
         trim_heap()  # the checkpoint's float32 copies are freed: their pages go back before quantizing (heap.py)
         # before quantizing: folded into the dense rows and the file's int4 grid (kv_cache/key_smoothing.py)
-        self.key_smoothing = (smooth_keys(model, ckpt.tokenizer, ckpt.int4_grids)
-                              if plan.kv_cache.dtype == torch.int8 else None)
-        if self.key_smoothing:
-            logger.info(self.key_smoothing.describe())
-        grids, int8_grids = ckpt.int4_grids, ckpt.int8_grids
+        self.key_smoothing = None
+        if plan.kv_cache.dtype == torch.int8:
+            if why := cannot_smooth(model):
+                logger.info("int8 KV cache: keys not smoothed: %s", why)
+            else:
+                self.key_smoothing = smooth_keys(model, ckpt.tokenizer, ckpt.int4_grids)
+                logger.info(self.key_smoothing.describe())
+        grids = ckpt.grids
         kv_spec = plan.kv_cache
         if tp is not None:  # the dense model cut to this rank's heads, units and vocabulary rows, then quantized
             shard_model(model, tp)
-            grids = shard_grids(grids, ckpt.config, tp)
-            int8_grids = shard_grids(int8_grids, ckpt.config, tp)
+            grids = {method: shard_grids(found, ckpt.config, tp) for method, found in grids.items()}
             self.config = shard_config(ckpt.config, tp.size)
             kv_spec = dataclasses.replace(kv_spec, num_kv_heads=self.config.num_kv_heads)
         if plan.weights != "as loaded":
             quantize_model(model, plan.weights, plan.small_step_kernels == "native", plan.small_step_max_tokens,
-                           grids, plan.head, plan.activation_parts, int8_grids)
+                           grids, plan.head, plan.activation_parts)
         # eager steps read the packed copies only: the plain ones go, unless a compiled graph (it traces `F.linear`) or
         # int8-activation calibration (it smooths the plain weight) reads them
         if packed := prepack_linears(model, release_plain=plan.compile == "off" and not plan.int8_activations):

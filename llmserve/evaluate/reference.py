@@ -28,29 +28,29 @@ def reference_model(model: str | None = None, dtype: torch.dtype = torch.float32
     ).eval()
 
 
-def quantized_reference(model, method: str, grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
-                        int8_grids: dict[str, tuple[torch.Tensor, ...]] | None = None):
+def quantized_reference(model, method: str, grids: dict[str, dict[str, tuple[torch.Tensor, ...]]] | None = None):
     """A copy of a transformers Llama model whose linear weights are exactly the values llmserve's
     `--quantization method` computes with (the output head int8, its own copy where it was tied to the
-    embedding). `grids`: the checkpoint's `int4_grids`, which int4 keeps, `int8_grids` its `int8_grids`, which
-    int8 keeps (see quantization/weight_only.py)."""
+    embedding). `grids`: the checkpoint's own grids by format (`Checkpoint.grids`), which each format keeps (see
+    quantization/weight_only.py)."""
     import copy
 
     from torch import nn
 
-    from llmserve.quantization.weight_only import WeightOnlyLinear, head_int8_grid, layer_method_of
+    from llmserve.quantization.weight_only import WeightOnlyLinear, head_grid, layer_method_of
 
     ref = copy.deepcopy(model)
-    grids, int8_grids = grids or {}, int8_grids or {}
+    grids = grids or {}
     with torch.no_grad():
         for name, module in ref.model.layers.named_modules(prefix="model.layers"):
             if isinstance(module, nn.Linear):
-                grid = grids.get(f"{name}.weight")
-                module.weight.copy_(WeightOnlyLinear(module.weight, layer_method_of(method, grid), grid=grid,
-                                                     int8_grid=int8_grids.get(f"{name}.weight")).weight)
+                source = f"{name}.weight"
+                layer_method = layer_method_of(method, [source], grids)
+                grid = grids.get(layer_method, {}).get(source)
+                module.weight.copy_(WeightOnlyLinear(module.weight, layer_method, grid=grid).weight)
         head_source = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
         # the embedding, where they are tied
-        head = WeightOnlyLinear(ref.lm_head.weight, "int8", int8_grid=head_int8_grid(int8_grids, head_source)).weight
+        head = WeightOnlyLinear(ref.lm_head.weight, "int8", grid=head_grid("int8", grids, head_source)).weight
         ref.lm_head.weight = nn.Parameter(head.clone())
     return ref
 
@@ -94,9 +94,8 @@ class _ServedInt8Projection(torch.nn.Module):
         return y[:, self.cols].to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
-def q8_input_reference(model, method: str, grids: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
-                       max_tokens: int | None = None,
-                       int8_grids: dict[str, tuple[torch.Tensor, ...]] | None = None):
+def q8_input_reference(model, method: str, grids: dict[str, dict[str, tuple[torch.Tensor, ...]]] | None = None,
+                       max_tokens: int | None = None):
     """`quantized_reference`, each projection computed as llmserve's int4 and int8 kernels do under
     `q8_activations` in calls of at most `max_tokens` rows (default: Q8_MAX_TOKENS): the inputs at their Q8_0 levels
     (per group of 32: round(x / step) * step, step = max|x| / 127, float32 as the kernel rounds them) times q * scale
@@ -106,14 +105,16 @@ def q8_input_reference(model, method: str, grids: dict[str, tuple[torch.Tensor, 
 
     from llmserve.quantization.weight_only import Q8_MAX_TOKENS, layer_method_of
 
-    ref = quantized_reference(model, method, grids, int8_grids)
+    ref = quantized_reference(model, method, grids)
     grids = grids or {}
     limit = Q8_MAX_TOKENS if max_tokens is None else max_tokens
     for name, module in list(ref.model.layers.named_modules(prefix="model.layers")):
         for child_name, child in list(module.named_children()):
-            grid = grids.get(f"{name}.{child_name}.weight")
             if isinstance(child, nn.Linear):
-                setattr(module, child_name, _Q8InputProjection(child, layer_method_of(method, grid), grid, limit))
+                source = f"{name}.{child_name}.weight"
+                layer_method = layer_method_of(method, [source], grids)
+                grid = grids.get(layer_method, {}).get(source)
+                setattr(module, child_name, _Q8InputProjection(child, layer_method, grid, limit))
     ref.lm_head = _Q8InputProjection(ref.lm_head, "int8", None, None)
     return ref
 
@@ -122,12 +123,12 @@ class _Q8InputProjection(torch.nn.Module):
     """One int4 or int8 projection on Q8_0 inputs (see `q8_input_reference`), at or below `limit` rows (None: any)."""
 
     def __init__(self, dense: torch.nn.Linear, method: str, grid, limit: int | None) -> None:
-        from llmserve.quantization.weight_only import _quantize_int4
+        from llmserve.quantization.methods.int4 import quantize_int4
 
         super().__init__()
         weight = dense.weight.detach().float()
         if method == "int4":
-            q, scale, lo = _quantize_int4(weight, grid)[:3]
+            q, scale, lo = quantize_int4(weight, grid)[:3]
             out_features, in_features = q.shape
             self.scaled = (q.float().view(out_features, -1, 32) * scale[..., None]).view(out_features, in_features)
             self.mins = lo.repeat_interleave(32, dim=1)

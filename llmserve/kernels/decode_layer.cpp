@@ -38,6 +38,7 @@
 #include <array>
 #include <chrono>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <numeric>
 #include <string>
@@ -341,89 +342,104 @@ Tensor decode_layer(const T* x, const Tensor& delta, LayerWeights& w, const Laye
   return down;
 }
 
-// The decoder layers, built once from the model's tensors (shared, not copied) and its KV caches, so a
-// step is one call with the step's own tensors only. Four linears per layer (q/k/v, o, gate/up, down), of
-// `linear_parts` parts each (one, or a `StackedLinear`'s); `linears`, `linear_scales`, `activation_parts` and
-// `part_rows` hold one entry per part (an empty scales tensor for int4; the products' arguments), `qkv_biases`
-// one per layer (empty: none; each q/k/v part adds its rows of it). Per part too: `small_max_tokens`, the largest step
-// its small-step kernel takes, and its large-step product, `large_kinds` (a `LargeStepKind`) with four
-// `large_tensors` (smooth_inv, weight, scales, extra; empty where the kind reads none).
+// Named fields, read once at construction (nothing here is looked up during a step): `field` and `optional_field`
+// take one by name, `check_fields` refuses a name the stack does not read (a misspelt optional field would
+// otherwise be dropped without a word).
+template <typename V>
+V field(const c10::Dict<std::string, V>& fields, const std::string& name, const char* where) {
+  const auto found = fields.find(name);
+  TORCH_CHECK(found != fields.end(), "DecodeStack.", where, ": no field '", name, "'");
+  return found->value();
+}
+
+at::Tensor optional_field(const c10::Dict<std::string, at::Tensor>& fields, const std::string& name) {
+  const auto found = fields.find(name);
+  return found == fields.end() || !found->value().numel() ? at::Tensor() : found->value();
+}
+
+template <typename V>
+void check_fields(const c10::Dict<std::string, V>& fields, std::initializer_list<const char*> known, const char* where) {
+  for (const auto& entry : fields)
+    TORCH_CHECK(std::any_of(known.begin(), known.end(), [&](const char* name) { return entry.key() == name; }),
+                "DecodeStack.", where, ": unknown field '", entry.key(), "'");
+}
+
+// The decoder layers, built once from the model's tensors (shared, not copied) and its KV caches, so a step is one
+// call with the step's own tensors only. Built by name, as the model describes itself (models/fused_stack.py): the
+// model's own fields, then each layer (`add_layer`: its norms, caches and q/k/v bias, where it has one) and its four
+// linears' parts (`add_part`, in row order: one, or a `StackedLinear`'s), then `finish`, which checks the last layer
+// and the whole. A part names its small-step weight (`weight`, with `scales` for int8; int4 has none), its
+// large-step product (`large_kind`, a `LargeStepKind`, reading `large_weight` and, where its kind does,
+// `smooth_inv`, `large_scales` and `large_extra`), `rows`, `activation_parts` and `small_max_tokens`, the largest
+// step its small-step kernel takes.
 class DecodeStack : public torch::CustomClassHolder {
  public:
-  DecodeStack(std::vector<at::Tensor> input_norms, std::vector<at::Tensor> post_norms, std::vector<at::Tensor> linears,
-              std::vector<at::Tensor> linear_scales, std::vector<at::Tensor> qkv_biases,
-              std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, int64_t num_heads,
-              int64_t intermediate_size, double eps, double scale, std::vector<int64_t> activation_parts,
-              std::vector<int64_t> linear_parts, std::vector<int64_t> part_rows, std::vector<int64_t> small_max_tokens,
-              std::vector<int64_t> large_kinds, std::vector<at::Tensor> large_tensors, at::Tensor embedding,
-              at::Tensor cos_table, at::Tensor sin_table, at::Tensor final_norm)
-      : embedding_(std::move(embedding)), cos_table_(std::move(cos_table)), sin_table_(std::move(sin_table)),
-        final_norm_(std::move(final_norm)), num_heads_(num_heads), intermediate_size_(intermediate_size), eps_(eps),
-        scale_(scale) {
-    const size_t n = input_norms.size();
-    size_t total_parts = 0;
-    for (int64_t count : linear_parts) {
-      TORCH_CHECK(count >= 1, "DecodeStack: a linear has one part or more");
-      total_parts += count;
+  DecodeStack(c10::Dict<std::string, at::Tensor> model, c10::Dict<std::string, int64_t> sizes,
+              c10::Dict<std::string, double> numbers)
+      : embedding_(field(model, "embedding", "model")), cos_table_(field(model, "cos_table", "model")),
+        sin_table_(field(model, "sin_table", "model")), final_norm_(field(model, "final_norm", "model")),
+        num_heads_(field(sizes, "num_heads", "model")), intermediate_size_(field(sizes, "intermediate_size", "model")),
+        eps_(field(numbers, "eps", "model")), scale_(field(numbers, "scale", "model")) {
+    check_fields(model, {"embedding", "cos_table", "sin_table", "final_norm"}, "model");
+    check_fields(sizes, {"num_heads", "intermediate_size"}, "model");
+    check_fields(numbers, {"eps", "scale"}, "model");
+  }
+
+  // A new layer (the one before it is checked): input_norm, post_norm, k_cache, v_cache, and qkv_bias where q/k/v
+  // have one
+  void add_layer(c10::Dict<std::string, at::Tensor> fields) {
+    TORCH_CHECK(!finished_, "DecodeStack.add_layer: the stack is finished");
+    if (!layers_.empty()) check_layer(layers_.back());
+    check_fields(fields, {"input_norm", "post_norm", "k_cache", "v_cache", "qkv_bias"}, "add_layer");
+    LayerWeights layer;
+    layer.input_norm = field(fields, "input_norm", "add_layer");
+    layer.post_norm = field(fields, "post_norm", "add_layer");
+    layer.k_cache = field(fields, "k_cache", "add_layer");
+    layer.v_cache = field(fields, "v_cache", "add_layer");
+    qkv_bias_ = optional_field(fields, "qkv_bias");
+    layers_.push_back(std::move(layer));
+  }
+
+  // The next run of rows of the current layer's `linear` (qkv, o, gate_up or down)
+  void add_part(const std::string& linear, c10::Dict<std::string, at::Tensor> tensors,
+                c10::Dict<std::string, int64_t> sizes) {
+    TORCH_CHECK(!finished_ && !layers_.empty(), "DecodeStack.add_part: a part belongs to a layer (add_layer first)");
+    check_fields(tensors, {"weight", "scales", "smooth_inv", "large_weight", "large_scales", "large_extra"},
+                 "add_part");
+    check_fields(sizes, {"rows", "activation_parts", "small_max_tokens", "large_kind"}, "add_part");
+    LayerWeights& layer = layers_.back();
+    Linear* target = linear == "qkv" ? &layer.qkv : linear == "o" ? &layer.o : linear == "gate_up" ? &layer.gate_up
+                     : linear == "down" ? &layer.down : nullptr;
+    TORCH_CHECK(target != nullptr, "DecodeStack.add_part: unknown linear '", linear, "'");
+    const int64_t kind = field(sizes, "large_kind", "add_part"), rows = field(sizes, "rows", "add_part");
+    TORCH_CHECK(kind == kDense || kind == kOneDnn || kind == kAmx, "DecodeStack: unknown large step ", kind);
+    const at::Tensor large_weight = field(tensors, "large_weight", "add_part");
+    TORCH_CHECK(large_weight.defined() && (large_weight.is_mkldnn() || large_weight.numel()),
+                "DecodeStack: every part needs its large-step weight");
+    at::Tensor bias;
+    if (linear == "qkv" && qkv_bias_.defined()) {  // each part adds its rows of the layer's bias
+      const int64_t first_row = target->out_features();
+      TORCH_CHECK(first_row + rows <= qkv_bias_.numel(), "DecodeStack: a q/k/v bias has one value per row");
+      bias = qkv_bias_.narrow(0, first_row, rows);
     }
-    TORCH_CHECK(n >= 1 && post_norms.size() == n && linear_parts.size() == 4 * n && linears.size() == total_parts &&
-                    linear_scales.size() == total_parts && activation_parts.size() == total_parts &&
-                    part_rows.size() == total_parts && small_max_tokens.size() == total_parts &&
-                    large_kinds.size() == total_parts && large_tensors.size() == 4 * total_parts &&
-                    qkv_biases.size() == n && k_caches.size() == n && v_caches.size() == n,
-                "DecodeStack: one of each tensor per layer (four linears), per linear part");
-    size_t next = 0;
-    auto linear = [&](size_t i, const at::Tensor& bias) {
-      Linear made;
-      const auto rows = part_rows.begin() + static_cast<std::ptrdiff_t>(next);
-      TORCH_CHECK(!bias.defined() || std::accumulate(rows, rows + linear_parts[i], int64_t{0}) == bias.numel(),
-                  "DecodeStack: a q/k/v bias has one value per row");
-      int64_t first_row = 0;
-      for (int64_t p = 0; p < linear_parts[i]; ++p, ++next) {
-        const int64_t kind = large_kinds[next];
-        TORCH_CHECK(kind == kDense || kind == kOneDnn || kind == kAmx, "DecodeStack: unknown large step ", kind);
-        const at::Tensor* large = &large_tensors[4 * next];
-        TORCH_CHECK(large[1].defined() && (large[1].is_mkldnn() || large[1].numel()),
-                    "DecodeStack: every part needs its large-step weight");
-        made.parts.push_back({linears[next], linear_scales[next].numel() ? linear_scales[next] : at::Tensor(),
-                              bias.defined() ? bias.narrow(0, first_row, part_rows[next]) : at::Tensor(),
-                              activation_parts[next], part_rows[next], small_max_tokens[next],
-                              LargeStep{kind, large[0], large[1], large[2], large[3]}});
-        small_max_tokens_ = std::min(small_max_tokens_, small_max_tokens[next]);
-        first_row += part_rows[next];
-      }
-      return made;
-    };
-    const at::Tensor no_bias;
-    for (size_t i = 0; i < n; ++i) {
-      TORCH_CHECK(k_caches[i].dim() == 4 && k_caches[i].sizes() == v_caches[i].sizes() &&
-                      k_caches[i].is_contiguous() && v_caches[i].is_contiguous(),
-                  "DecodeStack: caches must be contiguous [blocks, kv_heads, block_size, head_dim]");
-      // a step's shapes, dtypes and slots are read from the first layer's and hold for all
-      TORCH_CHECK(k_caches[i].sizes() == k_caches[0].sizes() &&
-                      k_caches[i].scalar_type() == k_caches[0].scalar_type() &&
-                      v_caches[i].scalar_type() == k_caches[0].scalar_type(),
-                  "DecodeStack: every layer's caches must have the first layer's shape and dtype");
-      for (const at::Tensor* norm : {&input_norms[i], &post_norms[i]})
-        TORCH_CHECK(norm->is_contiguous() && norm->numel() == input_norms[0].numel() &&
-                        norm->scalar_type() == input_norms[0].scalar_type() &&
-                        (norm->scalar_type() == at::kFloat || norm->scalar_type() == at::kBFloat16),
-                    "DecodeStack: norm weights must be contiguous float32 or bfloat16, one per feature, alike");
-      LayerWeights layer{input_norms[i], linear(4 * i, qkv_biases[i].numel() ? qkv_biases[i] : no_bias),
-                         linear(4 * i + 1, no_bias), post_norms[i], linear(4 * i + 2, no_bias),
-                         linear(4 * i + 3, no_bias), k_caches[i], v_caches[i]};
-      const int64_t hidden = input_norms[i].numel(), head_dim = llmserve::attention::cache_head_dim(k_caches[i]);
-      TORCH_CHECK(layer.qkv.out_features() == (num_heads + 2 * k_caches[i].size(1)) * head_dim &&
-                      layer.o.out_features() == hidden && layer.gate_up.out_features() == 2 * intermediate_size &&
-                      layer.down.out_features() == hidden,
-                  "DecodeStack: a linear's parts must add up to its rows");
-      layers_.push_back(std::move(layer));
-    }
-    const int64_t hidden = input_norms[0].numel(), head_dim = llmserve::attention::cache_head_dim(k_caches[0]);
+    const int64_t small_max = field(sizes, "small_max_tokens", "add_part");
+    target->parts.push_back({field(tensors, "weight", "add_part"), optional_field(tensors, "scales"), bias,
+                             field(sizes, "activation_parts", "add_part"), rows, small_max,
+                             LargeStep{kind, optional_field(tensors, "smooth_inv"), large_weight,
+                                       optional_field(tensors, "large_scales"), optional_field(tensors, "large_extra")}});
+    small_max_tokens_ = std::min(small_max_tokens_, small_max);
+  }
+
+  // Checks the last layer and what every layer shares with the model's own tensors; `run` needs it done
+  void finish() {
+    TORCH_CHECK(!layers_.empty(), "DecodeStack.finish: no layers");
+    check_layer(layers_.back());
+    const at::Tensor& input_norm = layers_[0].input_norm;
+    const int64_t hidden = input_norm.numel(), head_dim = llmserve::attention::cache_head_dim(layers_[0].k_cache);
     TORCH_CHECK(embedding_.dim() == 2 && embedding_.size(1) == hidden && embedding_.is_contiguous() &&
                     (embedding_.scalar_type() == at::kFloat || embedding_.scalar_type() == at::kBFloat16),
                 "DecodeStack: the embedding must be a contiguous float32 or bfloat16 [vocab, hidden]");
-    TORCH_CHECK(embedding_.scalar_type() == at::kBFloat16 || input_norms[0].scalar_type() == at::kFloat,
+    TORCH_CHECK(embedding_.scalar_type() == at::kBFloat16 || input_norm.scalar_type() == at::kFloat,
                 "DecodeStack: a float32 model needs float32 norm weights");
     TORCH_CHECK(cos_table_.dim() == 2 && cos_table_.size(1) == head_dim && cos_table_.is_contiguous() &&
                     (cos_table_.scalar_type() == at::kFloat || cos_table_.scalar_type() == embedding_.scalar_type()) &&
@@ -431,8 +447,9 @@ class DecodeStack : public torch::CustomClassHolder {
                     sin_table_.is_contiguous(),
                 "DecodeStack: the rotary tables must be contiguous [positions, head_dim], float32 or the model's dtype");
     TORCH_CHECK(final_norm_.is_contiguous() && final_norm_.numel() == hidden &&
-                    final_norm_.scalar_type() == input_norms[0].scalar_type(),
+                    final_norm_.scalar_type() == input_norm.scalar_type(),
                 "DecodeStack: the final norm's weights are like the layers' norms");
+    finished_ = true;
   }
 
   // The tokens at their positions -> the hidden states after the final norm, [tokens, hidden]; writes each layer's
@@ -457,9 +474,38 @@ class DecodeStack : public torch::CustomClassHolder {
   static std::vector<std::string> pieces() { return {kPieceNames.begin(), kPieceNames.end()}; }
 
  private:
+  // A layer's caches, norms and linears against the first layer's and the model's sizes
+  void check_layer(const LayerWeights& layer) const {
+    const LayerWeights& first = layers_[0];
+    for (const Linear* linear : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
+      TORCH_CHECK(!linear->parts.empty(), "DecodeStack: each layer has four linears (qkv, o, gate_up, down) of one "
+                  "part or more");
+    TORCH_CHECK(layer.k_cache.dim() == 4 && layer.k_cache.sizes() == layer.v_cache.sizes() &&
+                    layer.k_cache.is_contiguous() && layer.v_cache.is_contiguous(),
+                "DecodeStack: caches must be contiguous [blocks, kv_heads, block_size, head_dim]");
+    // a step's shapes, dtypes and slots are read from the first layer's and hold for all
+    TORCH_CHECK(layer.k_cache.sizes() == first.k_cache.sizes() &&
+                    layer.k_cache.scalar_type() == first.k_cache.scalar_type() &&
+                    layer.v_cache.scalar_type() == first.k_cache.scalar_type(),
+                "DecodeStack: every layer's caches must have the first layer's shape and dtype");
+    for (const at::Tensor* norm : {&layer.input_norm, &layer.post_norm})
+      TORCH_CHECK(norm->is_contiguous() && norm->numel() == first.input_norm.numel() &&
+                      norm->scalar_type() == first.input_norm.scalar_type() &&
+                      (norm->scalar_type() == at::kFloat || norm->scalar_type() == at::kBFloat16),
+                  "DecodeStack: norm weights must be contiguous float32 or bfloat16, one per feature, alike");
+    const int64_t hidden = layer.input_norm.numel(), head_dim = llmserve::attention::cache_head_dim(layer.k_cache);
+    TORCH_CHECK(layer.qkv.out_features() == (num_heads_ + 2 * layer.k_cache.size(1)) * head_dim &&
+                    layer.o.out_features() == hidden && layer.gate_up.out_features() == 2 * intermediate_size_ &&
+                    layer.down.out_features() == hidden,
+                "DecodeStack: a linear's parts must add up to its rows");
+    TORCH_CHECK(!layer.qkv.parts[0].bias.defined() || layer.qkv.out_features() == qkv_bias_.numel(),
+                "DecodeStack: a q/k/v bias has one value per row");
+  }
+
   template <typename Timer>
   at::Tensor run_layers(const at::Tensor& input_ids_in, const at::Tensor& positions_in, const at::Tensor& slots,
                         const at::Tensor& block_table, const at::Tensor& context_lens, Timer& timer) {
+    TORCH_CHECK(finished_, "DecodeStack.run: the stack is not finished (finish() after the last layer)");
     const at::Tensor input_ids = input_ids_in.contiguous(), positions = positions_in.contiguous();
     TORCH_CHECK(input_ids.dim() == 1 && input_ids.scalar_type() == at::kLong && positions.sizes() == input_ids.sizes() &&
                     positions.scalar_type() == at::kLong,
@@ -576,6 +622,8 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   std::vector<LayerWeights> layers_;
+  at::Tensor qkv_bias_;  // the layer being added's (undefined: none)
+  bool finished_ = false;
   at::Tensor embedding_, cos_table_, sin_table_, final_norm_;
   int64_t num_heads_, intermediate_size_;
   int64_t small_max_tokens_ = std::numeric_limits<int64_t>::max();  // the smallest of every part's small-step limit
@@ -586,11 +634,11 @@ class DecodeStack : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(llmserve, m) {
   m.class_<DecodeStack>("DecodeStack")
-      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                       std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                       std::vector<at::Tensor>, int64_t, int64_t, double, double, std::vector<int64_t>,
-                       std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
-                       std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tensor>())
+      .def(torch::init<c10::Dict<std::string, at::Tensor>, c10::Dict<std::string, int64_t>,
+                       c10::Dict<std::string, double>>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("add_part", &DecodeStack::add_part)
+      .def("finish", &DecodeStack::finish)
       .def("run", &DecodeStack::run)
       .def("run_timed", &DecodeStack::run_timed)
       .def_static("pieces", &DecodeStack::pieces);

@@ -18,6 +18,9 @@ uses them (docs/performance.md, "KV cache quantization"). A likely cause, not ve
 ~2^-4 of itself except the row's largest, which maps to 448 exactly; unsmoothed, that exact value is the outsized
 channel that dominates the scores, smoothed it is rounded like the rest. int8 trades the same exactness for ~30x
 finer steps everywhere else.
+
+Models with query/key norms (Qwen3, Gemma 3) are left unsmoothed: each head's keys are normalized after k_proj,
+so a channel scale in its rows does not reach the cache, and the norms' weights are shared by every head.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from llmserve.quantization.awq import calibration_samples, causal_forward
+from llmserve.quantization.awq import calibration_samples
 
 CALIBRATION_TOKENS = 1024  # the calibration text's first tokens: key channel maxima settle well before that
 MAX_EXPONENT = 6  # s <= 64: past the largest spread measured (2^5.7), and far from fp16's range for the grids
@@ -74,7 +77,7 @@ def key_pair_maxima(model: nn.Module, samples: list[torch.Tensor]) -> list[torch
                for i, layer in enumerate(layers)]
     try:
         for ids in samples:
-            causal_forward(model, ids.to(model.embed_tokens.weight.device))
+            model.forward_sequence(ids.to(model.embed_tokens.weight.device))
     finally:
         for handle in handles:
             handle.remove()
@@ -119,6 +122,13 @@ def fold_key_smoothing(model: nn.Module, smoothing: KeySmoothing,
             if name is not None:
                 scale, low = grids[name]
                 grids[name] = (scale * part_factors.unsqueeze(1), low * part_factors.unsqueeze(1))
+
+
+def cannot_smooth(model: nn.Module) -> str | None:
+    """Why this model's keys cannot be smoothed by k_proj's rows, or None where they can."""
+    if any(layer.self_attn.k_norm is not None for layer in model.layers):
+        return "its query/key norms renormalize each head after k_proj (a row scale would not reach the cache)"
+    return None
 
 
 @torch.no_grad()

@@ -32,6 +32,13 @@ class RMSNorm(nn.Module):
         normed = nn.functional.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
+    @torch.no_grad()
+    def scale_output_(self, factor: torch.Tensor) -> None:
+        """Multiply what the norm outputs by `factor` per channel, folded into its weight (a calibration's scales:
+        AWQ, key smoothing); with Gemma's unit offset the scale 1 + w is what is multiplied."""
+        offset = 1.0 if self.unit_offset else 0.0
+        self.weight.copy_((self.weight.float() + offset) * factor.float() - offset)
+
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, the norm of it): a residual add and the norm that reads its result."""
         if self.native and not torch.compiler.is_compiling():

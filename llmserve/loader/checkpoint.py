@@ -36,3 +36,8 @@ class Checkpoint:
     # are in `weights` and their per-32 form in `int4_grids`; kept whole so that `llmserve quantize` can
     # write them as they are.
     int4_groups: dict[str, Int4Groups] | None = None
+
+    @property
+    def grids(self) -> dict[str, dict[str, tuple[torch.Tensor, ...]]]:
+        """The file's own grids by the weight format that keeps them (quantization/methods/)."""
+        return {"int4": self.int4_grids or {}, "int8": self.int8_grids or {}}

@@ -10,12 +10,15 @@ checkpoint fills every one (`load_weights` refuses one it lacks).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from llmserve.layers.attention import AttentionBackend, AttentionMetadata, TorchAttention
+from llmserve.layers.attention.whole_sequence import WholeSequenceAttention
 from llmserve.layers.layernorm import RMSNorm
 from llmserve.layers.mlp import GatedMLP, uninitialized_linear
 from llmserve.layers.moe import SparseMoE
@@ -111,6 +114,19 @@ class DecoderLayer(nn.Module):
         x, h = self.post_attention_layernorm.add_forward(x, o)
         return x + self.mlp(h)
 
+    def attend(self, normed: torch.Tensor, rope, kv_cache, meta) -> torch.Tensor:
+        """The attention block from its normed input to o_proj's output (one rank): what a calibration varies
+        q/k/v against. The same steps as `forward`'s, which spells them out for its compiled graph."""
+        attn = self.self_attn
+        q, k, v = attn.project(normed, rope[attn.rope])
+        return attn.o_proj(attn.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, attn.scale,
+                                                attn.window).flatten(1))
+
+    @property
+    def mlp_input_norm(self) -> RMSNorm:
+        """The norm that makes the MLP's input (a calibration folds scales into it)."""
+        return self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
+
 
 def use_native_elementwise(model: nn.Module, native: bool = True) -> None:
     """Switch the layers' norms, rotary and gate (and the final norm) between the native kernels (the
@@ -175,15 +191,42 @@ class DecoderForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states after the final norm, [T, hidden], layer by layer."""
-        x = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
-        rope = (self.rotary.lookup(positions, x.dtype),)
-        if self.local_rotary is not None:
-            rope += (self.local_rotary.lookup(positions, x.dtype),)
+        x = self.embed(input_ids)
+        rope = self.rope_tables(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, kv_cache, meta)
         return self.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        return x if self.embed_scale is None else x * self.embed_scale
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple:
+        """The rotary (cos, sin) rows of `positions` for each of the model's tables (a layer picks by `.rope`)."""
+        rope = (self.rotary.lookup(positions, dtype),)
+        if self.local_rotary is not None:
+            rope += (self.local_rotary.lookup(positions, dtype),)
+        return rope
+
+    @contextmanager
+    def whole_sequence(self) -> Iterator[list[tuple[None, None]]]:
+        """Within: the layers attend over one whole sequence without a KV cache (`WholeSequenceAttention`); yields
+        the per-layer caches (None) a forward takes. How calibrations run the serving forward."""
+        attns = [layer.self_attn for layer in self.layers]
+        serving = [attn.backend for attn in attns]
+        for attn in attns:
+            attn.backend = WholeSequenceAttention()
+        try:
+            yield [(None, None)] * len(attns)
+        finally:
+            for attn, backend in zip(attns, serving, strict=True):
+                attn.backend = backend
+
+    def forward_sequence(self, ids: torch.Tensor) -> torch.Tensor:
+        """One sequence's hidden states after the final norm, [T, hidden], run as one causal sequence without a
+        KV cache (one rank): how calibrations see the model."""
+        with self.whole_sequence() as caches:
+            return self.forward(ids, torch.arange(len(ids), device=ids.device), caches, None)
 
     def forward_fused(self, stack, input_ids: torch.Tensor, positions: torch.Tensor,
                       meta: AttentionMetadata) -> torch.Tensor:

@@ -38,24 +38,38 @@ def fused_decode_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, tor
     if any(lin.bias is not None for layer in layers for lin in (layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                                                                  layer.mlp.down_proj)):
         raise ValueError("the fused decode stack takes a bias on q/k/v only")
-    parts = [list(lin.parts) if isinstance(lin, StackedLinear) else [lin] for lin in linears]
-    flat = [part for each in parts for part in each]
-    none = torch.empty(0)
     cfg = model.config
-    return torch.classes.llmserve.DecodeStack(
-        [layer.input_layernorm.weight for layer in layers],
-        [layer.post_attention_layernorm.weight for layer in layers],
-        [part.qweight for part in flat],
-        [part.scales if part.method == "int8" else none for part in flat],
-        [none if layer.self_attn.qkv_proj.bias is None else layer.self_attn.qkv_proj.bias for layer in layers],
-        [k for k, _ in kv_caches], [v for _, v in kv_caches],
-        cfg.num_heads, cfg.intermediate_size, cfg.rms_norm_eps, layers[0].self_attn.scale,
-        [part.activation_parts for part in flat], [len(each) for each in parts], [part.out_features for part in flat],
-        [part.max_quantized_tokens for part in flat],
-        [_LARGE_STEP_KINDS[part.large_step_kernel] for part in flat],
-        [t if t is not None else none for part in flat for t in _large_step_tensors(part)],
-        model.embed_tokens.weight, model.rotary.cos_cache, model.rotary.signed_sin_cache, model.norm.weight,
-    )
+    stack = torch.classes.llmserve.DecodeStack(
+        {"embedding": model.embed_tokens.weight, "cos_table": model.rotary.cos_cache,
+         "sin_table": model.rotary.signed_sin_cache, "final_norm": model.norm.weight},
+        {"num_heads": cfg.num_heads, "intermediate_size": cfg.intermediate_size},
+        {"eps": cfg.rms_norm_eps, "scale": layers[0].self_attn.scale})
+    for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
+        attn, mlp = layer.self_attn, layer.mlp
+        fields = {"input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
+                  "k_cache": k_cache, "v_cache": v_cache}
+        if attn.qkv_proj.bias is not None:
+            fields["qkv_bias"] = attn.qkv_proj.bias
+        stack.add_layer(fields)
+        for name, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                             ("down", mlp.down_proj)):
+            for part in linear.parts if isinstance(linear, StackedLinear) else [linear]:
+                stack.add_part(name, *_part_fields(part))
+    stack.finish()
+    return stack
+
+
+def _part_fields(part: WeightOnlyLinear) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+    """One run of a linear's rows as the stack names it (decode_layer.cpp, `add_part`): its small-step weight and
+    scales, its large-step product's tensors, and its sizes."""
+    tensors = {"weight": part.qweight}
+    if part.scales is not None:
+        tensors["scales"] = part.scales
+    tensors.update({name: t for name, t in zip(("smooth_inv", "large_weight", "large_scales", "large_extra"),
+                                               _large_step_tensors(part), strict=True) if t is not None})
+    return tensors, {"rows": part.out_features, "activation_parts": part.activation_parts,
+                     "small_max_tokens": part.max_quantized_tokens,
+                     "large_kind": _LARGE_STEP_KINDS[part.large_step_kernel]}
 
 
 # a part's large-step product, as the stack names it (decode_layer.cpp, `LargeStepKind`)

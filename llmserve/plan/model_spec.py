@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from llmserve.loader.gguf_header import read_gguf_header
+from llmserve.quantization.methods import LINEAR_METHODS
 
 GB = 1e9  # planning speaks vendor units: memory "80 GB", bandwidth "3.35 TB/s"
 
@@ -29,13 +30,13 @@ class WeightFormat:
         return self.bits / 8 + scales
 
 
-# int8: one bf16 scale per 128 weights; int4: groups of 32 with a bf16 scale and offset (GGUF Q4_1, our int4)
+# dense, and the engine's registered formats (quantization/methods/: int4 groups of 32 with a scale and offset,
+# GGUF's Q4_1; int8 one scale per 128 weights, as planned)
 WEIGHT_FORMATS: dict[str, WeightFormat] = {
     "fp32": WeightFormat(32),
     "bf16": WeightFormat(16),
     "fp16": WeightFormat(16),
-    "int8": WeightFormat(8, 128, 2),
-    "int4": WeightFormat(4, 32, 4),
+    **{name: WeightFormat(spec.bits, spec.group_size, spec.scale_bytes) for name, spec in LINEAR_METHODS.items()},
 }
 KV_DTYPE_BYTES: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "fp8_e4m3": 1.0,
                                     "int8": 1.0}

@@ -23,6 +23,11 @@ measured on the attention block's output), gate/up after post_attention_layernor
 o after v (only where there is one v head per query head: with grouped heads one v channel feeds several
 o channels), down after up. Searches run on the full-precision layer; each layer's calibration inputs are
 the full-precision model's (the previous layer before quantization).
+
+The model runs its own serving forward over whole sequences (`DecoderForCausalLM.whole_sequence`), and each
+linear's inputs are read by hooks: every dense family's norms, windows and rotary tables are the ones searched
+(Gemma 3's scales fold into its pre-feed-forward norm, through its unit offset). Experts are not searched: a
+mixture-of-experts model is refused.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from llmserve.layers.mlp import GatedMLP
 from llmserve.quantization.int4_groups import Int4Groups, check_group_size, fake_quantize, fit_groups
 from llmserve.quantization.int8_activations import calibration_prompts
 
@@ -107,16 +113,25 @@ def calibration_samples(tokenizer, max_seq_len: int) -> list[torch.Tensor]:
 def awq_quantize(model: nn.Module, samples: list[torch.Tensor], config: AWQConfig,
                  quantize: bool = True) -> AWQResult:
     """Search and fold the scales, clip, and fit the int4 groups of every decoder linear of `model` (our
-    dense `LlamaForCausalLM` on PyTorch ops, float32 for a precise search), in place. `quantize`: the
+    dense `DecoderForCausalLM` on PyTorch ops, float32 for a precise search), in place. `quantize`: the
     linears then hold their dequantized int4 values; False leaves them at full precision (scaled and
     clipped), for checking that the folding keeps the model's function."""
+    if not all(isinstance(layer.mlp, GatedMLP) for layer in model.layers):
+        raise ValueError("AWQ searches dense layers only: this model's feed-forward layers are mixtures of experts "
+                         "(quantize it with int4 or int8 instead)")
+    with model.whole_sequence():
+        return _awq(model, samples, config, quantize)
+
+
+def _awq(model: nn.Module, samples: list[torch.Tensor], config: AWQConfig, quantize: bool) -> AWQResult:
     start = time.perf_counter()
     result = AWQResult({})
-    cos_sins = [model.rotary.lookup(torch.arange(len(ids)), model.embed_tokens.weight.dtype) for ids in samples]
-    embedded = [model.embed_tokens(ids) for ids in samples]
+    dtype = model.embed_tokens.weight.dtype
+    ropes = [model.rope_tables(torch.arange(len(ids)), dtype) for ids in samples]
+    embedded = [model.embed(ids) for ids in samples]
     xs = embedded
     for index, layer in enumerate(model.layers):
-        xs = _search_layer(index, layer, xs, cos_sins, config, result)
+        xs = _search_layer(index, layer, xs, ropes, config, result)
         logger.info("AWQ: layer %d/%d searched (%.0fs)", index + 1, len(model.layers), time.perf_counter() - start)
     result.scaled = _keep_scales_that_pay(model, samples, result.searches, config.group_size, result.scale_losses,
                                           config.select_by_loss)
@@ -127,7 +142,7 @@ def awq_quantize(model: nn.Module, samples: list[torch.Tensor], config: AWQConfi
         clips: dict[str, tuple[torch.Tensor, slice | None]] = {}  # parameter name -> its clip limits, which rows
         xs = embedded
         for index, layer in enumerate(model.layers):  # the second pass: the clips see the folded scales
-            xs = _clip_layer(index, layer, xs, cos_sins, config, clips)
+            xs = _clip_layer(index, layer, xs, ropes, config, clips)
         result.clipped = _keep_clips_that_pay(model, samples, clips, config.group_size, result.clip_losses,
                                               config.select_by_loss)
     for name, linear in _decoder_linears(model):
@@ -231,7 +246,7 @@ def _greedy_by_loss(model: nn.Module, samples: list[torch.Tensor], kinds: list[s
             linear.weight = nn.Parameter(int4_weight(kept, name, dense[name].detach()), requires_grad=False)
         total, count = 0.0, 0
         for ids in samples:
-            logits = model.lm_head(causal_forward(model, ids)).float()
+            logits = model.lm_head(model.forward_sequence(ids)).float()
             total += nn.functional.cross_entropy(logits[:-1], ids[1:], reduction="sum").item()
             count += len(ids) - 1
         return total / count
@@ -250,66 +265,39 @@ def _greedy_by_loss(model: nn.Module, samples: list[torch.Tensor], kinds: list[s
     return kept
 
 
-def attention_output(layer: nn.Module, normed: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
-                     ) -> torch.Tensor:
-    """One sequence's causal attention before o_proj, [T, heads * head_dim], from the normed input [T, hidden]."""
-    attn = layer.self_attn
-    q, k, v = attn.project(normed, cos_sin)
-    repeat = attn.num_heads // attn.num_kv_heads
-    # [1, heads, T, head_dim]: with a batch dimension PyTorch's CPU flash kernel takes it (without, its
-    # math fallback, far slower on long sequences)
-    q, k, v = (t.transpose(0, 1)[None] for t in (q, k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)))
-    o = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scale)
-    return o[0].transpose(0, 1).flatten(1)
+def _layer_inputs(layer: nn.Module, xs: list[torch.Tensor], ropes: list) -> tuple[dict[str, torch.Tensor],
+                                                                                   list[torch.Tensor], list]:
+    """One decoder layer at full precision (the model within `whole_sequence`): each linear's calibration inputs
+    (all sequences, concatenated), q/k/v's inputs per sequence (for the attention block), and the layer's outputs
+    (the next layer's calibration inputs)."""
+    seen: dict[str, list[torch.Tensor]] = {name: [] for name in SCALE_KINDS.values()}
+
+    def recorder(name: str) -> Callable:
+        return lambda module, args: seen[name].append(args[0])
+
+    handles = [layer.get_submodule(name).register_forward_pre_hook(recorder(name)) for name in seen]
+    try:
+        outputs = [layer(x, rope, (None, None), None) for x, rope in zip(xs, ropes, strict=True)]
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: torch.cat(t) for name, t in seen.items()}, seen[SCALE_KINDS["qkv"]], outputs
 
 
-def causal_forward(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """One sequence's hidden states after the final norm, [T, hidden], run as one causal sequence on PyTorch
-    ops without a KV cache: how calibrations see the model."""
-    x = model.embed_tokens(ids)
-    cos_sin = model.rotary.lookup(torch.arange(len(ids), device=ids.device), x.dtype)
-    for layer in model.layers:
-        x = x + layer.self_attn.o_proj(attention_output(layer, layer.input_layernorm(x), cos_sin))
-        x = x + layer.mlp.down_proj(gated_activation(layer, layer.post_attention_layernorm(x)))
-    return model.norm(x)
-
-
-def gated_activation(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    """The MLP's input to down_proj: silu(gate) * up, [T, intermediate]."""
-    gate, up = layer.mlp.gate_up_proj(h).split(layer.mlp.intermediate_size, dim=-1)
-    return nn.functional.silu(gate) * up
-
-
-def _layer_inputs(layer: nn.Module, xs: list[torch.Tensor], cos_sins: list) -> tuple[dict[str, torch.Tensor],
-                                                                                     list[torch.Tensor], list]:
-    """One decoder layer at full precision: each linear's calibration inputs (all sequences, concatenated),
-    the normed inputs per sequence (for the attention block), and the layer's outputs (the next layer's
-    calibration inputs)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    normed = [layer.input_layernorm(x) for x in xs]
-    attended = [attention_output(layer, a, cs) for a, cs in zip(normed, cos_sins, strict=True)]
-    mids = [x + attn.o_proj(o) for x, o in zip(xs, attended, strict=True)]
-    hs = [layer.post_attention_layernorm(m) for m in mids]
-    gated = [gated_activation(layer, h) for h in hs]
-    outputs = [m + mlp.down_proj(g) for m, g in zip(mids, gated, strict=True)]
-    inputs = {name: torch.cat(t) for name, t in zip(SCALE_KINDS.values(), (normed, attended, hs, gated), strict=True)}
-    return inputs, normed, outputs
-
-
-def _search_layer(index: int, layer: nn.Module, xs: list[torch.Tensor], cos_sins: list, config: AWQConfig,
+def _search_layer(index: int, layer: nn.Module, xs: list[torch.Tensor], ropes: list, config: AWQConfig,
                   result: AWQResult) -> list[torch.Tensor]:
     """One decoder layer's scale searches (into `result.searches`; nothing folded). Returns its
     full-precision outputs."""
     attn, mlp = layer.self_attn, layer.mlp
-    inputs, normed, outputs = _layer_inputs(layer, xs, cos_sins)
+    inputs, normed, outputs = _layer_inputs(layer, xs, ropes)
     a, o, h, g = (inputs[name] for name in SCALE_KINDS.values())
 
     def attention_block() -> torch.Tensor:
-        return torch.cat([attn.o_proj(attention_output(layer, n, cs)) for n, cs in zip(normed, cos_sins, strict=True)])
+        return torch.cat([layer.attend(n, rope, (None, None), None) for n, rope in zip(normed, ropes, strict=True)])
 
     searches = {  # block -> (its linear, its input, the block's output as a function of the linear's weight)
         "qkv": (attn.qkv_proj, a, attention_block),
-        "gate_up": (mlp.gate_up_proj, h, lambda: mlp.down_proj(gated_activation(layer, h))),
+        "gate_up": (mlp.gate_up_proj, h, lambda: mlp(h)),
         "down": (mlp.down_proj, g, lambda: mlp.down_proj(g)),
     }
     if attn.num_heads == attn.num_kv_heads:
@@ -320,11 +308,11 @@ def _search_layer(index: int, layer: nn.Module, xs: list[torch.Tensor], cos_sins
     return outputs
 
 
-def _clip_layer(index: int, layer: nn.Module, xs: list[torch.Tensor], cos_sins: list, config: AWQConfig,
+def _clip_layer(index: int, layer: nn.Module, xs: list[torch.Tensor], ropes: list, config: AWQConfig,
                 clips: dict[str, tuple[torch.Tensor, slice | None]]) -> list[torch.Tensor]:
     """Each linear's clip limits on its (scaled) calibration inputs, into `clips`, not applied. Returns the
     layer's full-precision outputs."""
-    inputs, _normed, outputs = _layer_inputs(layer, xs, cos_sins)
+    inputs, _normed, outputs = _layer_inputs(layer, xs, ropes)
     for name, x in inputs.items():
         rows = _v_rows(layer) if name == SCALE_KINDS["qkv"] else None
         w = layer.get_submodule(name).weight
@@ -353,8 +341,8 @@ def _fold_block(layer: nn.Module, block: str, s: torch.Tensor) -> None:
     multiply by it (the product is unchanged)."""
     before = _scaled_rows(layer, block)
     if before is None:
-        norm = layer.input_layernorm if block == "qkv" else layer.post_attention_layernorm
-        norm.weight.div_(s)
+        norm = layer.input_layernorm if block == "qkv" else layer.mlp_input_norm
+        norm.scale_output_(1 / s)
     else:
         linear, rows = layer.get_submodule(before[0]), before[1]
         _rescale(linear.weight, s, rows)

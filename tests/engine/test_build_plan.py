@@ -149,14 +149,15 @@ def test_q8_inputs_by_default_for_a_k_quant_mix():
     keeps ~16-bit inputs (their cost was measured per kind); asked for, Q8_0 wins; without int4 weights or the
     native kernel it is refused."""
     from llmserve.kernels import load_cpu_kernels, native_quantized_kernels
-    from llmserve.quantization.weight_only import Q8_MAX_TOKENS, QUANTIZED_MAX_TOKENS
+    from llmserve.quantization.methods import small_step_tokens
+    from llmserve.quantization.weight_only import Q8_MAX_TOKENS
 
     native = load_cpu_kernels() and native_quantized_kernels()
     mix = _plan(_formats("Q4_K", down="Q6_K"))
     assert mix.activation_parts == (1 if native else 2)
-    assert mix.small_step_max_tokens == (Q8_MAX_TOKENS if native else QUANTIZED_MAX_TOKENS["int4+int8"])
+    assert mix.small_step_max_tokens == (Q8_MAX_TOKENS if native else small_step_tokens("int4+int8"))
     four_bit = _plan(_formats("Q4_1"), int8_activations=False)
-    assert (four_bit.activation_parts, four_bit.small_step_max_tokens) == (2, QUANTIZED_MAX_TOKENS["int4"])
+    assert (four_bit.activation_parts, four_bit.small_step_max_tokens) == (2, small_step_tokens("int4"))
     assert "as Q8_0" not in four_bit.describe()
     if native:
         assert "Q8_0" in mix.describe() and "K-quant mix" in mix.reasons["small steps"]
@@ -252,12 +253,16 @@ def test_a_family_past_llamas_shape_runs_layer_by_layer_and_says_why():
     assert _plan(_formats("Q4_K")).fused_decode_max_tokens  # where the Llama shape has it
 
 
-@pytest.mark.parametrize(("options", "needle"), [({"quantization": "awq"}, "searches Llama-shaped"),
-                                                 ({"kv_cache_dtype": "int8"}, "smooths keys")])
-def test_what_computes_llamas_layer_itself_is_refused_for_other_shapes(options, needle):
-    with pytest.raises(ValueError, match=f"{needle}.*Gemma3ForCausalLM has norms that scale by 1 \\+ w"):
+def test_calibrations_run_every_dense_family_and_awq_refuses_experts():
+    """AWQ and key smoothing run the serving forward, so a Gemma-shaped model takes both; AWQ's search is of dense
+    feed-forward layers, so a mixture of experts is refused, by name."""
+    for options in ({"quantization": "awq"}, {"kv_cache_dtype": "int8"}):
         resolve_plan(engine_config(kv_cache_memory_gb=0.01, **options), GEMMA_SHAPED, _formats("Q4_K"))
-    resolve_plan(engine_config(kv_cache_memory_gb=0.01, **options), SMOLLM, _formats("Q4_K"))  # Llama's: fine
+    moe = dataclasses.replace(SMOLLM, architecture="MixtralForCausalLM",
+                              moe=MoEConfig(num_experts=8, top_k=2, expert_intermediate_size=1536,
+                                            normalize_top_k=True))
+    with pytest.raises(ValueError, match="searches dense layers, and MixtralForCausalLM has experts"):
+        resolve_plan(engine_config(kv_cache_memory_gb=0.01, quantization="awq"), moe, None)
 
 
 def test_experts_never_compile():

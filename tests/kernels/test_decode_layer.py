@@ -148,50 +148,58 @@ def test_no_fused_stack_without_native_quantized_weights(options):
 
 
 def test_the_stack_refuses_mismatched_layers():
-    weights = [torch.zeros(16)]
-    no_biases = [torch.empty(0)]
+    """Built by named fields: a missing, unknown or misshapen one is refused, by name, before any step runs."""
+    norm = torch.zeros(16)
     cache = torch.zeros(4, 3, 16, 64)
-    linears = weights * 4
-    embedding, table = torch.zeros(100, 16), torch.zeros(32, 64)
+    table = torch.zeros(32, 64)
+    # 9 heads and 3 KV heads of 64: q/k/v has 15 x 64 rows; hidden 16, intermediate 1536
+    rows = {"qkv": 15 * 64, "o": 16, "gate_up": 2 * 1536, "down": 16}
 
-    def stack(input_norms=weights, linears=linears, biases=no_biases, v_cache=cache, parts=(2,) * 4,
-              linear_parts=(1,) * 4, rows=(15 * 64, 16, 2 * 1536, 16), kinds=(0,) * 4, large=weights * 16,
-              embedding=embedding, cos=table, sin=table, final_norm=weights[0]):
-        return torch.classes.llmserve.DecodeStack(input_norms, weights, linears, linears, biases, [cache], [v_cache],
-                                                  9, 1536, 1e-5, 0.125, list(parts), list(linear_parts), list(rows),
-                                                  [16] * len(kinds), list(kinds), list(large), embedding, cos, sin,
-                                                  final_norm)
+    def stack(model=None, layer=None, part=None, sizes=None, linears=None, finish=True):
+        made = torch.classes.llmserve.DecodeStack(
+            {"embedding": torch.zeros(100, 16), "cos_table": table, "sin_table": table, "final_norm": norm,
+             **(model or {})}, {"num_heads": 9, "intermediate_size": 1536}, {"eps": 1e-5, "scale": 0.125})
+        made.add_layer({"input_norm": norm, "post_norm": norm, "k_cache": cache, "v_cache": cache, **(layer or {})})
+        for name, count in (linears or rows).items():
+            made.add_part(name, {"weight": norm, "large_weight": norm, **(part or {})},
+                          {"rows": count, "activation_parts": 2, "small_max_tokens": 16, "large_kind": 0,
+                           **(sizes or {})})
+        if finish:
+            made.finish()
+        return made
 
-    with pytest.raises(RuntimeError, match="one of each tensor per layer"):
-        stack(biases=[])
-    with pytest.raises(RuntimeError, match="one of each tensor per layer"):  # four linears a layer
-        stack(linears=weights)
-    with pytest.raises(RuntimeError, match="one of each tensor per layer"):  # activation parts per linear part
-        stack(parts=[2])
-    with pytest.raises(RuntimeError, match="one of each tensor per layer"):  # two parts for q/k/v: five in all
-        stack(linear_parts=(2, 1, 1, 1))
-    with pytest.raises(RuntimeError, match="one of each tensor per layer"):  # four large-step tensors per part
-        stack(large=weights * 15)
+    stack()  # the fields above make a stack
+    with pytest.raises(RuntimeError, match="unknown field 'qkv_biases'"):
+        stack(layer={"qkv_biases": norm})
+    with pytest.raises(RuntimeError, match="no field 'cos_table'"):
+        torch.classes.llmserve.DecodeStack({"embedding": norm}, {}, {})
+    with pytest.raises(RuntimeError, match="unknown linear 'mlp'"):
+        stack(linears={**rows, "mlp": 16})
+    with pytest.raises(RuntimeError, match="four linears"):
+        stack(linears={"qkv": rows["qkv"], "o": 16, "down": 16})
     with pytest.raises(RuntimeError, match="unknown large step 3"):
-        stack(kinds=(3, 0, 0, 0))
+        stack(sizes={"large_kind": 3})
     with pytest.raises(RuntimeError, match="needs its large-step weight"):
-        stack(large=[torch.empty(0)] * 16)
+        stack(part={"large_weight": torch.empty(0)})
     with pytest.raises(RuntimeError, match="one value per row"):
-        stack(biases=weights)
-    with pytest.raises(RuntimeError, match="one part or more"):
-        stack(linear_parts=(0, 1, 1, 1))
+        stack(layer={"qkv_bias": norm})
     with pytest.raises(RuntimeError, match="add up to its rows"):  # q/k/v: (9 + 2 x 3 heads) x 64
-        stack(rows=(14 * 64, 16, 2 * 1536, 16))
+        stack(linears={**rows, "qkv": 14 * 64})
     with pytest.raises(RuntimeError, match="caches must be"):
-        stack(v_cache=torch.zeros(4, 3, 16))
+        stack(layer={"v_cache": torch.zeros(4, 3, 16)})
     with pytest.raises(RuntimeError, match="the embedding must be"):
-        stack(embedding=torch.zeros(100, 15))
+        stack(model={"embedding": torch.zeros(100, 15)})
     with pytest.raises(RuntimeError, match="rotary tables must be"):
-        stack(cos=torch.zeros(32, 32))
+        stack(model={"cos_table": torch.zeros(32, 32)})
     with pytest.raises(RuntimeError, match="rotary tables must be"):
-        stack(sin=torch.zeros(31, 64))
+        stack(model={"sin_table": torch.zeros(31, 64)})
     with pytest.raises(RuntimeError, match="final norm's weights"):
-        stack(final_norm=torch.zeros(15))
+        stack(model={"final_norm": torch.zeros(15)})
+    unfinished = stack(finish=False)
+    with pytest.raises(RuntimeError, match="not finished"):
+        unfinished.run(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                       torch.zeros(3, dtype=torch.long), torch.zeros(1, 1, dtype=torch.int32),
+                       torch.ones(1, dtype=torch.int32))
 
 
 class _RecordingStack:

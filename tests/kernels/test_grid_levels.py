@@ -9,7 +9,8 @@ import torch
 
 from llmserve.kernels import load_cpu_kernels
 from llmserve.loader.gguf import _dense, int4_grid, int8_grid, read_tensors
-from llmserve.quantization.weight_only import _grouped_levels, _int6_levels, _quantize_int4
+from llmserve.quantization.methods.int4 import quantize_int4
+from llmserve.quantization.methods.int8 import grouped_levels, int6_levels
 from tests.model_files import gguf_files
 
 
@@ -19,8 +20,8 @@ def kernels():
 
 
 def assert_same_int4(w: torch.Tensor, grid) -> None:
-    ref = _quantize_int4(w, grid, native=False)
-    got = _quantize_int4(w, grid, native=True)
+    ref = quantize_int4(w, grid, native=False)
+    got = quantize_int4(w, grid, native=True)
     assert got.q.dtype == torch.uint8 and torch.equal(got.q.int(), ref.q)
     assert torch.equal(got.scale, ref.scale) and torch.equal(got.lo, ref.lo)
     assert got.dequantized.dtype == w.dtype and torch.equal(got.dequantized, ref.dequantized.to(w.dtype))
@@ -29,12 +30,12 @@ def assert_same_int4(w: torch.Tensor, grid) -> None:
 
 def assert_same_int6(w: torch.Tensor, grid) -> bool:
     """Both paths agree on a Q6_K grid; returns whether the grid gives the weight."""
-    return _assert_same_levels(_int6_levels, w, grid, ("q", "d", "sc"))
+    return _assert_same_levels(int6_levels, w, grid, ("q", "d", "sc"))
 
 
 def assert_same_grouped(w: torch.Tensor, grid) -> bool:
     """Both paths agree on a Q8_0 / Q5_0 grid (d per 32 inputs); returns whether the grid gives the weight."""
-    return _assert_same_levels(_grouped_levels, w, grid, ("q", "d"))
+    return _assert_same_levels(grouped_levels, w, grid, ("q", "d"))
 
 
 def _assert_same_levels(levels_of, w: torch.Tensor, grid, fields: tuple[str, ...]) -> bool:
@@ -96,7 +97,7 @@ def test_grouped_levels_on_a_grid_and_off_it(dtype, lowest, highest):
     levels[1, 0, :2] = torch.tensor([-128.0, 127.0])  # int8's two ends
     w = (levels * d[..., None]).view(out, inp).to(dtype)
     assert assert_same_grouped(w, (d,))
-    got = _grouped_levels(w, (d,), native=True)
+    got = grouped_levels(w, (d,), native=True)
     assert torch.equal(got.q.int() - 128, levels.view(out, inp).int().where(d.repeat_interleave(32, 1) != 0, 0))
     changed = w.clone()
     changed[5, 40] = 0.4 * float(d[5, 1])  # 0.4 of a level: off the grid
@@ -109,9 +110,9 @@ def test_the_values_are_the_weight_or_a_copy_of_a_run_of_its_rows():
     gen = torch.Generator().manual_seed(5)
     d = (torch.rand(64, 8, generator=gen) * 1e-2 + 1e-4).half().float()
     w = (torch.randint(-128, 128, (64, 8, 32), generator=gen).float() * d[..., None]).view(64, 256).bfloat16()
-    whole = _grouped_levels(w, (d,), native=True)
+    whole = grouped_levels(w, (d,), native=True)
     assert whole.dequantized.data_ptr() == w.data_ptr()
-    part = _grouped_levels(w[16:48], (d[16:48],), native=True)
+    part = grouped_levels(w[16:48], (d[16:48],), native=True)
     assert torch.equal(part.dequantized, w[16:48]) and part.dequantized.untyped_storage().nbytes() == 32 * 256 * 2
 
 

@@ -19,8 +19,8 @@ from llmserve.kv_cache.key_smoothing import (
 )
 from llmserve.kv_cache.kv_quant import dequantize_rows, quantize_rows
 from llmserve.loader import build_model, load_checkpoint
-from llmserve.quantization.awq import calibration_samples, causal_forward
-from llmserve.quantization.weight_only import _quantize_int4
+from llmserve.quantization.awq import calibration_samples
+from llmserve.quantization.methods.int4 import quantize_int4
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +40,11 @@ def _fresh(smollm):
 def test_folding_keeps_the_model_s_function_bit_for_bit(smollm):
     model, tokenizer, grids = _fresh(smollm)
     ids = calibration_samples(tokenizer, 96)[1]
-    before = model.lm_head(causal_forward(model, ids))
+    before = model.lm_head(model.forward_sequence(ids))
     smoothing = smooth_keys(model, tokenizer, grids, num_tokens=256)
     assert smoothing.num_scaled > 0  # the test means something: some pairs were scaled
     assert all(int(e.min()) >= 0 and int(e.max()) <= 6 for e in smoothing.exponents)
-    after = model.lm_head(causal_forward(model, ids))
+    after = model.lm_head(model.forward_sequence(ids))
     # powers of two: every q . k product is the same float, so everything downstream is too
     assert torch.equal(before, after)
 
@@ -56,12 +56,12 @@ def test_the_int4_grid_moves_with_the_rows(smollm):
     name = name if name in grids else name.removeprefix("model.")
     attn = model.layers[3].self_attn
     k_rows = slice(attn.q_size, attn.q_size + attn.kv_size)
-    reference = _quantize_int4(model.layers[3].self_attn.qkv_proj.weight[k_rows], grids[name]).dequantized
+    reference = quantize_int4(model.layers[3].self_attn.qkv_proj.weight[k_rows], grids[name]).dequantized
     exponents = [torch.zeros(a.self_attn.num_kv_heads, a.self_attn.head_dim // 2, dtype=torch.int32)
                  for a in model.layers]
     exponents[3][0, :4] = torch.tensor([1, 2, 3, 6], dtype=torch.int32)
     fold_key_smoothing(model, KeySmoothing(exponents), grids)
-    scaled = _quantize_int4(attn.qkv_proj.weight[k_rows], grids[name]).dequantized
+    scaled = quantize_int4(attn.qkv_proj.weight[k_rows], grids[name]).dequantized
     factor = torch.ones(attn.kv_size)
     for pair, e in enumerate([1, 2, 3, 6]):
         factor[[pair, pair + attn.head_dim // 2]] = 2.0 ** -e
@@ -81,7 +81,7 @@ def _keys_and_queries(model, ids):
             return q, k, v
         attn.project = project
     try:
-        causal_forward(model, ids)
+        model.forward_sequence(ids)
     finally:
         for layer in model.layers:
             del layer.self_attn.project

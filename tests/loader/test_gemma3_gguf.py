@@ -77,19 +77,8 @@ def test_an_end_of_turn_token_the_file_lists_ends_a_sequence_too():
     assert gguf_eos_ids({}) == []
 
 
-@pytest.fixture(scope="module")
-def gemma3_reference():
-    """transformers' Gemma3ForCausalLM from the same file (its own GGUF reading and dequantization; a minute)."""
-    from llmserve.evaluate.reference import reference_model
-
-    return reference_model(GEMMA3, torch.float32)
-
-
-@pytest.fixture(scope="module")
-def gemma3_checkpoint():
-    from llmserve.loader import load_checkpoint
-
-    return load_checkpoint(GEMMA3)
+# `gemma3_reference` (transformers' Gemma3ForCausalLM from the same file) and `gemma3_checkpoint` (ours) are
+# tests/conftest.py's, loaded once a session: tests/models/test_gemma3.py compares against the same reference.
 
 
 @needs_gemma3

@@ -6,12 +6,16 @@ alone, with prompts split into chunks and with prefix-cache hits, every KV block
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import transformers
 
 from llmserve import LLM, SamplingParams
 from llmserve.evaluate.reference import reference_greedy
+from llmserve.kv_cache.key_smoothing import cannot_smooth
+from llmserve.loader import build_model, load_checkpoint
 from tests.greedy import assert_greedy_equals
 
 VOCAB = 49152  # the default model's tokenizer is reused, so the vocabulary matches it
@@ -98,13 +102,39 @@ def test_tiny_checkpoint_matches_transformers(kind, checkpoints):
     assert (cfg.moe is not None) == (kind in ("mixtral", "qwen2-moe"))
 
 
-@pytest.mark.parametrize("kind", ["mistral", "gemma3", "mixtral"])
-def test_chunked_prefill_and_prefix_cache_hits_match_transformers(kind, checkpoints):
+@pytest.mark.parametrize("kind", FAMILIES)
+@torch.no_grad()
+def test_the_calibration_forward_equals_transformers(kind, checkpoints):
+    """Calibrations (AWQ, key smoothing) run the serving forward over one whole sequence without a KV cache: its
+    logits are transformers' on every family, over a prompt longer than the windows."""
+    path, reference, _ = checkpoints(kind)
+    model = build_model(load_checkpoint(path), torch.float32, "cpu")
+    ids = torch.tensor(checkpoints.prompts[-1])
+    expected = reference(ids[None]).logits[0]
+    torch.testing.assert_close(model.compute_logits(model.forward_sequence(ids)), expected, rtol=1e-4,
+                               atol=1e-4 * max(1.0, expected.abs().max()))
+
+
+def test_query_key_norms_leave_an_int8_cache_unsmoothed(checkpoints):
+    """Key smoothing scales k_proj's rows; Qwen3's key norm would undo that per head, so it is not applied (and
+    the model still equals transformers through an int8 cache's first token)."""
+    path, reference, expected = checkpoints("qwen3")
+    llm = LLM(path, dtype="float32", kv_cache_dtype="int8", kv_cache_memory_gb=0.05)
+    assert cannot_smooth(llm.engine.runner.model) and llm.engine.runner.key_smoothing is None
+    first = llm.generate(checkpoints.prompts, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+    assert [out.outputs[0].token_ids[0] for out in first] == [e[0] for e in expected]
+
+
+def test_chunked_prefill_and_prefix_cache_hits_match_transformers(checkpoints):
     """Prompts in chunks of 16 tokens (each chunk attends to the cached ones before it, through the window where
-    there is one), then the same prompts again, their full blocks taken from the prefix cache."""
-    path, _, expected = checkpoints(kind)
+    there is one), then the same prompts again, their full blocks taken from the prefix cache. Gemma 3's local and
+    global layers take each chunk both ways in the same step; every other family's layers are windowed or full
+    alike (the attention backends see only each layer's window), and an MLP or expert sees a chunk's rows
+    as any other rows."""
+    path, _, expected = checkpoints("gemma3")
     llm = LLM(path, dtype="float32", kv_cache_memory_gb=0.05, max_num_batched_tokens=16,
               long_prefill_token_threshold=16, enable_prefix_caching=True)
+    assert 0 in llm.engine.model_config.layer_windows and any(llm.engine.model_config.layer_windows)
     assert_greedy_equals(llm, checkpoints.prompts, expected)
     hits = llm.engine.kv_cache.stats.hits
     assert_greedy_equals(llm, checkpoints.prompts, expected)
@@ -112,13 +142,16 @@ def test_chunked_prefill_and_prefix_cache_hits_match_transformers(kind, checkpoi
 
 
 def test_qwen2_biases_are_not_vacuous(checkpoints):
-    """Without its q/k/v biases the Qwen2 reference's tokens differ, so a model that dropped them would fail."""
+    """Without its q/k/v biases the Qwen2 reference's tokens differ, so a model that dropped them would fail. On a
+    copy: the module's reference stays as saved. The first prompt whose tokens differ settles it."""
     _, reference, expected = checkpoints("qwen2")
+    unbiased = copy.deepcopy(reference)
     with torch.no_grad():
-        for name, p in reference.named_parameters():
+        for name, p in unbiased.named_parameters():
             if name.endswith(".bias"):
                 p.zero_()
-    assert [reference_greedy(reference, ids, 24) for ids in checkpoints.prompts] != expected
+    assert any(reference_greedy(unbiased, ids, 24) != tokens
+               for ids, tokens in zip(checkpoints.prompts, expected, strict=True))
 
 
 def _int4_moe_reference(reference: torch.nn.Module) -> torch.nn.Module:

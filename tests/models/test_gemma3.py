@@ -7,22 +7,15 @@ on the int4 and int8 grids) equals transformers on the same quantized weights.""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from llmserve import LLM
-from llmserve.evaluate.reference import quantized_reference, reference_greedy, reference_model
-from llmserve.loader import load_checkpoint
+from llmserve.evaluate.reference import quantized_reference, reference_greedy
 from tests.greedy import assert_greedy_equals
 from tests.model_files import GEMMA3, GEMMA3_MARKS
 
 pytestmark = GEMMA3_MARKS
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n",
            "Once upon a time, in a small village by the sea, there lived an old fisherman who"]
-
-
-@pytest.fixture(scope="module")
-def gemma_reference():
-    return reference_model(GEMMA3, torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -37,18 +30,18 @@ def prompts(gemma_fp32) -> list[list[int]]:
     return ids + [ids[2] + ids[2][1:] * 28]  # ~550 tokens: the local layers' window of 512 drops keys
 
 
-def test_gemma3_greedy_equals_transformers_on_the_same_gguf(gemma_fp32, gemma_reference, prompts):
+def test_gemma3_greedy_equals_transformers_on_the_same_gguf(gemma_fp32, gemma3_reference, prompts):
     cfg = gemma_fp32.engine.model_config
     assert cfg.architecture == "Gemma3ForCausalLM" and cfg.vocab_size == 262_144
     assert cfg.layer_windows.count(512) == 15 and cfg.layer_windows.count(0) == 3 and len(prompts[3]) > 512
-    expected = [reference_greedy(gemma_reference, ids, 16) for ids in prompts]
+    expected = [reference_greedy(gemma3_reference, ids, 16) for ids in prompts]
     assert len({tuple(e) for e in expected}) == len(expected)
     assert_greedy_equals(gemma_fp32, prompts, expected, single=3)
 
 
-def test_gemma3_default_weights_equal_transformers_on_the_same_quantized_weights(gemma_reference, prompts):
-    ckpt = load_checkpoint(GEMMA3)
-    ref = quantized_reference(gemma_reference, "int4+int8", ckpt.int4_grids, ckpt.int8_grids)
+def test_gemma3_default_weights_equal_transformers_on_the_same_quantized_weights(gemma3_reference, gemma3_checkpoint,
+                                                                                  prompts):
+    ref = quantized_reference(gemma3_reference, "int4+int8", gemma3_checkpoint.grids)
     expected = [reference_greedy(ref, ids, 16) for ids in prompts[:3]]
     llm = LLM(GEMMA3, dtype="float32", quantization="int4+int8", kv_cache_memory_gb=0.25, max_model_len=1024)
     assert llm.engine.plan.weights == "int4+int8" and llm.engine.plan.fused_decode_max_tokens == 0

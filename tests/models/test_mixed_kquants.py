@@ -39,7 +39,7 @@ def test_rows_of_two_formats_each_keep_their_own(mixed_kquant_gguf, reference, c
     grids, int8_grids = checkpoint.int4_grids, checkpoint.int8_grids
     assert {n.split(".")[-2] for n in grids} >= {"q_proj", "k_proj", "gate_proj", "up_proj"}
     assert {n.split(".")[-2] for n in int8_grids} == {"v_proj", "down_proj", "lm_head"}
-    ref = quantized_reference(reference, method, grids, int8_grids)
+    ref = quantized_reference(reference, method, checkpoint.grids)
     expected = [reference_greedy(ref, ids, 12) for ids in prompts]
     assert len({tuple(e) for e in expected}) == len(expected)
     if method == "int4+int8":  # every weight at the file's own values: transformers on the file as it is
@@ -66,7 +66,7 @@ def test_a_q5_0_and_q8_0_file_runs_int8_at_its_own_values(legacy_quant_gguf):
                and "norm" not in name}
     assert formats == {"Q5_0", "Q8_0"}
     reference = reference_model(legacy_quant_gguf, torch.float32)
-    ref = quantized_reference(reference, "int8", checkpoint.int4_grids, checkpoint.int8_grids)
+    ref = quantized_reference(reference, "int8", checkpoint.grids)
     prompts = [checkpoint.tokenizer.encode(p) for p in PROMPTS]
     expected = [reference_greedy(ref, ids, 12) for ids in prompts]
     assert len({tuple(e) for e in expected}) == len(expected)
@@ -76,7 +76,8 @@ def test_a_q5_0_and_q8_0_file_runs_int8_at_its_own_values(legacy_quant_gguf):
     linears = [(linear, inputs) for layer in model.layers for linear, inputs in (
         (layer.self_attn.qkv_proj, HIDDEN), (layer.self_attn.o_proj, HIDDEN), (layer.mlp.gate_up_proj, HIDDEN),
         (layer.mlp.down_proj, INTERMEDIATE))]
-    assert all(m.grouped and m.qweight.numel() * 16 == m.out_features * inputs * 17 for m, inputs in linears)
-    assert not model.lm_head.grouped and model.lm_head.qweight.numel() == model.lm_head.out_features * HIDDEN
+    assert all(m.layout == "grouped" and m.qweight.numel() * 16 == m.out_features * inputs * 17
+               for m, inputs in linears)
+    assert model.lm_head.layout == "per row" and model.lm_head.qweight.numel() == model.lm_head.out_features * HIDDEN
     assert_greedy_equals(llm, prompts, expected, single=1)
     assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks

@@ -64,7 +64,7 @@ def test_qwen_int4_equals_transformers_on_the_same_int4_weights(qwen_reference, 
     grids, int8_grids, formats, config = qwen_grids
     assert any("down_proj" in name for name in grids) and not any("q_proj" in name for name in grids)
     assert any("down_proj" in name for name in int8_grids) and not set(grids) & set(int8_grids)
-    ref = quantized_reference(qwen_reference, method, grids, int8_grids)
+    ref = quantized_reference(qwen_reference, method, {"int4": grids, "int8": int8_grids})
     expected = [reference_greedy(ref, ids, 16) for ids in prompts]
     llm = LLM(MODEL, dtype="float32", quantization=method, kv_cache_memory_gb=0.25, max_model_len=1024)
     # int4: decode steps as one native call (q/k/v biases inside); int4+int8 in float32 keeps PyTorch's
@@ -72,12 +72,12 @@ def test_qwen_int4_equals_transformers_on_the_same_int4_weights(qwen_reference, 
     assert llm.engine.plan.fused_decode_max_tokens == (16 if method == "int4" else 0)
     assert_greedy_equals(llm, prompts, expected, single=0)
     down = [layer.mlp.down_proj for layer in llm.engine.runner.model.layers]
-    six_bit = [lin for lin in down if lin.six_bit]
+    six_bit = [lin for lin in down if lin.layout == "six-bit"]
     assert len(six_bit) == (12 if method == "int4+int8" else 0)  # the Q6_K ffn_down
     weights = llm.engine.runner.config.intermediate_size * llm.engine.runner.config.hidden_size
     assert all(lin.qweight.numel() * 64 == weights * 53 for lin in six_bit)  # 6.625 bits a weight
     grouped = [lin for layer in llm.engine.runner.model.layers for lin in
-               (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj) if lin.grouped]
+               (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj) if lin.layout == "grouped"]
     assert len(grouped) == (3 * 24 if method == "int4+int8" else 0)
     hidden = llm.engine.runner.config.hidden_size  # (the inputs of each: o's are the 14 heads x 64 too)
     assert all(lin.qweight.numel() * 16 == lin.out_features * hidden * 17 for lin in grouped)  # 8.5 bits a weight

@@ -17,10 +17,8 @@ from llmserve.config import ModelConfig
 from llmserve.loader import build_model, load_checkpoint
 from llmserve.quantization.awq import (
     AWQConfig,
-    attention_output,
     awq_quantize,
     calibration_samples,
-    causal_forward,
     scaled_int4_weight,
 )
 from llmserve.quantization.int4_groups import fake_quantize
@@ -41,7 +39,7 @@ def _dense_model(path):
 
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:
     """Our model's logits for one sequence, PyTorch ops, no KV cache (the calibration's forward pass)."""
-    return model.lm_head(causal_forward(model, ids))
+    return model.lm_head(model.forward_sequence(ids))
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +52,17 @@ def tiny_mha(tmp_path_factory):  # one v head per query head: o_proj's scales ar
     return make_tiny_hf_dir(tmp_path_factory.mktemp("tiny-mha"), "llama", kv_heads=4)
 
 
-@pytest.mark.parametrize("kind", ["tiny_gqa", "tiny_mha"])
+@pytest.fixture(scope="module")
+def tiny_gemma3(tmp_path_factory):  # unit-offset norms, the MLP's input from its pre-feed-forward norm, a window
+    return make_tiny_hf_dir(tmp_path_factory.mktemp("tiny-gemma3"), "gemma3", kv_heads=4)
+
+
+def _norm_scale(norm) -> torch.Tensor:
+    """What a norm multiplies by: its weight, or 1 + its weight (Gemma)."""
+    return norm.weight + float(norm.unit_offset)
+
+
+@pytest.mark.parametrize("kind", ["tiny_gqa", "tiny_mha", "tiny_gemma3"])
 @torch.no_grad()
 def test_scales_are_finite_and_folding_them_keeps_the_function(kind, request):
     path = request.getfixturevalue(kind)
@@ -63,19 +71,25 @@ def test_scales_are_finite_and_folding_them_keeps_the_function(kind, request):
     samples = calibration_samples(tokenizer, QUICK.max_seq_len)[:4]
     result = awq_quantize(folded, samples, ALL_SCALES, quantize=False)
     blocks = {s.block for s in result.searches}
-    assert blocks == ({"qkv", "gate_up", "down", "o"} if kind == "tiny_mha" else {"qkv", "gate_up", "down"})
+    assert blocks == ({"qkv", "gate_up", "down"} if kind == "tiny_gqa" else {"qkv", "gate_up", "down", "o"})
     for s in result.searches:
         assert torch.isfinite(s.scales).all() and (s.scales > 0).all()
         assert torch.isfinite(1 / s.scales).all()
     assert any(s.alpha > 0 for s in result.searches)  # not vacuous: some scales are not all ones
     assert any((s.scales - 1).abs().max() > 0.5 for s in result.searches)
-    # the folded model (not quantized) computes the original's logits
+    # the folded model (not quantized) computes the original's logits, to float32's rounding of their scale
     for ids in samples[:2]:
-        torch.testing.assert_close(_logits(folded, ids), _logits(original, ids), rtol=1e-4, atol=1e-4)
+        expected = _logits(original, ids)
+        atol = 1e-4 * max(1.0, expected.abs().max())
+        torch.testing.assert_close(_logits(folded, ids), expected, rtol=1e-4, atol=atol)
     # and unfolding gives the original weights back: the norm times s, the linear's columns over s
     qkv = next(s for s in result.searches if s.layer == 0 and s.block == "qkv")
     layer, base = folded.layers[0], original.layers[0]
-    torch.testing.assert_close(layer.input_layernorm.weight * qkv.scales, base.input_layernorm.weight)
+    torch.testing.assert_close(_norm_scale(layer.input_layernorm) * qkv.scales, _norm_scale(base.input_layernorm))
+    gate_up = next(s for s in result.searches if s.layer == 0 and s.block == "gate_up")
+    mlp_norm = "pre_feedforward_layernorm" if kind == "tiny_gemma3" else "post_attention_layernorm"
+    torch.testing.assert_close(_norm_scale(layer.get_submodule(mlp_norm)) * gate_up.scales,
+                               _norm_scale(base.get_submodule(mlp_norm)))
     if kind == "tiny_gqa":  # (with MHA the v rows also carry o's scales)
         torch.testing.assert_close(layer.self_attn.qkv_proj.weight / qkv.scales, base.self_attn.qkv_proj.weight)
 
@@ -97,9 +111,16 @@ def test_search_error_is_at_most_round_to_nearest(tiny_gqa):
     xs = [original.embed_tokens(ids) for ids in samples]
     cos_sins = [original.rotary.lookup(torch.arange(len(ids)), torch.float32) for ids in samples]
 
-    def block(layer, o_proj):  # the attention block's output on layer 0's calibration inputs
-        return torch.cat([o_proj(attention_output(layer, layer.input_layernorm(x), cs))
-                          for x, cs in zip(xs, cos_sins, strict=True)])
+    def block(layer, o_proj):  # the attention block's output on layer 0's calibration inputs, on SDPA here
+        outs = []
+        for x, cs in zip(xs, cos_sins, strict=True):
+            attn = layer.self_attn
+            q, k, v = attn.project(layer.input_layernorm(x), cs)
+            repeat = attn.num_heads // attn.num_kv_heads
+            q, k, v = (t.transpose(0, 1) for t in (q, k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)))
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scale)
+            outs.append(o_proj(o.transpose(0, 1).flatten(1)))
+        return torch.cat(outs)
 
     reference = block(base, base.self_attn.o_proj)
     weight = base.self_attn.qkv_proj.weight.clone()
@@ -253,3 +274,9 @@ def test_build_plan_runs_awq_and_quantized_checkpoints_on_their_paths():
     assert plan(_formats(AWQ_FORMAT)).weights == "int4"  # an AWQ directory, by default
     assert plan(_formats(INT8_FORMAT)).weights == "int8"  # an int8 directory
     assert plan(_formats(AWQ_FORMAT), quantization="none").weights == "as loaded"
+
+
+def test_a_mixture_of_experts_model_is_refused(tmp_path):
+    model, tokenizer = _dense_model(make_tiny_hf_dir(tmp_path, "mixtral", hidden=64, intermediate=64))
+    with pytest.raises(ValueError, match="mixtures of experts"):
+        awq_quantize(model, calibration_samples(tokenizer, 32)[:1], QUICK)

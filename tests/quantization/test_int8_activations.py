@@ -20,7 +20,8 @@ from llmserve.quantization.int8_activations import (
     record_input_ranges,
     smoothing_scales,
 )
-from llmserve.quantization.weight_only import QUANTIZED_MAX_TOKENS, WeightOnlyLinear
+from llmserve.quantization.methods import LINEAR_METHODS
+from llmserve.quantization.weight_only import WeightOnlyLinear
 from tests.greedy import assert_greedy_equals
 
 NEEDS_VNNI = pytest.mark.skipif(not cpu_has_vnni(), reason="int8 activations need VNNI; the build plan refuses "
@@ -76,7 +77,7 @@ def test_smoothing_cuts_the_error_of_an_outlier_channel():
 def test_large_steps_switch_to_int8_and_small_steps_keep_the_weight_only_kernel():
     weight, x = _weight_and_outlier_input()
     layer = WeightOnlyLinear(weight, "int4")
-    small = x[: QUANTIZED_MAX_TOKENS["int4"]]
+    small = x[: LINEAR_METHODS["int4"].small_step_tokens]
     dense, before_small = nn.functional.linear(x, layer.weight), layer(small)
     layer.use_int8_activations(x.abs().amax(0))
     assert layer.weight is None and layer.packed is None  # the dense copy is released
@@ -110,7 +111,7 @@ def test_int8_activations_need_quantization():
 @pytest.fixture(scope="module")
 def long_prompts(prompt_token_ids) -> list[list[int]]:
     """The test prompts longer than the int4 kernel's step: their prefill runs int8 x int8 alone too."""
-    return [ids for ids in prompt_token_ids if len(ids) > QUANTIZED_MAX_TOKENS["int4"]]
+    return [ids for ids in prompt_token_ids if len(ids) > LINEAR_METHODS["int4"].small_step_tokens]
 
 
 # Prompts prefill in one step here: a chunk boundary changes the float32 rounding of attention, which a

@@ -13,7 +13,8 @@ from llmserve.config import ModelConfig
 from llmserve.evaluate.reference import q8_input_reference, quantized_reference, reference_greedy
 from llmserve.kernels import native_quantized_kernels
 from llmserve.loader import load_checkpoint
-from llmserve.quantization.weight_only import Q8_MAX_TOKENS, QUANTIZED_MAX_TOKENS, WeightOnlyLinear
+from llmserve.quantization.methods import LINEAR_METHODS
+from llmserve.quantization.weight_only import Q8_MAX_TOKENS, WeightOnlyLinear
 from tests.greedy import assert_greedy_equals
 
 
@@ -27,7 +28,7 @@ def test_kernel_equals_dequantized_weight(method, dtype, native):
     weight = (torch.randn(96, 128) * 0.05).to(dtype)
     layer = WeightOnlyLinear(weight, method, native_kernels=native)
     assert layer.native == native
-    x = torch.randn(QUANTIZED_MAX_TOKENS[method], 128).to(dtype)
+    x = torch.randn(LINEAR_METHODS[method].small_step_tokens, 128).to(dtype)
     kernel = layer(x)  # few tokens: the quantized kernel
     dense = nn.functional.linear(x, layer.weight)  # what a large step computes
     tol = 1e-4 if dtype == torch.float32 else 3e-2
@@ -58,7 +59,7 @@ def test_a_shape_the_native_kernel_does_not_take_keeps_the_torch_kernel():
 
 def test_large_steps_use_the_dequantized_weight():
     layer = WeightOnlyLinear(torch.randn(64, 64), "int4")
-    x = torch.randn(QUANTIZED_MAX_TOKENS["int4"] + 1, 64)
+    x = torch.randn(LINEAR_METHODS["int4"].small_step_tokens + 1, 64)
     torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight))
 
 
@@ -99,9 +100,9 @@ def test_a_q4_k_layer_computes_with_the_file_s_values():
     assert (layer(x).double() - expected).abs().max() < 1e-4 * expected.abs().max()
 
 
-# the file's types int8 keeps on their own grid: the layer's flag, its bits a weight, and how much further from the
+# the file's types int8 keeps on their own grid: the layer's layout, its bits a weight, and how much further from the
 # file's product the same weight re-quantized per row lands (at least)
-INT8_FILE_GRIDS = {"Q6_K": ("six_bit", 6.625, 100), "Q5_0": ("grouped", 8.5, 10), "Q8_0": ("grouped", 8.5, 10)}
+INT8_FILE_GRIDS = {"Q6_K": ("six-bit", 6.625, 100), "Q5_0": ("grouped", 8.5, 10), "Q8_0": ("grouped", 8.5, 10)}
 
 
 @pytest.mark.parametrize("type_name", list(INT8_FILE_GRIDS))
@@ -115,27 +116,27 @@ def test_int8_layers_compute_with_the_file_s_values(type_name, dtype):
     per row."""
     from llmserve.loader.gguf import int8_grid
 
-    flag, bits, per_row_factor = INT8_FILE_GRIDS[type_name]
+    layout, bits, per_row_factor = INT8_FILE_GRIDS[type_name]
     weight, grid = _a_qwen_tensor(type_name, int8_grid)
-    layer = WeightOnlyLinear(weight.to(dtype), "int8", native_kernels=True, int8_grid=grid)
-    assert getattr(layer, flag) and layer.six_bit + layer.grouped == 1 and torch.equal(layer.weight, weight.to(dtype))
+    layer = WeightOnlyLinear(weight.to(dtype), "int8", native_kernels=True, grid=grid)
+    assert layer.layout == layout and torch.equal(layer.weight, weight.to(dtype))
     assert layer.qweight.numel() == weight.numel() * bits / 8
     x = torch.randn(4, weight.shape[1], generator=torch.Generator().manual_seed(0))
     expected = x.double() @ weight.double().T
     per_row = WeightOnlyLinear(weight, "int8", native_kernels=True)
-    assert not per_row.six_bit and not per_row.grouped
+    assert per_row.layout == "per row"
     error = (layer(x.to(dtype)).double() - expected).abs().max() / expected.abs().max()
     assert error < (1e-4 if dtype == torch.float32 else 2**-8)
     if dtype == torch.float32:  # re-quantized per row, the product was further from the file's
         assert (per_row(x).double() - expected).abs().max() > per_row_factor * error * expected.abs().max()
     if dtype == torch.float32:  # without the native kernels: the same values, every step on the dense product
-        plain = WeightOnlyLinear(weight, "int8", native_kernels=False, int8_grid=grid)
-        assert getattr(plain, flag) and plain.qweight is None
+        plain = WeightOnlyLinear(weight, "int8", native_kernels=False, grid=grid)
+        assert plain.layout == layout and plain.qweight is None
         torch.testing.assert_close(plain(x), x @ weight.T)
     changed = weight.clone()
     changed[3, 5] += float(changed[3].abs().max()) / 7
-    stale = WeightOnlyLinear(changed, "int8", native_kernels=True, int8_grid=grid)
-    assert not getattr(stale, flag) and stale.qweight.numel() == weight.numel()
+    stale = WeightOnlyLinear(changed, "int8", native_kernels=True, grid=grid)
+    assert stale.layout == "per row" and stale.qweight.numel() == weight.numel()
 
 
 def test_bad_quantization_is_refused():
@@ -185,7 +186,7 @@ def test_q8_inputs_engine_matches_transformers_on_their_levels(hf_model, prompt_
     prompts = [ids for ids in prompt_token_ids if len(ids) > Q8_MAX_TOKENS]
     # the file's own grid (Q4_1): the kernel multiplies the Q8_0 levels by q * scale and the exact inputs by the
     # minimums, so the reference splits each weight as the file does
-    ref = q8_input_reference(hf_model, "int4", load_checkpoint(None).int4_grids)
+    ref = q8_input_reference(hf_model, "int4", load_checkpoint(None).grids)
     references = [_greedy_with_logits(ref, ids, 32) for ids in prompts]
     llm = LLM(dtype="float32", quantization="int4", q8_activations=True, kv_cache_memory_gb=0.25,
               max_model_len=2048, long_prefill_token_threshold=512, max_num_batched_tokens=4096)
