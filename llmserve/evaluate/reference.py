@@ -37,16 +37,14 @@ def quantized_reference(model, method: str, grids: dict[str, dict[str, tuple[tor
 
     from torch import nn
 
-    from llmserve.quantization.weight_only import WeightOnlyLinear, head_grid, layer_method_of
+    from llmserve.quantization.weight_only import WeightOnlyLinear, head_grid, layer_format
 
     ref = copy.deepcopy(model)
     grids = grids or {}
     with torch.no_grad():
         for name, module in ref.model.layers.named_modules(prefix="model.layers"):
             if isinstance(module, nn.Linear):
-                source = f"{name}.weight"
-                layer_method = layer_method_of(method, [source], grids)
-                grid = grids.get(layer_method, {}).get(source)
+                layer_method, grid = layer_format(method, [f"{name}.weight"], grids)
                 module.weight.copy_(WeightOnlyLinear(module.weight, layer_method, grid=grid).weight)
         head_source = "model.embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
         # the embedding, where they are tied
@@ -103,7 +101,7 @@ def q8_input_reference(model, method: str, grids: dict[str, dict[str, tuple[torc
     head always takes the Q8_0 levels: llmserve computes it on the sampled rows alone, never more than a batch."""
     from torch import nn
 
-    from llmserve.quantization.weight_only import Q8_MAX_TOKENS, layer_method_of
+    from llmserve.quantization.weight_only import Q8_MAX_TOKENS, layer_format
 
     ref = quantized_reference(model, method, grids)
     grids = grids or {}
@@ -111,9 +109,7 @@ def q8_input_reference(model, method: str, grids: dict[str, dict[str, tuple[torc
     for name, module in list(ref.model.layers.named_modules(prefix="model.layers")):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                source = f"{name}.{child_name}.weight"
-                layer_method = layer_method_of(method, [source], grids)
-                grid = grids.get(layer_method, {}).get(source)
+                layer_method, grid = layer_format(method, [f"{name}.{child_name}.weight"], grids)
                 setattr(module, child_name, _Q8InputProjection(child, layer_method, grid, limit))
     ref.lm_head = _Q8InputProjection(ref.lm_head, "int8", None, None)
     return ref

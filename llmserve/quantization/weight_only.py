@@ -23,7 +23,7 @@ from torch import nn
 from llmserve.kernels.int8_gemm import int8_gemm_packs, pack_int8_for_amx
 from llmserve.layers.linear import dense_linear
 from llmserve.quantization.int8_activations import int8_linear, pack_int8_weight, smoothing_scales
-from llmserve.quantization.methods import LINEAR_METHODS, MIXED_METHODS, linear_method
+from llmserve.quantization.methods import LINEAR_METHODS, linear_method, methods_of
 from llmserve.quantization.methods.int8 import quantize_int8
 
 # Steps with at most this many tokens use the quantized kernel with Q8_0 inputs (one activation part), whose int4
@@ -134,15 +134,17 @@ class WeightOnlyLinear(nn.Module):
 Grids = dict[str, dict[str, tuple[torch.Tensor, ...]]]
 
 
-def layer_method_of(weights: str, sources: list[str], grids: Grids | None) -> str:
-    """One layer's format under a model's weights choice: itself, or in a mix (`MIXED_METHODS`: "int4+int8") the first
-    whose file grid holds every source of the layer (int4 where the file stored the weight on a 4-bit grid), else the
-    last (int8)."""
-    mix = MIXED_METHODS.get(weights)
-    if mix is None:
-        return weights
-    held = (m for m in mix[:-1] if _fused_grid((grids or {}).get(m, {}), sources) is not None)
-    return next(held, mix[-1])
+def layer_format(weights: str, sources: list[str], grids: Grids | None) -> tuple[str, tuple[torch.Tensor, ...] | None]:
+    """One layer's format under a model's weights choice, and the file grid it keeps (None: fitted): the choice
+    itself, or in a mix (`MIXED_METHODS`: "int4+int8") the first whose file grid holds every source of the layer
+    (int4 where the file stored the weight on a 4-bit grid), else the last (int8)."""
+    grids = grids or {}
+    *held_first, last = methods_of(weights)
+    for method in held_first:
+        grid = _fused_grid(grids.get(method, {}), sources)
+        if grid is not None:
+            return method, grid
+    return last, _fused_grid(grids.get(last, {}), sources)
 
 
 def quantize_model(model: nn.Module, method: str, native_kernels: bool = False,
@@ -160,10 +162,10 @@ def quantize_model(model: nn.Module, method: str, native_kernels: bool = False,
     grids = {m: {k.removeprefix("model."): v for k, v in found.items()} for m, found in (grids or {}).items()}
 
     def quantized(weight: torch.Tensor, bias: torch.Tensor | None, sources: list[str]) -> WeightOnlyLinear:
-        layer_method = layer_method_of(method, sources, grids)
+        layer_method, grid = layer_format(method, sources, grids)
         return WeightOnlyLinear(weight, layer_method, native_kernels,
                                 small_step_cap(layer_method, max_quantized_tokens, activation_parts),
-                                bias, _fused_grid(grids.get(layer_method, {}), sources), activation_parts)
+                                bias, grid, activation_parts)
 
     for prefix, module in list(model.layers.named_modules(prefix="layers")):
         for child_name, child in list(module.named_children()):
@@ -196,8 +198,7 @@ def _source_format(method: str, source: str, grids: Grids) -> tuple[str, int]:
     """How a checkpoint tensor is computed under `method`: its layer format, and the file's own grid it keeps, by
     its tensors' count (int4: Q4_K's super-blocks or a fitted fp16 one; int8: Q6_K's 6 bits (2), Q8_0's or Q5_0's
     d per 32 (1), or per row (0))."""
-    layer_method = layer_method_of(method, [source], grids)
-    grid = grids.get(layer_method, {}).get(source)
+    layer_method, grid = layer_format(method, [source], grids)
     return layer_method, 0 if grid is None else len(grid)
 
 
@@ -239,11 +240,12 @@ class StackedLinear(nn.Module):
 
 
 def _fused_grid(grids: dict[str, tuple[torch.Tensor, ...]], sources: list[str]) -> tuple[torch.Tensor, ...] | None:
-    """A fused weight's grid: its sources' in row order, where every one has one of the same kind."""
+    """A fused weight's grid: its sources' in row order, where every one has one of the same kind (one source: its
+    own, not copied)."""
     found = [grids.get(s) for s in sources]
     if None in found or len({len(g) for g in found}) > 1:
         return None
-    return tuple(torch.cat(parts) for parts in zip(*found, strict=True))
+    return found[0] if len(found) == 1 else tuple(torch.cat(parts) for parts in zip(*found, strict=True))
 
 
 def small_step_cap(method: str, asked: int | None, activation_parts: int) -> int:
