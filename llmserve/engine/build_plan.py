@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import psutil
 import torch
@@ -46,20 +47,58 @@ AUTO_DRAFT_BELOW = 2
 AUTO_DRAFT_MEASURED = "Qwen2.5-Coder-1.5B with the 0.5B, one request: 1.6x on HumanEval prompts (n-gram lookup ~1.0x)"
 
 
+class Kernels(StrEnum):
+    """Whose code computes a piece: llmserve's native CPU kernels or PyTorch's ops; NONE where the piece is not
+    there (dense weights take no small-step kernel)."""
+
+    NATIVE = "native"
+    TORCH = "torch"
+    NONE = ""
+
+
+class Int8Products(StrEnum):
+    """Which kernel multiplies int8 x int8 in large steps: llmserve's AMX kernel or oneDNN's; NONE without int8
+    activations."""
+
+    AMX = "amx"
+    ONEDNN = "onednn"
+    NONE = ""
+
+
+class CompileMode(StrEnum):
+    """What torch.compile compiles: each decode-only step as one graph, each decoder layer, or nothing."""
+
+    GRAPH = "graph"
+    LAYERS = "layers"
+    OFF = "off"
+
+
+class StepRoute(StrEnum):
+    """How one step runs (`STEP_ROUTES`)."""
+
+    FUSED = "fused"  # the decoder as one native call
+    CUDA_GRAPH = "cuda graph"  # a captured CUDA graph replayed
+    GRAPH = "graph"  # the compiled decode graph
+    EAGER = "eager"  # layer by layer, any step
+
+
 @dataclass(frozen=True)
 class BuildPlan:
+    """Each choice is an enum where the set is fixed here, or a registry's name where it is open (weights: a
+    `quantization.methods` name or a mix of them, or "as loaded"; attention: an `ATTENTION_BACKENDS` name)."""
+
     device: str
     dtype: torch.dtype
     weights: str  # "as loaded" | "int8" | "int4" | "int4+int8" (linear layers: int4 where the file is 4-bit,
     # int8 where it holds more bits)
-    small_step_kernels: str  # quantized weights: "native" (llmserve's) | "torch" (PyTorch's) | "" (dense)
+    small_step_kernels: Kernels  # quantized weights' small-step products (NONE: dense weights)
     small_step_max_tokens: int  # steps up to this many tokens take the small-step kernel (0: dense weights)
     int8_activations: bool  # quantized weights: large steps multiply int8 x int8 (SmoothQuant)
-    int8_products: str  # with int8 activations: "amx" (llmserve's AMX kernel) | "onednn" | ""
+    int8_products: Int8Products  # with int8 activations, whose kernel
     attention: str  # "native" (the C++ paged kernel) | "torch"
-    elementwise: str  # the layers' norms, rotary and SwiGLU gate in eager steps: "native" | "torch"
-    argmax: str  # greedy sampling: "native" | "torch"
-    compile: str  # "graph" (each decode-only step one compiled graph) | "layers" | "off"
+    elementwise: Kernels  # the layers' norms, rotary and gate in eager steps
+    argmax: Kernels  # greedy sampling
+    compile: CompileMode
     # decode-only steps run as one native call, up to this many tokens on the small-step kernels (0: never)
     fused_decode_max_tokens: int
     kv_cache: KVCacheSpec
@@ -73,7 +112,7 @@ class BuildPlan:
     huge_pages: bool = False  # the streamed weights in one huge-page arena (quantization/weight_arena.py)
     reasons: dict[str, str] = field(default_factory=dict, compare=False)  # why, per choice
 
-    def step_route(self, decode_only: bool, num_tokens: int, has_graph: bool) -> str:
+    def step_route(self, decode_only: bool, num_tokens: int, has_graph: bool) -> StepRoute:
         """How a step runs: the first of `STEP_ROUTES` that can run it. The one place this is decided."""
         return next(name for name, can_run in STEP_ROUTES if can_run(self, decode_only, num_tokens, has_graph))
 
@@ -119,23 +158,23 @@ class BuildPlan:
             parts.append(f"one native call ({large} products past {self.fused_decode_max_tokens} tokens)")
         if self.cuda_graph_max_tokens:
             parts.append(f"CUDA graphs up to {self.cuda_graph_max_tokens} tokens")
-        if self.compile == "graph":
+        if self.compile == CompileMode.GRAPH:
             parts.append("a compiled graph" + (" above" if parts else ""))
-        elif self.compile == "layers":
+        elif self.compile == CompileMode.LAYERS:
             parts.append("compiled layers, attention eager")
         parts.append("eager with prompt tokens" if parts else "eager")
         return "; ".join(parts)
 
 
 # The ways a step can run, in the order they are tried, each with when it can (the plan, whether the step is
-# decode-only, its tokens, whether a compiled decode graph was built): "fused" (the decoder as one native call),
-# "cuda graph" (a captured CUDA graph), "graph" (the compiled decode graph), "eager" (layer by layer, any step).
-# A new route is a line here and its runner in engine/model_runner.py.
-STEP_ROUTES: tuple[tuple[str, Callable[[BuildPlan, bool, int, bool], bool]], ...] = (
-    ("fused", lambda plan, decode_only, tokens, graph: decode_only and plan.fused_decode_max_tokens > 0),
-    ("cuda graph", lambda plan, decode_only, tokens, graph: decode_only and tokens <= plan.cuda_graph_max_tokens),
-    ("graph", lambda plan, decode_only, tokens, graph: decode_only and graph),
-    ("eager", lambda plan, decode_only, tokens, graph: True),
+# decode-only, its tokens, whether a compiled decode graph was built). A new route is a `StepRoute`, a line here and
+# its runner in engine/model_runner.py.
+STEP_ROUTES: tuple[tuple[StepRoute, Callable[[BuildPlan, bool, int, bool], bool]], ...] = (
+    (StepRoute.FUSED, lambda plan, decode_only, tokens, graph: decode_only and plan.fused_decode_max_tokens > 0),
+    (StepRoute.CUDA_GRAPH,
+     lambda plan, decode_only, tokens, graph: decode_only and tokens <= plan.cuda_graph_max_tokens),
+    (StepRoute.GRAPH, lambda plan, decode_only, tokens, graph: decode_only and graph),
+    (StepRoute.EAGER, lambda plan, decode_only, tokens, graph: True),
 )
 
 
@@ -168,7 +207,7 @@ def resolve_plan(config: EngineConfig, model: ModelConfig, source_formats: dict[
         reasons["weights"] = ("auto: a speculative draft, whose weights decide which tokens are proposed, never "
                               "which are kept: the fastest, output head included")
     products = _products(config, weights, on_cpu, built, wanted, reasons)
-    huge_pages = _huge_pages(mc.huge_pages, products.small == "native", reasons)
+    huge_pages = _huge_pages(mc.huge_pages, products.small == Kernels.NATIVE, reasons)
     elementwise = _elementwise(mc.kernels, built, dtype, weights, products.int8_activations, reasons)
     route = _decode_route(config, model, device, weights, products, elementwise, attention, reasons)
     max_model_len = min(mc.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
@@ -177,7 +216,8 @@ def resolve_plan(config: EngineConfig, model: ModelConfig, source_formats: dict[
         device=device, dtype=dtype, weights=weights, small_step_kernels=products.small,
         small_step_max_tokens=products.small_max, int8_activations=products.int8_activations,
         int8_products=products.int8_products, attention=attention, elementwise=elementwise,
-        argmax="native" if built else "torch", compile=route.compile, fused_decode_max_tokens=route.fused_max_tokens,
+        argmax=Kernels.NATIVE if built else Kernels.TORCH, compile=route.compile,
+        fused_decode_max_tokens=route.fused_max_tokens,
         kv_cache=spec, num_kv_blocks=num_blocks, max_model_len=max_model_len, head=head, tensor_parallel_size=tp,
         activation_parts=products.activation_parts, speculative=route.speculative,
         cuda_graph_max_tokens=route.cuda_graph_max_tokens, huge_pages=huge_pages, reasons=reasons,
@@ -189,11 +229,11 @@ class _Products:
     """How quantized linears multiply: the small-step kernels and the largest step they take, the int4 inputs'
     parts (1: Q8_0), and whether large steps run int8 x int8, on which kernel. Dense weights: the defaults."""
 
-    small: str = ""
+    small: Kernels = Kernels.NONE
     small_max: int = 0
     activation_parts: int = 2
     int8_activations: bool = False
-    int8_products: str = ""
+    int8_products: Int8Products = Int8Products.NONE
 
 
 def _products(config: EngineConfig, weights: str, on_cpu: bool, built: bool, wanted: bool,
@@ -215,11 +255,11 @@ def _products(config: EngineConfig, weights: str, on_cpu: bool, built: bool, wan
     vectorized = built and native_quantized_kernels()
     if mc.kernels == "native" and not vectorized:
         raise RuntimeError("kernels='native' but the native quantized kernels need AVX-512 VNNI or AVX2")
-    small = "native" if vectorized else "torch"
+    small = Kernels.NATIVE if vectorized else Kernels.TORCH
     if built and not vectorized:
         reasons["small steps"] = "llmserve's need AVX-512 VNNI or AVX2"
     small_max = small_step_tokens(weights)
-    if mc.q8_activations and small != "native":
+    if mc.q8_activations and small != Kernels.NATIVE:
         raise ValueError("q8_activations need llmserve's native int4 kernel (AVX-512 VNNI or AVX2)")
     if weights == "int4+int8":  # with ~16-bit inputs (Q8_0's below)
         reasons["small steps"] = f"int8 layers up to {LINEAR_METHODS['int8'].small_step_tokens} tokens"
@@ -243,7 +283,7 @@ def _products(config: EngineConfig, weights: str, on_cpu: bool, built: bool, wan
     parts = 2
     q8 = mc.q8_activations
     if q8 is None:  # auto: where `llmserve eval` measured them to leave the model's quality as it was
-        q8 = mc.quantization == "auto" and small == "native" and (weights == "int4+int8" or mc.draft)
+        q8 = mc.quantization == "auto" and small == Kernels.NATIVE and (weights == "int4+int8" or mc.draft)
     if q8:
         parts = 1
         if not int8_activations:  # the int4 layers take steps up to Q8_MAX_TOKENS; dense products beyond
@@ -253,12 +293,12 @@ def _products(config: EngineConfig, weights: str, on_cpu: bool, built: bool, wan
         reasons["small steps"] = "; ".join(filter(None, [
             why, f"{'int4 and int8' if weights == 'int4+int8' else 'int4'} layers up to {small_max} tokens, "
             "their inputs as Q8_0: half the integer work"]))
-    elif mc.q8_activations is None and small == "native" and weights == "int4":
+    elif mc.q8_activations is None and small == Kernels.NATIVE and weights == "int4":
         reasons["small steps"] = f"auto: ~16-bit int4 inputs for a 4-bit file, {_Q8_MEASURED}"
-    products = ""
+    products = Int8Products.NONE
     if int8_activations:
-        products = "amx" if wanted and amx_int8_gemm() else "onednn"
-        if products == "amx":
+        products = Int8Products.AMX if wanted and amx_int8_gemm() else Int8Products.ONEDNN
+        if products == Int8Products.AMX:
             small_max = min(small_max, AMX_MIN_TOKENS - 1)
             amx_note = f"AMX takes steps from {AMX_MIN_TOKENS} tokens"
             reasons["large steps"] = "; ".join(filter(None, [reasons.get("large steps"), amx_note]))
@@ -266,15 +306,15 @@ def _products(config: EngineConfig, weights: str, on_cpu: bool, built: bool, wan
 
 
 def _elementwise(kernels: str, built: bool, dtype: torch.dtype, weights: str, int8_activations: bool,
-                 reasons: dict[str, str]) -> str:
+                 reasons: dict[str, str]) -> Kernels:
     """The layers' norms, rotary and gate in eager steps. In float32 (the dtype held to transformers' rounding) the
     kernels sum RMSNorm's squares in another order, and a last-bit difference can move an int8 activation's level:
     there, only when asked for by name, or under int4 weights without int8 activations (the int4 kernel splits an
     activation into ~16 bits, so a last bit moves it by 1/508 of a level, never a whole one), where they open the
     one-call decode stack, which a float32 host needs most (docs/performance.md, "The one-call decode step")."""
-    elementwise = "native" if built and (dtype == torch.bfloat16 or kernels == "native" or (
-        weights == "int4" and not int8_activations)) else "torch"
-    if built and elementwise == "torch":
+    elementwise = Kernels.NATIVE if built and (dtype == torch.bfloat16 or kernels == "native" or (
+        weights == "int4" and not int8_activations)) else Kernels.TORCH
+    if built and elementwise == Kernels.TORCH:
         reasons["elementwise"] = "the native ones are used in bfloat16, under int4 weights, or with kernels='native'"
     return elementwise
 
@@ -284,30 +324,30 @@ class _DecodeRoute:
     """How decode steps run: compiled ("graph", "layers") or not, as one native call up to `fused_max_tokens`,
     replayed CUDA graphs up to `cuda_graph_max_tokens`, and speculation."""
 
-    compile: str
+    compile: CompileMode
     fused_max_tokens: int
     speculative: SpeculativeConfig | None
     cuda_graph_max_tokens: int
 
 
 def _decode_route(config: EngineConfig, model: ModelConfig, device: str, weights: str, products: _Products,
-                  elementwise: str, attention: str, reasons: dict[str, str]) -> _DecodeRoute:
+                  elementwise: Kernels, attention: str, reasons: dict[str, str]) -> _DecodeRoute:
     mc = config.model
     tp = config.parallel.tensor_parallel_size
-    compile_mode = "off"
+    compile_mode = CompileMode.OFF
     if mc.compile and tp > 1:
         reasons["decode steps"] = "tensor parallel: eager (compiled graphs would hold the collectives)"
     elif mc.compile and model.moe is not None:
         reasons["decode steps"] = "experts: eager (which experts run, and on how many rows, is known only at run time)"
     elif mc.compile:
-        compile_mode = "graph" if attention == "native" else "layers"
+        compile_mode = CompileMode.GRAPH if attention == "native" else CompileMode.LAYERS
     # q/k/v biases (Qwen2) and int8 linears (a K-quant mix's) run inside the one call too, which takes steps as
     # large as every method's small-step kernel does (int8's: 8 tokens with ~16-bit inputs, int4's with Q8_0 ones)
     refusal = fused_stack_refusal(model)
     if refusal and weights != "as loaded":
         reasons["decode steps"] = refusal
-    fused = (refusal is None and tp == 1 and weights != "as loaded" and products.small == "native"
-             and elementwise == "native" and attention == "native"
+    fused = (refusal is None and tp == 1 and weights != "as loaded" and products.small == Kernels.NATIVE
+             and elementwise == Kernels.NATIVE and attention == "native"
              and all(int4_packs(*shape) for shape in _linear_shapes(model)))
     fused_max = (min(small_step_cap(m, products.small_max, products.activation_parts) for m in methods_of(weights))
                  if fused else 0)
@@ -316,15 +356,15 @@ def _decode_route(config: EngineConfig, model: ModelConfig, device: str, weights
     # (docs/performance.md, "The one-call decode step")
     if fused:
         reasons["decode steps"] = "native quantized products, attention and elementwise ops: one call for all layers"
-    if fused and compile_mode != "off":
-        compile_mode = "off"
+    if fused and compile_mode != CompileMode.OFF:
+        compile_mode = CompileMode.OFF
         reasons["decode steps"] += "; every decode step runs as one call: nothing is left for --compile to compile"
 
     speculative = _speculation(config.speculative, fused, mc.model, reasons)
     cuda_graphs = 0
     if device.startswith("cuda") and mc.enforce_eager:
         reasons["decode steps"] = "enforce_eager"
-    elif device.startswith("cuda") and tp == 1 and compile_mode == "off":
+    elif device.startswith("cuda") and tp == 1 and compile_mode == CompileMode.OFF:
         cuda_graphs = min(MAX_GRAPH_BATCH, config.scheduler.max_num_seqs * (
             1 + (speculative.num_speculative_tokens if speculative else 0)))
         reasons["decode steps"] = ("CUDA: each batch and context size class captured at its first step, then "

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from llmserve.config import EngineConfig
-from llmserve.engine.build_plan import resolve_plan
+from llmserve.engine.build_plan import CompileMode, resolve_plan
 from llmserve.engine.detokenizer import IncrementalDetokenizer, TokenBytes
 from llmserve.engine.heap import trim_heap
 from llmserve.engine.input_processor import InputProcessor
@@ -104,7 +104,7 @@ class LLMEngine:
         self.token_bytes = TokenBytes(self._backend_tokenizer)  # for logprobs' `bytes`
         if self.plan.int8_activations:
             self._calibrate_int8_activations()
-        if self.plan.compile != "off":
+        if self.plan.compile != CompileMode.OFF:
             self._warm_up()
         trim_heap()  # calibration's and warm-up's temporaries too (heap.py)
 

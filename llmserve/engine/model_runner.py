@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from llmserve.distributed.tensor_parallel import TensorParallel, shard_config, shard_grids, shard_model
-from llmserve.engine.build_plan import BuildPlan
+from llmserve.engine.build_plan import BuildPlan, CompileMode, Int8Products, Kernels, StepRoute
 from llmserve.engine.cuda_graphs import CudaGraphs
 from llmserve.engine.heap import trim_heap
 from llmserve.engine.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
@@ -84,7 +84,7 @@ class ModelRunner:
         self.block_size = plan.kv_cache.block_size
         self.eos_token_ids = ckpt.eos_token_ids  # banned until min_tokens, unless ignore_eos
         self.attention = ATTENTION_BACKENDS[plan.attention]()
-        methods = LayerMethods(self.attention, native_elementwise=plan.elementwise == "native")
+        methods = LayerMethods(self.attention, native_elementwise=plan.elementwise == Kernels.NATIVE)
         model = build_model(ckpt, plan.dtype, plan.device, methods)
         trim_heap()  # the checkpoint's float32 copies are freed: their pages go back before quantizing (heap.py)
         # before quantizing: folded into the dense rows and the file's int4 grid (kv_cache/key_smoothing.py)
@@ -103,11 +103,12 @@ class ModelRunner:
             self.config = shard_config(ckpt.config, tp.size)
             kv_spec = dataclasses.replace(kv_spec, num_kv_heads=self.config.num_kv_heads)
         if plan.weights != "as loaded":
-            quantize_model(model, plan.weights, plan.small_step_kernels == "native", plan.small_step_max_tokens,
+            quantize_model(model, plan.weights, plan.small_step_kernels == Kernels.NATIVE, plan.small_step_max_tokens,
                            grids, plan.head, plan.activation_parts)
         # eager steps read the packed copies only: the plain ones go, unless a compiled graph (it traces `F.linear`) or
         # int8-activation calibration (it smooths the plain weight) reads them
-        if packed := prepack_linears(model, release_plain=plan.compile == "off" and not plan.int8_activations):
+        release = plan.compile == CompileMode.OFF and not plan.int8_activations
+        if packed := prepack_linears(model, release_plain=release):
             logger.info("%d linear weights prepacked for oneDNN", packed)
         if plan.huge_pages:
             try:
@@ -115,9 +116,9 @@ class ModelRunner:
                 logger.info("%.1f MB of streamed weights placed on huge pages", placed / 1e6)
             except OSError as e:  # refused before any weight moved: they stay where they are
                 logger.warning("the weights stay on the allocator's pages: huge pages refused (%s)", e)
-        if plan.compile != "off":
+        if plan.compile != CompileMode.OFF:
             self.attention.stay_eager_in_compiled_graphs()
-        if plan.compile == "layers":
+        if plan.compile == CompileMode.LAYERS:
             compile_layers(model)  # the PyTorch attention path: per layer, attention left eager
         self.model = model
         # CUDA graphs' padded rows write to one more block, which the KV manager never hands out
@@ -125,7 +126,7 @@ class ModelRunner:
         # decode-only steps as one compiled graph (needs the native kernels; see decode_graph.py), and the
         # smallest of them as one native call
         self.decode_graph = None
-        if plan.compile == "graph":  # imported here: a start that compiles nothing skips Inductor's slow import
+        if plan.compile == CompileMode.GRAPH:  # imported here: a start compiling nothing skips Inductor's slow import
             from llmserve.engine.decode_graph import DecodeGraph
             self.decode_graph = DecodeGraph(model, self.kv_caches)
         self.fused_stack = fused_decode_stack(model, self.kv_caches) if plan.fused_decode_max_tokens else None
@@ -142,7 +143,7 @@ class ModelRunner:
         on them, for the decode steps past its small-step kernels."""
         for name, layer in self.model.layers.named_modules():
             if name in absmax:
-                layer.use_int8_activations(absmax[name], amx=self.plan.int8_products == "amx")
+                layer.use_int8_activations(absmax[name], amx=self.plan.int8_products == Int8Products.AMX)
         if self.fused_stack is not None:
             self.fused_stack = fused_decode_stack(self.model, self.kv_caches)
 
@@ -216,7 +217,7 @@ class ModelRunner:
         dev = self.device
         tables = [row.state.block_ids for row in rows]
         route = self.plan.step_route(len(token_ids) == len(rows), len(token_ids), self.decode_graph is not None)
-        if route == "cuda graph":  # one token each: row i is token i
+        if route == StepRoute.CUDA_GRAPH:  # one token each: row i is token i
             first_token = list(range(len(rows)))
             hidden = self.cuda_graphs(token_ids, starts, tables)
         else:
@@ -236,7 +237,7 @@ class ModelRunner:
         if len(sampling) < len(token_ids) or out.spec_token_ids:  # else every token samples, in order: all of hidden
             hidden = hidden[torch.tensor([first_token[i] + counts[i] - 1 for i in sampling], device=dev)]
         sampling_meta = self._sampling_metadata([rows[i] for i in sampling], self.config.vocab_size)
-        native_argmax = self.plan.argmax == "native"
+        native_argmax = self.plan.argmax == Kernels.NATIVE
         requests = list(dict.fromkeys(rows[i].request for i in sampling))  # in the order of their rows
         if out.grammar_bitmasks:
             sampling_meta.allowed = _allowed_tokens(out, [ids[index] for index in requests])
@@ -255,7 +256,7 @@ class ModelRunner:
                 result.logprobs[request_id] = [TokenLogprobs(t.logprob, t.rank, t.top) for t in tokens]
         return result
 
-    def _forward(self, route: str, token_ids: list[int], counts: list[int], starts: list[int],
+    def _forward(self, route: StepRoute, token_ids: list[int], counts: list[int], starts: list[int],
                  tables: list[list[int]]) -> tuple[list[int], torch.Tensor]:
         """Hidden states of the step's tokens, rows in order (and each row's first token in them), on every
         route but CUDA graphs: the attention's indices built here for all layers at once. A decode-only step's
@@ -277,9 +278,9 @@ class ModelRunner:
                                   first_token, self.block_size, self.config.num_kv_heads,
                                   self.config.num_heads, self.plan.dtype, dev)
         input_ids, positions = torch.tensor(token_ids, device=dev), positions.to(dev)
-        if route == "fused":
+        if route == StepRoute.FUSED:
             return first_token, self.model.forward_fused(self.fused_stack, input_ids, positions, meta)
-        forward = self.decode_graph if route == "graph" else self.model
+        forward = self.decode_graph if route == StepRoute.GRAPH else self.model
         return first_token, forward(input_ids, positions, self.kv_caches, meta)
 
     def _prompt_logprobs(self, r: _RequestState, start: int, hidden: torch.Tensor) -> list[TokenLogprobs]:

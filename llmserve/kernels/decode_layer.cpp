@@ -15,6 +15,13 @@
 //   h = rms_norm(x); qkv = h Wqkv (+ b); q, k = rotary(q, k); cache <- k, v; o = attention(q)
 //   x = x + o Wo; h = rms_norm(x); x = x + (silu(h Wgate) * h Wup) Wdown
 //
+// and what other dense families add to that layer, each a field of the model or of a layer (models/fused_stack.py
+// names them from the model's description): norms that scale by 1 + w (Gemma), a norm over each query and key head
+// before rotary (Qwen3, Gemma 3), sandwich norms (Gemma 3: the attention's and the MLP's outputs normed before their
+// residual adds, the MLP's input by a norm of its own), a tanh-GELU gate, scaled embeddings, a sliding window per
+// layer (Mistral, Phi-3, Gemma 3's local layers) and a second rotary table for windowed layers (Gemma 3). Experts
+// are not here: a mixture-of-experts model decodes layer by layer.
+//
 // Each linear is int4 or int8 (a K-quant mix such as Q4_K_M: int4 where the file is 4-bit, int8 where it holds
 // more bits, Q6_K's in its 6-bit layout), or runs of rows of each (a `StackedLinear`: Q4_K q/k beside a Q6_K v),
 // and q/k/v may carry a bias (Qwen2): the layer-by-layer path's kernels and arithmetic for each (a bias added to
@@ -41,6 +48,7 @@
 #include <initializer_list>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -206,11 +214,19 @@ Tensor view_of(const Tensor& base, int64_t offset, at::IntArrayRef sizes, at::In
 struct LayerWeights {
   at::Tensor input_norm;
   Linear qkv;  // with its bias, where q/k/v have one
+  at::Tensor q_norm, k_norm;  // each head's norm before rotary (undefined: none)
   Linear o;
-  at::Tensor post_norm;
+  // the norm after attention: the MLP's input's, or (sandwich norms, `pre_feedforward_norm` defined) the attention
+  // output's, before its residual add; then `post_feedforward_norm` of the MLP's output
+  at::Tensor post_norm, pre_feedforward_norm, post_feedforward_norm;
   Linear gate_up, down;
   at::Tensor k_cache, v_cache;
+  int64_t window = 0;  // sliding window in tokens, 0: the whole context
+  int64_t rope = 0;  // which rotary table: 0 the model's, 1 the windowed layers' own
 };
+
+// the gated MLP's activation, as models/fused_stack.py names it
+enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
 
 // A layer's pieces, in the order it runs them: where a step's time goes, per piece, is what `run_timed` reports
 // (benchmarks/bandwidth_ceiling.py), to say what holds a small model's step back from its memory-bandwidth floor.
@@ -244,26 +260,34 @@ struct WallTimer {
 template <typename T>
 struct Step {
   int64_t tokens, hidden, intermediate, num_heads, num_kv_heads, head_dim;
-  const T *cos, *sin;  // [tokens, head_dim]
+  double eps, scale;  // the norms' epsilon, the attention's scale
+  bool unit_offset;  // norms scale by 1 + w
+  int64_t activation;  // an `Activation`
+  std::array<const T*, 2> cos, sin;  // [tokens, head_dim] of each rotary table (a layer's `rope` picks)
   const int64_t* slots;  // [tokens * num_kv_heads]
   bool plain_slots;  // the caches hold the model's dtype: the K/V write is a copy per slot
   at::Tensor slots_tensor, block_table, context_lens;
   at::Tensor buffers;
   T *residual, *normed, *qk, *gated;  // [tokens, hidden] x 2, [tokens, q + k heads, head_dim], [tokens, intermediate]
+  T* qk_normed;  // query/key norms: q and k heads normed, before rotary [tokens, q + k heads, head_dim]
+  T* block_out;  // sandwich norms: a block's output normed [tokens, hidden]
   // over the buffers: the products' inputs and outputs, the attention's queries (rotated, in `qk`) and output
   at::Tensor normed_rows, gated_rows, qkv, queries, attended, attended_rows, o, gate_up, down;
 
   int64_t q_and_k() const { return num_heads + num_kv_heads; }
 };
 
-// rms_norm of `rows` rows of `a` (+ `b`, the sum kept in `sum_out`: the residual stream) into `out`
+// rms_norm of `rows` rows of `a` (+ `b`, the sum kept in `sum_out`: the residual stream) into `out`; rows `lda`
+// apart in `a` (0: `n`)
 template <typename T>
 void norm_rows(const T* a, const T* b, const at::Tensor& weight, T* out, T* sum_out, int64_t rows, int64_t n,
-               double eps) {
+               double eps, bool unit_offset, int64_t lda = 0) {
+  lda = lda ? lda : n;
   auto each = [&](const auto* w) {
     for (int64_t r = 0; r < rows; ++r)
-      llmserve::elementwise::rms_norm_row(a + r * n, b ? b + r * n : nullptr, w, out + r * n,
-                                          sum_out ? sum_out + r * n : nullptr, n, static_cast<float>(eps));
+      llmserve::elementwise::rms_norm_row(a + r * lda, b ? b + r * n : nullptr, w, out + r * n,
+                                          sum_out ? sum_out + r * n : nullptr, n, static_cast<float>(eps),
+                                          unit_offset);
   };
   if (weight.scalar_type() == at::kFloat)
     each(weight.data_ptr<float>());
@@ -289,22 +313,38 @@ Tensor rows_of(const Step<T>& step, T* data, int64_t width) {
 // residual stream in `step.residual` and returns this layer's down product: the next layer adds it.
 template <typename T, typename Timer>
 Tensor decode_layer(const T* x, const Tensor& delta, LayerWeights& w, const LayerWeights* next, Step<T>& step,
-                    double eps, double scale, Timer& timer) {
+                    Timer& timer) {
   const auto& ops = layer_ops();
   const int64_t tokens = step.tokens, hidden = step.hidden, head_dim = step.head_dim;
   const int64_t num_heads = step.num_heads, num_kv_heads = step.num_kv_heads, q_and_k = step.q_and_k();
+  const double eps = step.eps;
+  const bool offset = step.unit_offset;
   if (delta.defined()) {  // the layer before's residual add, and this layer's norm, in one pass
-    norm_rows(x, delta.data_ptr<T>(), w.input_norm, step.normed, step.residual, tokens, hidden, eps);
+    norm_rows(x, static_cast<const T*>(delta.data_ptr()), w.input_norm, step.normed, step.residual, tokens, hidden,
+              eps, offset);
     x = step.residual;
   } else {
-    norm_rows<T>(x, nullptr, w.input_norm, step.normed, nullptr, tokens, hidden, eps);
+    norm_rows<T>(x, nullptr, w.input_norm, step.normed, nullptr, tokens, hidden, eps, offset);
   }
   timer.mark(kInputNorm);
   const at::Tensor qkv = w.qkv(step.normed_rows, step.qkv);
   timer.mark(kQkv);
   const int64_t row = qkv.size(1);
   const T* qkv_data = qkv.data_ptr<T>();
-  llmserve::elementwise::rotary_rows(qkv_data, step.cos, step.sin, step.qk, tokens, q_and_k, head_dim, row);
+  const T *cos = step.cos[w.rope], *sin = step.sin[w.rope];
+  if (w.q_norm.defined()) {  // each head normed (as the eager layer's query and key norms), then rotary
+    for (int64_t t = 0; t < tokens; ++t) {
+      norm_rows<T>(qkv_data + t * row, nullptr, w.q_norm, step.qk_normed + t * q_and_k * head_dim, nullptr, num_heads,
+                   head_dim, eps, offset, head_dim);
+      norm_rows<T>(qkv_data + t * row + num_heads * head_dim, nullptr, w.k_norm,
+                   step.qk_normed + (t * q_and_k + num_heads) * head_dim, nullptr, num_kv_heads, head_dim, eps, offset,
+                   head_dim);
+    }
+    llmserve::elementwise::rotary_rows<T>(step.qk_normed, cos, sin, step.qk, tokens, q_and_k, head_dim,
+                                          q_and_k * head_dim);
+  } else {
+    llmserve::elementwise::rotary_rows(qkv_data, cos, sin, step.qk, tokens, q_and_k, head_dim, row);
+  }
   const T* v_data = qkv_data + q_and_k * head_dim;
   if (step.plain_slots) {  // k and v [token, kv head] rows to their slots
     auto* k_cache = w.k_cache.data_ptr<T>();
@@ -324,21 +364,38 @@ Tensor decode_layer(const T* x, const Tensor& delta, LayerWeights& w, const Laye
   }
   timer.mark(kRotary);
   llmserve::attention::decode_attention_out(step.queries, w.k_cache, w.v_cache, step.block_table, step.context_lens,
-                                            scale, step.attended);
+                                            step.scale, step.attended, w.window);
   timer.mark(kAttention);
   prefetch_tensor(w.post_norm);
   const at::Tensor o = w.o(step.attended_rows, step.o);
   timer.mark(kO);
-  norm_rows(x, static_cast<const T*>(o.data_ptr()), w.post_norm, step.normed, step.residual, tokens, hidden, eps);
+  const T* o_data = static_cast<const T*>(o.data_ptr());
+  if (w.pre_feedforward_norm.defined()) {  // sandwich: the output normed, added, and the sum normed for the MLP
+    norm_rows<T>(o_data, nullptr, w.post_norm, step.block_out, nullptr, tokens, hidden, eps, offset);
+    norm_rows<T>(x, step.block_out, w.pre_feedforward_norm, step.normed, step.residual, tokens, hidden, eps, offset);
+  } else {
+    norm_rows(x, o_data, w.post_norm, step.normed, step.residual, tokens, hidden, eps, offset);
+  }
   timer.mark(kPostNorm);
   const at::Tensor gate_up = w.gate_up(step.normed_rows, step.gate_up);
   timer.mark(kGateUp);
-  llmserve::elementwise::silu_and_mul_rows(static_cast<const T*>(gate_up.data_ptr()), step.gated, tokens,
-                                           step.intermediate, 2 * step.intermediate);
+  const T* gate_up_data = static_cast<const T*>(gate_up.data_ptr());
+  if (step.activation == kGeluTanh)
+    llmserve::elementwise::gelu_tanh_and_mul_rows(gate_up_data, step.gated, tokens, step.intermediate,
+                                                  2 * step.intermediate);
+  else
+    llmserve::elementwise::silu_and_mul_rows(gate_up_data, step.gated, tokens, step.intermediate,
+                                             2 * step.intermediate);
   timer.mark(kGate);
   if (next != nullptr) prefetch_tensor(next->input_norm);
   at::Tensor down = w.down(step.gated_rows, step.down);
   timer.mark(kDown);
+  if (w.post_feedforward_norm.defined()) {  // sandwich: the MLP's output normed before the next layer adds it
+    norm_rows<T>(static_cast<const T*>(down.data_ptr()), nullptr, w.post_feedforward_norm, step.block_out, nullptr,
+                 tokens, hidden, eps, offset);
+    timer.mark(kPostNorm);
+    return rows_of(step, step.block_out, hidden);
+  }
   return down;
 }
 
@@ -357,6 +414,11 @@ at::Tensor optional_field(const c10::Dict<std::string, at::Tensor>& fields, cons
   return found == fields.end() || !found->value().numel() ? at::Tensor() : found->value();
 }
 
+int64_t optional_size(const c10::Dict<std::string, int64_t>& sizes, const std::string& name, int64_t otherwise) {
+  const auto found = sizes.find(name);
+  return found == sizes.end() ? otherwise : found->value();
+}
+
 template <typename V>
 void check_fields(const c10::Dict<std::string, V>& fields, std::initializer_list<const char*> known, const char* where) {
   for (const auto& entry : fields)
@@ -366,9 +428,11 @@ void check_fields(const c10::Dict<std::string, V>& fields, std::initializer_list
 
 // The decoder layers, built once from the model's tensors (shared, not copied) and its KV caches, so a step is one
 // call with the step's own tensors only. Built by name, as the model describes itself (models/fused_stack.py): the
-// model's own fields, then each layer (`add_layer`: its norms, caches and q/k/v bias, where it has one) and its four
-// linears' parts (`add_part`, in row order: one, or a `StackedLinear`'s), then `finish`, which checks the last layer
-// and the whole. A part names its small-step weight (`weight`, with `scales` for int8; int4 has none), its
+// model's own fields (its embedding, rotary tables and final norm; where it has them, `embedding_scale`, the windowed
+// layers' `local_cos_table` and `local_sin_table`, `activation` and `norm_unit_offset`), then each layer
+// (`add_layer`: its norms, caches, and where it has them its q/k/v bias, query/key norms, sandwich norms, `window`
+// and `rope` table) and its four linears' parts (`add_part`, in row order: one, or a `StackedLinear`'s), then
+// `finish`, which checks the last layer and the whole. A part names its small-step weight (`weight`, with `scales` for int8; int4 has none), its
 // large-step product (`large_kind`, a `LargeStepKind`, reading `large_weight` and, where its kind does,
 // `smooth_inv`, `large_scales` and `large_extra`), `rows`, `activation_parts` and `small_max_tokens`, the largest
 // step its small-step kernel takes.
@@ -378,24 +442,48 @@ class DecodeStack : public torch::CustomClassHolder {
               c10::Dict<std::string, double> numbers)
       : embedding_(field(model, "embedding", "model")), cos_table_(field(model, "cos_table", "model")),
         sin_table_(field(model, "sin_table", "model")), final_norm_(field(model, "final_norm", "model")),
+        local_cos_table_(optional_field(model, "local_cos_table")),
+        local_sin_table_(optional_field(model, "local_sin_table")),
         num_heads_(field(sizes, "num_heads", "model")), intermediate_size_(field(sizes, "intermediate_size", "model")),
+        activation_(optional_size(sizes, "activation", kSilu)),
+        unit_offset_(optional_size(sizes, "norm_unit_offset", 0) != 0),
         eps_(field(numbers, "eps", "model")), scale_(field(numbers, "scale", "model")) {
-    check_fields(model, {"embedding", "cos_table", "sin_table", "final_norm"}, "model");
-    check_fields(sizes, {"num_heads", "intermediate_size"}, "model");
+    check_fields(model, {"embedding", "cos_table", "sin_table", "final_norm", "embedding_scale", "local_cos_table",
+                         "local_sin_table"}, "model");
+    check_fields(sizes, {"num_heads", "intermediate_size", "activation", "norm_unit_offset"}, "model");
     check_fields(numbers, {"eps", "scale"}, "model");
+    TORCH_CHECK(activation_ == kSilu || activation_ == kGeluTanh, "DecodeStack: unknown activation ", activation_);
+    const at::Tensor embedding_scale = optional_field(model, "embedding_scale");
+    if (embedding_scale.defined()) {
+      TORCH_CHECK(embedding_scale.numel() == 1 && embedding_scale.scalar_type() == embedding_.scalar_type(),
+                  "DecodeStack: the embedding scale is one value in the embedding's dtype");
+      embedding_scale_ = embedding_scale.item<float>();
+    }
   }
 
-  // A new layer (the one before it is checked): input_norm, post_norm, k_cache, v_cache, and qkv_bias where q/k/v
-  // have one
-  void add_layer(c10::Dict<std::string, at::Tensor> fields) {
+  // A new layer (the one before it is checked): input_norm, post_norm, k_cache, v_cache; where the layer has them,
+  // qkv_bias, q_norm and k_norm, pre_feedforward_norm and post_feedforward_norm; sizes: `window` (0 or none: the
+  // whole context) and `rope` (1: the windowed layers' table)
+  void add_layer(c10::Dict<std::string, at::Tensor> fields, c10::Dict<std::string, int64_t> sizes) {
     TORCH_CHECK(!finished_, "DecodeStack.add_layer: the stack is finished");
     if (!layers_.empty()) check_layer(layers_.back());
-    check_fields(fields, {"input_norm", "post_norm", "k_cache", "v_cache", "qkv_bias"}, "add_layer");
+    check_fields(fields, {"input_norm", "post_norm", "k_cache", "v_cache", "qkv_bias", "q_norm", "k_norm",
+                          "pre_feedforward_norm", "post_feedforward_norm"}, "add_layer");
+    check_fields(sizes, {"window", "rope"}, "add_layer");
     LayerWeights layer;
     layer.input_norm = field(fields, "input_norm", "add_layer");
     layer.post_norm = field(fields, "post_norm", "add_layer");
     layer.k_cache = field(fields, "k_cache", "add_layer");
     layer.v_cache = field(fields, "v_cache", "add_layer");
+    layer.q_norm = optional_field(fields, "q_norm");
+    layer.k_norm = optional_field(fields, "k_norm");
+    layer.pre_feedforward_norm = optional_field(fields, "pre_feedforward_norm");
+    layer.post_feedforward_norm = optional_field(fields, "post_feedforward_norm");
+    layer.window = optional_size(sizes, "window", 0);
+    layer.rope = optional_size(sizes, "rope", 0);
+    TORCH_CHECK(layer.window >= 0, "DecodeStack.add_layer: a window is 0 (none) or a number of tokens");
+    TORCH_CHECK(layer.rope == 0 || layer.rope == 1, "DecodeStack.add_layer: rope is 0 (the model's table) or 1 "
+                "(the windowed layers')");
     qkv_bias_ = optional_field(fields, "qkv_bias");
     layers_.push_back(std::move(layer));
   }
@@ -449,6 +537,15 @@ class DecodeStack : public torch::CustomClassHolder {
     TORCH_CHECK(final_norm_.is_contiguous() && final_norm_.numel() == hidden &&
                     final_norm_.scalar_type() == input_norm.scalar_type(),
                 "DecodeStack: the final norm's weights are like the layers' norms");
+    const bool local = std::any_of(layers_.begin(), layers_.end(), [](const LayerWeights& l) { return l.rope == 1; });
+    TORCH_CHECK(local == local_cos_table_.defined() && local == local_sin_table_.defined(),
+                "DecodeStack: the windowed layers' rotary tables are given where a layer takes them (rope 1), only");
+    TORCH_CHECK(!local || (local_cos_table_.sizes() == cos_table_.sizes() &&
+                           local_cos_table_.scalar_type() == cos_table_.scalar_type() &&
+                           local_cos_table_.is_contiguous() && local_sin_table_.sizes() == cos_table_.sizes() &&
+                           local_sin_table_.scalar_type() == cos_table_.scalar_type() &&
+                           local_sin_table_.is_contiguous()),
+                "DecodeStack: the windowed layers' rotary tables are like the model's");
     finished_ = true;
   }
 
@@ -500,6 +597,20 @@ class DecodeStack : public torch::CustomClassHolder {
                 "DecodeStack: a linear's parts must add up to its rows");
     TORCH_CHECK(!layer.qkv.parts[0].bias.defined() || layer.qkv.out_features() == qkv_bias_.numel(),
                 "DecodeStack: a q/k/v bias has one value per row");
+    // what a step's buffers are carved for is read from the first layer: every layer has the same norms
+    TORCH_CHECK(layer.q_norm.defined() == first.q_norm.defined() && layer.k_norm.defined() == layer.q_norm.defined() &&
+                    layer.pre_feedforward_norm.defined() == first.pre_feedforward_norm.defined() &&
+                    layer.post_feedforward_norm.defined() == layer.pre_feedforward_norm.defined(),
+                "DecodeStack: every layer has query and key norms or neither, and both sandwich norms or neither, "
+                "as the first");
+    for (const at::Tensor* norm : {&layer.pre_feedforward_norm, &layer.post_feedforward_norm})
+      TORCH_CHECK(!norm->defined() || (norm->is_contiguous() && norm->numel() == hidden &&
+                                       norm->scalar_type() == first.input_norm.scalar_type()),
+                  "DecodeStack: norm weights must be contiguous float32 or bfloat16, one per feature, alike");
+    for (const at::Tensor* norm : {&layer.q_norm, &layer.k_norm})
+      TORCH_CHECK(!norm->defined() || (norm->is_contiguous() && norm->numel() == head_dim &&
+                                       norm->scalar_type() == first.input_norm.scalar_type()),
+                  "DecodeStack: a query or key norm has one contiguous weight per head feature, like the layer's norms");
   }
 
   template <typename Timer>
@@ -512,7 +623,7 @@ class DecodeStack : public torch::CustomClassHolder {
                 "DecodeStack.run: input_ids and positions: one int64 each per token");
     const int64_t* ids = input_ids.data_ptr<int64_t>();
     const int64_t* where = positions.data_ptr<int64_t>();
-    for (int64_t t = 0; t < input_ids.numel(); ++t) {
+    for (int64_t t = 0; t < input_ids.numel(); ++t) {  // (the local rotary table has the model's rows)
       TORCH_CHECK(ids[t] >= 0 && ids[t] < embedding_.size(0), "DecodeStack.run: token id out of range");
       TORCH_CHECK(where[t] >= 0 && where[t] < cos_table_.size(0), "DecodeStack.run: position out of range");
     }
@@ -533,6 +644,10 @@ class DecodeStack : public torch::CustomClassHolder {
     step.num_heads = num_heads_;
     step.num_kv_heads = first.k_cache.size(1);
     step.head_dim = llmserve::attention::cache_head_dim(first.k_cache);
+    step.eps = eps_;
+    step.scale = scale_;
+    step.unit_offset = unit_offset_;
+    step.activation = activation_;
     // the slots, checked once for every layer's K/V write (as write_kv checks them)
     const at::Tensor slots = slots_in.contiguous();
     TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == step.tokens * step.num_kv_heads,
@@ -550,9 +665,14 @@ class DecodeStack : public torch::CustomClassHolder {
     const int64_t rows = step.tokens, head_dim = step.head_dim, hidden = step.hidden, inter = step.intermediate;
     const int64_t qk_width = step.q_and_k() * head_dim, attended_width = step.num_heads * head_dim;
     const int64_t qkv_width = qk_width + step.num_kv_heads * head_dim;
-    // each buffer on a cache line of its own (64 bytes: 16 float32 or 32 bfloat16), in the order they are carved
-    const std::array<int64_t, 12> widths = {hidden, head_dim, head_dim, hidden, hidden, qk_width, inter, qkv_width,
-                                            attended_width, hidden, 2 * inter, hidden};
+    // each buffer on a cache line of its own (64 bytes: 16 float32 or 32 bfloat16), in the order they are carved;
+    // a buffer the model does not need is 0 wide
+    const bool local = local_cos_table_.defined(), qk_norms = first.q_norm.defined();
+    const bool sandwich = first.pre_feedforward_norm.defined();
+    const std::array<int64_t, 16> widths = {hidden, head_dim, head_dim, local ? head_dim : 0, local ? head_dim : 0,
+                                            hidden, hidden, qk_width, inter, qk_norms ? qk_width : 0,
+                                            sandwich ? hidden : 0, qkv_width, attended_width, hidden, 2 * inter,
+                                            hidden};
     const int64_t line = 64 / static_cast<int64_t>(sizeof(T));
     int64_t total = 0;
     for (int64_t width : widths) total += (rows * width + line - 1) / line * line;
@@ -566,28 +686,41 @@ class DecodeStack : public torch::CustomClassHolder {
     };
     // the tokens' embedding rows, and their positions' rotary rows in the step's dtype (as `.to(dtype)` rounds)
     T* const embedded = carve(hidden);
-    T* const cos = carve(head_dim);
-    T* const sin = carve(head_dim);
     const T* const table = embedding_.data_ptr<T>();
-    auto rotary_rows_of = [&](const auto* cos_table, const auto* sin_table) {
-      for (int64_t t = 0; t < rows; ++t)
-        for (int64_t i = 0; i < head_dim; ++i) {
-          cos[t * head_dim + i] = static_cast<T>(cos_table[positions[t] * head_dim + i]);
-          sin[t * head_dim + i] = static_cast<T>(sin_table[positions[t] * head_dim + i]);
-        }
+    auto rotary_rows_of = [&](const at::Tensor& cos_table, const at::Tensor& sin_table, T* cos, T* sin) {
+      auto copy = [&](const auto* cos_values, const auto* sin_values) {
+        for (int64_t t = 0; t < rows; ++t)
+          for (int64_t i = 0; i < head_dim; ++i) {
+            cos[t * head_dim + i] = static_cast<T>(cos_values[positions[t] * head_dim + i]);
+            sin[t * head_dim + i] = static_cast<T>(sin_values[positions[t] * head_dim + i]);
+          }
+      };
+      if (cos_table.scalar_type() == at::kFloat)
+        copy(cos_table.data_ptr<float>(), sin_table.data_ptr<float>());
+      else
+        copy(cos_table.data_ptr<T>(), sin_table.data_ptr<T>());
     };
-    if (cos_table_.scalar_type() == at::kFloat)
-      rotary_rows_of(cos_table_.data_ptr<float>(), sin_table_.data_ptr<float>());
-    else
-      rotary_rows_of(cos_table_.data_ptr<T>(), sin_table_.data_ptr<T>());
+    for (int table_index = 0; table_index < 2; ++table_index) {
+      T* const cos = carve(widths[1 + 2 * table_index]);
+      T* const sin = carve(widths[2 + 2 * table_index]);
+      if (table_index == 0)
+        rotary_rows_of(cos_table_, sin_table_, cos, sin);
+      else if (local)
+        rotary_rows_of(local_cos_table_, local_sin_table_, cos, sin);
+      step.cos[table_index] = cos;
+      step.sin[table_index] = sin;
+    }
     for (int64_t t = 0; t < rows; ++t)
       std::memcpy(embedded + t * hidden, table + ids[t] * hidden, hidden * sizeof(T));
-    step.cos = cos;
-    step.sin = sin;
+    if (embedding_scale_)  // as the eager `x * scale` in the model's dtype rounds
+      for (int64_t i = 0; i < rows * hidden; ++i)
+        embedded[i] = static_cast<T>(static_cast<float>(embedded[i]) * *embedding_scale_);
     step.residual = carve(hidden);
     step.normed = carve(hidden);
     step.qk = carve(qk_width);
     step.gated = carve(inter);
+    step.qk_normed = carve(widths[9]);
+    step.block_out = carve(widths[10]);
     step.normed_rows = rows_of(step, step.normed, hidden);
     step.gated_rows = rows_of(step, step.gated, inter);
     step.qkv = rows_of(step, carve(qkv_width), qkv_width);
@@ -604,7 +737,7 @@ class DecodeStack : public torch::CustomClassHolder {
     auto layers = [&] {
       for (size_t i = 0; i < layers_.size(); ++i)
         delta = decode_layer(i == 0 ? embedded : step.residual, delta, layers_[i],
-                             i + 1 < layers_.size() ? &layers_[i + 1] : nullptr, step, eps_, scale_, timer);
+                             i + 1 < layers_.size() ? &layers_[i + 1] : nullptr, step, timer);
     };
     // A step every part's own kernel takes holds torch's threads as one team for all its layers (team.h); a larger
     // step's products are oneDNN's, which fork their own
@@ -616,7 +749,7 @@ class DecodeStack : public torch::CustomClassHolder {
     // normalised)
     at::Tensor out = at::empty({rows, hidden}, options);
     norm_rows(step.residual, static_cast<const T*>(delta.data_ptr()), final_norm_, out.data_ptr<T>(), step.residual,
-              rows, hidden, eps_);
+              rows, hidden, eps_, unit_offset_);
     timer.mark(kFinalNorm);
     return out;
   }
@@ -624,8 +757,10 @@ class DecodeStack : public torch::CustomClassHolder {
   std::vector<LayerWeights> layers_;
   at::Tensor qkv_bias_;  // the layer being added's (undefined: none)
   bool finished_ = false;
-  at::Tensor embedding_, cos_table_, sin_table_, final_norm_;
-  int64_t num_heads_, intermediate_size_;
+  at::Tensor embedding_, cos_table_, sin_table_, final_norm_, local_cos_table_, local_sin_table_;
+  std::optional<float> embedding_scale_;  // the embedding's rows times this, rounded to its dtype (Gemma)
+  int64_t num_heads_, intermediate_size_, activation_;
+  bool unit_offset_;
   int64_t small_max_tokens_ = std::numeric_limits<int64_t>::max();  // the smallest of every part's small-step limit
   double eps_, scale_;
 };

@@ -66,11 +66,12 @@ inline void store16(at::BFloat16* p, __m512 v, __mmask16 m) {
 using llmserve::exp16;  // simd_exp.h
 #endif
 
-// One row of RMSNorm: out = w * x * rsqrt(mean(x^2) + eps); `sum_out`, when given, receives x itself
-// (the residual stream), x being `a + b` when `b` is given.
+// One row of RMSNorm: out = w * x * rsqrt(mean(x^2) + eps), with (1 + w) in float32 for `unit_offset` (Gemma's
+// norms: the scale stored less one); `sum_out`, when given, receives x itself (the residual stream), x being `a + b`
+// when `b` is given.
 template <typename T, typename W>
 LLMSERVE_ONE_BODY LLMSERVE_EXACT_MATH void rms_norm_row(const T* a, const T* b, const W* w, T* out, T* sum_out,
-                                                        int64_t n, float eps) {
+                                                        int64_t n, float eps, bool unit_offset = false) {
 #if defined(__AVX512F__)
   __m512 acc = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += kLanes) {
@@ -85,9 +86,11 @@ LLMSERVE_ONE_BODY LLMSERVE_EXACT_MATH void rms_norm_row(const T* a, const T* b, 
   }
   const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(n) + eps));
   const T* src = b != nullptr ? sum_out : a;
+  const __m512 one = _mm512_set1_ps(1.f);
   for (int64_t i = 0; i < n; i += kLanes) {
     const __mmask16 m = tail_mask(n - i);
-    store16(out + i, _mm512_mul_ps(load16(w + i, m), _mm512_mul_ps(load16(src + i, m), r)), m);
+    const __m512 scale = unit_offset ? _mm512_add_ps(load16(w + i, m), one) : load16(w + i, m);
+    store16(out + i, _mm512_mul_ps(scale, _mm512_mul_ps(load16(src + i, m), r)), m);
   }
 #else
   // eight running sums (one vector's lanes on AVX2): without fast-math one sum would be a serial chain
@@ -109,7 +112,10 @@ LLMSERVE_ONE_BODY LLMSERVE_EXACT_MATH void rms_norm_row(const T* a, const T* b, 
   for (float sum : sums) acc += sum;
   const float r = 1.f / std::sqrt(acc / static_cast<float>(n) + eps);
   const T* src = b != nullptr ? sum_out : a;
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(static_cast<float>(w[i]) * (static_cast<float>(src[i]) * r));
+  for (int64_t i = 0; i < n; ++i) {
+    const float scale = unit_offset ? static_cast<float>(w[i]) + 1.f : static_cast<float>(w[i]);
+    out[i] = static_cast<T>(scale * (static_cast<float>(src[i]) * r));
+  }
 #endif
 }
 
@@ -170,6 +176,42 @@ LLMSERVE_ONE_BODY void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64
         const float g = static_cast<float>(gate[i]);
         // e^-g clamped as above: under -ffast-math (no infinities assumed) a vectorized exp's inf made NaN
         o[i] = static_cast<T>(g / (1.f + std::exp(std::min(-g, 88.f))) * static_cast<float>(up[i]));
+      }
+#endif
+    }
+  });
+}
+
+// The tanh-approximated GELU gate (Gemma): out = T(T(gelu(gate)) * up), the activation rounded to the model's dtype
+// before the product as the reference's two ops round it. gelu(g) = g / 2 (1 + tanh(u)), u = sqrt(2 / pi) (g +
+// 0.044715 g^3), is g / (1 + e^(-2u)): SiLU's form on 2u, without tanh's cancellation near 0.
+template <typename T>
+LLMSERVE_ONE_BODY void gelu_tanh_and_mul_rows(const T* x, T* out, int64_t rows, int64_t n, int64_t ld) {
+  constexpr float kTwoBeta = 2.f * 0.7978845608028654f, kKappa = 0.044715f;
+  team::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T *gate = x + r * ld, *up = gate + n;
+      T* o = out + r * n;
+#if defined(__AVX512F__)
+      for (int64_t i = 0; i < n; i += kLanes) {
+        const __mmask16 m = tail_mask(n - i);
+        const __m512 g = load16(gate + i, m);
+        const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+        const __m512 two_u = _mm512_mul_ps(_mm512_set1_ps(kTwoBeta), _mm512_fmadd_ps(_mm512_set1_ps(kKappa), cube, g));
+        const __m512 neg = _mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), two_u), _mm512_set1_ps(88.f));  // no inf
+        const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(neg));
+        __m512 inv = _mm512_rcp14_ps(den);
+        inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.f)));
+        T rounded[kLanes];  // the activation in the model's dtype, as the reference holds it
+        store16(rounded, _mm512_mul_ps(g, inv), 0xFFFF);
+        store16(o + i, _mm512_mul_ps(load16(rounded, 0xFFFF), load16(up + i, m)), m);
+      }
+#else
+      for (int64_t i = 0; i < n; ++i) {
+        const float g = static_cast<float>(gate[i]);
+        const float two_u = kTwoBeta * (g + kKappa * g * g * g);
+        const T act = static_cast<T>(g / (1.f + std::exp(std::min(-two_u, 88.f))));
+        o[i] = static_cast<T>(static_cast<float>(act) * static_cast<float>(up[i]));
       }
 #endif
     }

@@ -22,10 +22,12 @@ def uninitialized_linear(in_features: int, out_features: int, bias: bool) -> nn.
 
 # the gate's activation, by `ModelConfig.activation`
 ACTIVATIONS = {"silu": nn.functional.silu, "gelu_tanh": lambda x: nn.functional.gelu(x, approximate="tanh")}
+# its native op over the fused gate/up rows (kernels/fused_elementwise.cpp), by name: the ops exist once loaded
+NATIVE_GATES = {"silu": "silu_and_mul", "gelu_tanh": "gelu_tanh_and_mul"}
 
 
 class GatedMLP(nn.Module):
-    """`native` (the build plan's, SiLU only): the gate on kernels/fused_elementwise.cpp in eager steps."""
+    """`native` (the build plan's): the gate on kernels/fused_elementwise.cpp in eager steps."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu",
                  native: bool = False) -> None:
@@ -38,14 +40,6 @@ class GatedMLP(nn.Module):
         self.act = ACTIVATIONS[activation]
         self.native = native
 
-    @property
-    def native(self) -> bool:
-        return self._native
-
-    @native.setter
-    def native(self, value: bool) -> None:
-        self._native = value and self.activation == "silu"  # the native kernel is SiLU's
-
     def source_rows(self, linear: str) -> list[int]:
         """The rows each checkpoint tensor gives one of these linears, in order (gate, up: the fused gate/up)."""
         return [self.intermediate_size] * 2 if linear == "gate_up_proj" else [self.down_proj.out_features]
@@ -53,8 +47,8 @@ class GatedMLP(nn.Module):
     def gated(self, x: torch.Tensor) -> torch.Tensor:
         """down_proj's input: act(gate) * up, [T, intermediate]."""
         gate_up = self.gate_up_proj(x)
-        if self._native and not torch.compiler.is_compiling():
-            return torch.ops.llmserve.silu_and_mul(gate_up)
+        if self.native and not torch.compiler.is_compiling():
+            return getattr(torch.ops.llmserve, NATIVE_GATES[self.activation])(gate_up)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.act(gate) * up
 

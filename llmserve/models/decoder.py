@@ -29,7 +29,7 @@ from llmserve.models.config import ModelConfig
 @dataclass(frozen=True)
 class LayerMethods:
     """How a decoder layer computes, chosen once by the build plan and held by every layer: the attention
-    backend, and whether eager steps run the norms, rotary and SwiGLU gate on llmserve's fused CPU kernels
+    backend, and whether eager steps run the norms, rotary and gate on llmserve's fused CPU kernels
     (kernels/fused_elementwise.cpp: ~5 ops a layer instead of ~25). Compiled code keeps PyTorch's ops,
     which Inductor fuses itself."""
 
@@ -49,8 +49,9 @@ class Attention(nn.Module):
         self.o_proj = uninitialized_linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, unit_offset=cfg.norm_unit_offset)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, unit_offset=cfg.norm_unit_offset)
+            native, offset = methods.native_elementwise, cfg.norm_unit_offset
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, native, offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, native, offset)
         self.scale = cfg.attention_scale
         self.window = cfg.window(layer)
         self.rope = int(cfg.local_rope(layer))  # which of the model's rotary tables: 1 the local one
@@ -129,12 +130,11 @@ class DecoderLayer(nn.Module):
 
 
 def use_native_elementwise(model: nn.Module, native: bool = True) -> None:
-    """Switch the layers' norms, rotary and gate (and the final norm) between the native kernels (the
-    caller has loaded them) and PyTorch's ops, where a kernel computes what the layer does (RMSNorm without a
-    unit offset, a SiLU gate). The build plan decides; benchmarks and tests switch."""
+    """Switch the layers' norms (query/key norms too), rotary and gate (and the final norm) between the native
+    kernels (the caller has loaded them) and PyTorch's ops. The build plan decides; benchmarks and tests switch."""
     for module in model.modules():
         if isinstance(module, RMSNorm):
-            module.native = native and not module.unit_offset
+            module.native = native
         elif isinstance(module, GatedMLP):
             module.native = native
         elif isinstance(module, Attention):

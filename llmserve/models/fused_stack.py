@@ -1,9 +1,10 @@
 """The model's body (embedding, decoder layers, final norm) as one native call for decode-only steps
 (kernels/decode_layer.cpp), built from a loaded model's layers.
 
-The native stack computes Llama's layer (RMSNorm, q/k/v with optional biases, rotary, full attention, a SiLU gate):
-a model whose description holds more (`ModelConfig.beyond_llama`) runs its decode steps layer by layer, and the
-build plan says why (`fused_stack_refusal`).
+The call interprets the model's description as the eager layers do: each field that differs from Llama's (norms
+scaling by 1 + w, query/key norms, sandwich norms, the gate's activation, scaled embeddings, sliding windows, the
+windowed layers' rotary table) is a named field of the stack or of a layer. Experts are not: a mixture-of-experts
+model decodes layer by layer, and the build plan says why (`fused_stack_refusal`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ from llmserve.quantization.weight_only import StackedLinear, WeightOnlyLinear
 
 def fused_stack_refusal(cfg: ModelConfig) -> str | None:
     """Why the one native call cannot run this model, or None where it can."""
-    extras = cfg.beyond_llama
-    return f"the one native call runs Llama-shaped layers; this model has {', '.join(extras)}" if extras else None
+    return "experts: the one native call runs dense layers" if cfg.moe is not None else None
 
 
 def fused_decode_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
@@ -28,8 +28,10 @@ def fused_decode_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, tor
     int4 or int8 weights (a `StackedLinear`'s parts each), their large-step products for steps past the small-step
     kernels (int8 x int8, or dense on the quantized values: build it after `prepack_linears`, and again once
     calibration gives the layers int8 weights), q/k/v biases, norms and KV caches (shared, not copied); it
-    computes as the layers do, bit for bit, at any decode step's size. Raises ValueError where a layer's weights
-    are not on the native kernels."""
+    computes as the layers do on the native elementwise kernels, bit for bit, at any decode step's size. Raises
+    ValueError where a layer's weights are not on the native kernels, or the model has experts."""
+    if refusal := fused_stack_refusal(model.config):
+        raise ValueError(f"the fused decode stack cannot run this model: {refusal}")
     layers = list(model.layers)
     linears = [lin for layer in layers for lin in (
         layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
@@ -39,10 +41,16 @@ def fused_decode_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, tor
                                                                  layer.mlp.down_proj)):
         raise ValueError("the fused decode stack takes a bias on q/k/v only")
     cfg = model.config
+    tensors = {"embedding": model.embed_tokens.weight, "cos_table": model.rotary.cos_cache,
+               "sin_table": model.rotary.signed_sin_cache, "final_norm": model.norm.weight}
+    if model.embed_scale is not None:
+        tensors["embedding_scale"] = model.embed_scale
+    if model.local_rotary is not None:
+        local = model.local_rotary
+        tensors.update(local_cos_table=local.cos_cache, local_sin_table=local.signed_sin_cache)
     stack = torch.classes.llmserve.DecodeStack(
-        {"embedding": model.embed_tokens.weight, "cos_table": model.rotary.cos_cache,
-         "sin_table": model.rotary.signed_sin_cache, "final_norm": model.norm.weight},
-        {"num_heads": cfg.num_heads, "intermediate_size": cfg.intermediate_size},
+        tensors, {"num_heads": cfg.num_heads, "intermediate_size": cfg.intermediate_size,
+                  "activation": _ACTIVATIONS[cfg.activation], "norm_unit_offset": int(cfg.norm_unit_offset)},
         {"eps": cfg.rms_norm_eps, "scale": layers[0].self_attn.scale})
     for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
@@ -50,7 +58,12 @@ def fused_decode_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, tor
                   "k_cache": k_cache, "v_cache": v_cache}
         if attn.qkv_proj.bias is not None:
             fields["qkv_bias"] = attn.qkv_proj.bias
-        stack.add_layer(fields)
+        if attn.q_norm is not None:
+            fields.update(q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight)
+        if layer.sandwich:
+            fields.update(pre_feedforward_norm=layer.pre_feedforward_layernorm.weight,
+                          post_feedforward_norm=layer.post_feedforward_layernorm.weight)
+        stack.add_layer(fields, {"window": attn.window, "rope": attn.rope})
         for name, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
                              ("down", mlp.down_proj)):
             for part in linear.parts if isinstance(linear, StackedLinear) else [linear]:
@@ -74,6 +87,8 @@ def _part_fields(part: WeightOnlyLinear) -> tuple[dict[str, torch.Tensor], dict[
 
 # a part's large-step product, as the stack names it (decode_layer.cpp, `LargeStepKind`)
 _LARGE_STEP_KINDS = {"dense": 0, "onednn": 1, "amx": 2}
+# the gate's activation (`ModelConfig.activation`), as the stack names it (decode_layer.cpp, `Activation`)
+_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
 
 def _large_step_tensors(part: WeightOnlyLinear) -> tuple[torch.Tensor | None, ...]:

@@ -2,38 +2,20 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.engine.build_plan import BuildPlan
 from llmserve.host import cpu_has_vnni
 from llmserve.kernels import native_quantized_kernels
 from llmserve.loader.default_models import PARTED_MODELS, installed_path
 from llmserve.models.fused_stack import fused_decode_stack
 from llmserve.quantization.weight_only import StackedLinear, WeightOnlyLinear
+from tests.greedy import assert_fused_equals_layer_by_layer
 
 QWEN = "qwen2.5-coder-0.5b"
 pytestmark = pytest.mark.skipif(not native_quantized_kernels(),
                                 reason="the native int4 kernels need AVX-512 VNNI or AVX2, which this CPU lacks")
-
-
-def _generate_recording_path(llm: LLM, prompts: list[list[int]], params: SamplingParams):
-    """Outputs, and for every decode-only step whether it ran on the fused stack."""
-    taken: list[bool] = []
-    decide = BuildPlan.step_route
-
-    def recording(plan, decode_only, num_tokens, has_graph):
-        route = decide(plan, decode_only, num_tokens, has_graph)
-        if decode_only:
-            taken.append(route == "fused")
-        return route
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(BuildPlan, "step_route", recording)
-        return llm.generate(prompts, params, use_tqdm=False), taken
 
 
 @pytest.mark.parametrize(("dtype", "kv_cache_dtype"), [("bfloat16", "auto"), ("float32", "auto"),
@@ -44,23 +26,8 @@ def test_fused_decode_equals_the_layer_by_layer_native_ops(dtype, kv_cache_dtype
               kv_cache_memory_gb=0.25, max_model_len=2048)
     runner = llm.engine.runner
     assert runner.fused_stack is not None and runner.plan.fused_decode_max_tokens == 16
-    _assert_fused_equals_layer_by_layer(llm, prompt_token_ids[:3], SamplingParams(
+    assert_fused_equals_layer_by_layer(llm, prompt_token_ids[:3], SamplingParams(
         temperature=0, max_tokens=12, ignore_eos=True, logprobs=5))
-
-
-def _assert_fused_equals_layer_by_layer(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> None:
-    fused, taken = _generate_recording_path(llm, prompts, params)
-    assert taken and all(taken)
-    # every step layer by layer, eagerly, on the same native kernels
-    runner = llm.engine.runner
-    runner.plan = dataclasses.replace(runner.plan, fused_decode_max_tokens=0)
-    layered, taken = _generate_recording_path(llm, prompts, params)
-    assert taken and not any(taken)
-    for a, b in zip(fused, layered, strict=True):
-        # the same kernels in the same order: the same bits, so the same log-probabilities to the last digit
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        assert a.outputs[0].logprobs == b.outputs[0].logprobs
-    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
 
 
 @pytest.mark.parametrize(("int8_activations", "dtype"), [pytest.param(True, "bfloat16", marks=pytest.mark.modes),
@@ -82,7 +49,7 @@ def test_larger_decode_steps_run_inside_the_one_call(int8_activations, dtype):
     recording = _RecordingStack(runner.fused_stack)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(runner, "fused_stack", recording)
-        _assert_fused_equals_layer_by_layer(llm, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+        assert_fused_equals_layer_by_layer(llm, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
                                                                           logprobs=3))
     assert max(call[0].shape[0] for call in recording.calls) == len(prompts)  # decode steps of 24 tokens
 
@@ -109,7 +76,7 @@ def test_qwen_fused_decode_equals_the_layer_by_layer_native_ops(method, q8):
     # the prompts' step is larger than the one call takes, so both runs compute it layer by layer (a smaller
     # one would run as decodes in the call, and its attention sums in another order than a prefill's)
     assert sum(map(len, prompts)) > runner.plan.fused_decode_max_tokens
-    _assert_fused_equals_layer_by_layer(llm, prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+    assert_fused_equals_layer_by_layer(llm, prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
                                                                       logprobs=3))
 
 
@@ -134,7 +101,7 @@ def test_rows_of_two_formats_run_inside_the_one_call(mixed_kquant_gguf, q8):
     assert runner.plan.fused_decode_max_tokens == (8 if q8 is False else 32)
     prompts = _code_prompts(llm, 10)
     assert sum(map(len, prompts)) > runner.plan.fused_decode_max_tokens  # the prompts' step: layer by layer
-    _assert_fused_equals_layer_by_layer(llm, prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+    assert_fused_equals_layer_by_layer(llm, prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
                                                                       logprobs=3))
 
 
@@ -155,11 +122,12 @@ def test_the_stack_refuses_mismatched_layers():
     # 9 heads and 3 KV heads of 64: q/k/v has 15 x 64 rows; hidden 16, intermediate 1536
     rows = {"qkv": 15 * 64, "o": 16, "gate_up": 2 * 1536, "down": 16}
 
-    def stack(model=None, layer=None, part=None, sizes=None, linears=None, finish=True):
+    def stack(model=None, layer=None, part=None, sizes=None, linears=None, finish=True, layer_sizes=None):
         made = torch.classes.llmserve.DecodeStack(
             {"embedding": torch.zeros(100, 16), "cos_table": table, "sin_table": table, "final_norm": norm,
              **(model or {})}, {"num_heads": 9, "intermediate_size": 1536}, {"eps": 1e-5, "scale": 0.125})
-        made.add_layer({"input_norm": norm, "post_norm": norm, "k_cache": cache, "v_cache": cache, **(layer or {})})
+        made.add_layer({"input_norm": norm, "post_norm": norm, "k_cache": cache, "v_cache": cache, **(layer or {})},
+                       layer_sizes or {})
         for name, count in (linears or rows).items():
             made.add_part(name, {"weight": norm, "large_weight": norm, **(part or {})},
                           {"rows": count, "activation_parts": 2, "small_max_tokens": 16, "large_kind": 0,
@@ -195,6 +163,32 @@ def test_the_stack_refuses_mismatched_layers():
         stack(model={"sin_table": torch.zeros(31, 64)})
     with pytest.raises(RuntimeError, match="final norm's weights"):
         stack(model={"final_norm": torch.zeros(15)})
+    # what other families add: each a named field, checked against the rest
+    head_norm = torch.zeros(64)
+    stack(model={"local_cos_table": table, "local_sin_table": table, "embedding_scale": torch.tensor(4.0)},
+          layer={"q_norm": head_norm, "k_norm": head_norm, "pre_feedforward_norm": norm,
+                 "post_feedforward_norm": norm}, layer_sizes={"window": 24, "rope": 1},
+          sizes=None)
+    with pytest.raises(RuntimeError, match="query and key norms or neither"):
+        stack(layer={"q_norm": head_norm})
+    with pytest.raises(RuntimeError, match="both sandwich norms or neither"):
+        stack(layer={"pre_feedforward_norm": norm})
+    with pytest.raises(RuntimeError, match="one contiguous weight per head feature"):
+        stack(layer={"q_norm": norm, "k_norm": norm})
+    with pytest.raises(RuntimeError, match="where a layer takes them"):
+        stack(layer_sizes={"rope": 1})
+    with pytest.raises(RuntimeError, match="where a layer takes them"):
+        stack(model={"local_cos_table": table, "local_sin_table": table})
+    with pytest.raises(RuntimeError, match="rope is 0"):
+        stack(layer_sizes={"rope": 2})
+    with pytest.raises(RuntimeError, match="unknown field 'windows'"):
+        stack(layer_sizes={"windows": 24})
+    with pytest.raises(RuntimeError, match="one value in the embedding's dtype"):
+        stack(model={"embedding_scale": torch.ones(2)})
+    with pytest.raises(RuntimeError, match="unknown activation 2"):
+        torch.classes.llmserve.DecodeStack({"embedding": torch.zeros(100, 16), "cos_table": table, "sin_table": table,
+                                            "final_norm": norm}, {"num_heads": 9, "intermediate_size": 1536,
+                                                                  "activation": 2}, {"eps": 1e-5, "scale": 0.125})
     unfinished = stack(finish=False)
     with pytest.raises(RuntimeError, match="not finished"):
         unfinished.run(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from llmserve import LLM
+from llmserve import LLM, SamplingParams
 from llmserve.evaluate.reference import quantized_reference, reference_greedy
-from tests.greedy import assert_greedy_equals
+from llmserve.kernels import native_quantized_kernels
+from tests.greedy import assert_fused_equals_layer_by_layer, assert_greedy_equals
 from tests.model_files import GEMMA3, GEMMA3_MARKS
 
 pytestmark = GEMMA3_MARKS
@@ -46,3 +47,13 @@ def test_gemma3_default_weights_equal_transformers_on_the_same_quantized_weights
     llm = LLM(GEMMA3, dtype="float32", quantization="int4+int8", kv_cache_memory_gb=0.25, max_model_len=1024)
     assert llm.engine.plan.weights == "int4+int8" and llm.engine.plan.fused_decode_max_tokens == 0
     assert_greedy_equals(llm, prompts[:3], expected)
+
+
+@pytest.mark.skipif(not native_quantized_kernels(), reason="the one native call needs the native int4 kernels")
+def test_gemma3_default_decodes_in_one_native_call_as_its_layers_do(prompts):
+    """The default configuration's decode steps as one native call (Gemma 3's norms, gate, embeddings, windows and
+    local rotary table as the stack's fields): its layer-by-layer forward's tokens and log-probabilities."""
+    llm = LLM(GEMMA3, kv_cache_memory_gb=0.25, max_model_len=1024, enable_prefix_caching=False)
+    assert llm.engine.runner.fused_stack is not None
+    assert_fused_equals_layer_by_layer(llm, prompts[:3], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                                        logprobs=3))
