@@ -15,15 +15,15 @@ units, `--top-k` a token) and a Llama of the same hidden size, layers and heads 
 width: the same active parameters per token. Each runs under `LLM(...)`'s defaults, bfloat16 "as loaded" (what
 `quantization="auto"` keeps for a dense checkpoint) and `quantization="int4"`, with two changes that say why:
 
-- speculation off: `auto` turns on n-gram prompt lookup only where the one-call decode stack runs (the dense model
-  under int4, never the MoE), and a random model's greedy output repeats itself, so its proposals would be
-  accepted at a rate no real model sees. `--speculation auto` leaves the default.
+- speculation off: `auto` turns on n-gram prompt lookup where the one-call decode stack runs (both models under
+  int4), and a random model's greedy output repeats itself, so its proposals would be accepted at a rate no real
+  model sees. `--speculation auto` leaves the default.
 - a small KV cache (`--kv-cache-gb`): the engines of the run live in one process, and a step's time does not depend
   on the pool's size once the requests fit.
 
-Under int4 the dense model is also run with the one-call stack off ("dense, layer by layer", the same engine with
-its plan's one-call route switched off), the way every MoE step runs: the gap between it and the dense default is
-the one-call stack's, the gap between it and the MoE the experts'.
+Under int4 each model is also run with the one-call stack off ("layer by layer", the same engine with its plan's
+one-call route switched off): the gap between the two is the one-call stack's, the gap between the models the
+experts'.
 
 Per concurrency c, c requests (distinct fixed short prompts, so their tokens route apart) generate `--output-len`
 tokens each, greedy with `ignore_eos`; decode tokens/s over the steps after every request has its first token. A
@@ -74,7 +74,8 @@ PROMPTS = [
     "Honey bees communicate by dancing, which",
 ]
 QUANTIZATIONS = {"auto": "as loaded (bf16)", "int4": "int4"}
-MODEL_LABELS = {"moe": "MoE", "dense": "dense", "dense-layered": "dense, layer by layer"}
+MODEL_LABELS = {"moe": "MoE", "moe-layered": "MoE, layer by layer", "dense": "dense",
+                "dense-layered": "dense, layer by layer"}
 
 
 def build(kind: str, args: argparse.Namespace, folder: Path, tokenizer) -> dict[str, Any]:
@@ -208,7 +209,8 @@ def measure(variants: dict[tuple[str, str], tuple[LLM, Any]], prompts: list[list
             output_len: int, rounds: int) -> tuple[dict, dict]:
     """Per (quantization, c, model): each round's decode tokens/s and the other work during it, after a warm-up
     run; MoE and dense alternate within each (quantization, c). Also the experts a MoE layer runs per decode step,
-    per (quantization, c), counted in the warm-up."""
+    per (quantization, c), counted in the warm-up of a layer-by-layer MoE run (the one call has no Python router to
+    hook)."""
     runs: dict[str, dict[str, dict[str, list[dict[str, float | None]]]]] = {}
     experts_run: dict[str, dict[str, float | None]] = {}
     order = [(q, c, m) for q in QUANTIZATIONS for c in levels for m in MODEL_LABELS if (q, m) in variants]
@@ -217,7 +219,8 @@ def measure(variants: dict[tuple[str, str], tuple[LLM, Any]], prompts: list[list
         for q, c, m in order:
             llm, plan = variants[(q, m)]
             set_one_call(llm, plan)
-            counter = ExpertCount(llm, c) if r < 0 and m == "moe" else None
+            counted = "moe-layered" if (q, "moe-layered") in variants else "moe"
+            counter = ExpertCount(llm, c) if r < 0 and m == counted else None
             with OtherWork() as other:
                 rate, steps = decode_run(llm, prompts[:c], output_len, f"{q}-{c}-{m}-{r}")
             if counter is not None:
@@ -255,6 +258,8 @@ def summarize(runs: dict, experts_run: dict, quiet_below: float) -> list[dict[st
             if "dense-layered" in med:
                 row["moe_over_dense_layered"] = med["moe"] / med["dense-layered"]
                 row["dense_layered_over_dense"] = med["dense-layered"] / med["dense"]
+            if "moe-layered" in med:
+                row["moe_over_moe_layered"] = med["moe"] / med["moe-layered"]
             rows.append(row)
     return rows
 
@@ -284,13 +289,14 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{_mb(info['bytes']['int4']) if 'int4' in info['bytes'] else '-'} | "
                      f"{' / '.join(_mb(step_bytes(info, q, a['top_k'])) for q in a['quantizations'])} |")
     lines += ["", "Decode tokens/s (all requests together):", "",
-              "| weights | c | MoE | dense | **MoE / dense** (quiet rounds) | dense, layer by layer "
-              "| MoE / dense layer by layer | experts a MoE layer runs a step | MoE step reads | quiet runs |",
+              "| weights | c | MoE | dense | **MoE / dense** (quiet rounds) | MoE, layer by layer "
+              "| dense, layer by layer | experts a MoE layer runs a step | MoE step reads | quiet runs |",
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for row in result["rows"]:
         q, c = row["quantization"], str(row["concurrency"])
-        layered, runs = row.get("dense-layered_tok_s"), row["experts_run_per_layer"]
-        layered_cells = f"{layered:.1f} | {row['moe_over_dense_layered']:.2f}" if layered else "- | -"
+        runs = row["experts_run_per_layer"]
+        layered_cells = " | ".join(f"{row[f'{m}-layered_tok_s']:.1f}" if f"{m}-layered_tok_s" in row else "-"
+                                   for m in ("moe", "dense"))
         runs_cell = f"{runs:.2f} of {a['experts']}" if runs else "-"
         quiet_cell = ", ".join(f"{MODEL_LABELS[m]} {n}/{a['rounds']}" for m, n in row["quiet_runs"].items())
         paired = row["moe_over_dense_quiet_rounds"]
@@ -301,10 +307,9 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{_mb(step_bytes(models['moe'], q, runs or a['top_k']))} "
                      f"(dense {_mb(step_bytes(models['dense'], q, 0))}) | "
                      f"{quiet_cell} |")
-    lines += ["", "Decode steps of the MoE run layer by layer (the one-call stack runs Llama-shaped dense layers "
-              "only); "
-              "the dense model's int4 steps run as one native call unless \"layer by layer\". A step reads each "
-              "expert any of its tokens picked.", "", f"```\n{result['command']}\n```"]
+    lines += ["", "Under int4 both models' decode steps run as one native call, unless \"layer by layer\" (the same "
+              "engine with its plan's one-call route off). A step reads each expert any of its tokens picked.", "",
+              f"```\n{result['command']}\n```"]
     return "\n".join(lines) + "\n"
 
 
@@ -393,10 +398,10 @@ def main(argv: list[str] | None = None) -> int:
                     info["bytes"][q], info["expert_bytes"][q] = info["bytes_as_loaded"], 2 * info["params_experts"]
                 else:
                     info["bytes"][q], info["expert_bytes"][q] = quantized_bytes(llm)
-                if kind == "dense" and plan.fused_decode_max_tokens:
-                    # the same engine, its plan's one-call route off: the dense model's steps run as every MoE
-                    # step does (set before each of its runs, and the default plan back before the dense runs)
-                    variants[(q, "dense-layered")] = (llm, dataclasses.replace(plan, fused_decode_max_tokens=0))
+                if plan.fused_decode_max_tokens:
+                    # the same engine, its plan's one-call route off (set before each of its runs, and the default
+                    # plan back before the default's runs)
+                    variants[(q, f"{kind}-layered")] = (llm, dataclasses.replace(plan, fused_decode_max_tokens=0))
         print(f"decode: {args.output_len} tokens a request, c in {args.concurrency}, {args.rounds} rounds",
               flush=True)
         runs, experts_run = measure(variants, prompts, args.concurrency, args.output_len, args.rounds)

@@ -29,7 +29,6 @@ from llmserve.kv_cache.kv_cache_spec import KVCacheSpec
 from llmserve.layers.attention import ATTENTION_BACKENDS, choose_attention
 from llmserve.loader.default_models import registered_draft
 from llmserve.models.config import ModelConfig
-from llmserve.models.fused_stack import fused_stack_refusal
 from llmserve.quantization.methods import LINEAR_METHODS, MIXED_METHODS, methods_of, small_step_tokens
 from llmserve.quantization.weight_only import AMX_MIN_TOKENS, Q8_MAX_TOKENS, small_step_cap
 
@@ -341,12 +340,10 @@ def _decode_route(config: EngineConfig, model: ModelConfig, device: str, weights
         reasons["decode steps"] = "experts: eager (which experts run, and on how many rows, is known only at run time)"
     elif mc.compile:
         compile_mode = CompileMode.GRAPH if attention == "native" else CompileMode.LAYERS
-    # q/k/v biases (Qwen2) and int8 linears (a K-quant mix's) run inside the one call too, which takes steps as
-    # large as every method's small-step kernel does (int8's: 8 tokens with ~16-bit inputs, int4's with Q8_0 ones)
-    refusal = fused_stack_refusal(model)
-    if refusal and weights != "as loaded":
-        reasons["decode steps"] = refusal
-    fused = (refusal is None and tp == 1 and weights != "as loaded" and products.small == Kernels.NATIVE
+    # every family's layers (experts too) and int8 linears (a K-quant mix's) run inside the one call, which takes
+    # steps as large as every method's small-step kernel does (int8's: 8 tokens with ~16-bit inputs, int4's with
+    # Q8_0 ones)
+    fused = (tp == 1 and weights != "as loaded" and products.small == Kernels.NATIVE
              and elementwise == Kernels.NATIVE and attention == "native"
              and all(int4_packs(*shape) for shape in _linear_shapes(model)))
     fused_max = (min(small_step_cap(m, products.small_max, products.activation_parts) for m in methods_of(weights))
@@ -570,7 +567,11 @@ def _num_kv_blocks(config: EngineConfig, spec: KVCacheSpec, max_model_len: int, 
 
 
 def _linear_shapes(model: ModelConfig) -> list[tuple[int, int]]:
-    """(out, in) of a decoder layer's fused linears: q/k/v, o, gate/up, down."""
-    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
-    return [(q + 2 * kv, model.hidden_size), (model.hidden_size, q), (2 * model.intermediate_size, model.hidden_size),
-            (model.hidden_size, model.intermediate_size)]
+    """(out, in) of the decoder layers' fused linears: q/k/v, o, and each gated MLP's gate/up and down (the dense
+    one's, an expert's, a shared expert's)."""
+    q, kv, hidden = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim, model.hidden_size
+    mlps = [model.intermediate_size]
+    if model.moe is not None:
+        mlps += [model.moe.expert_intermediate_size, model.moe.shared_expert_intermediate_size]
+    return [(q + 2 * kv, hidden), (hidden, q)] + [shape for size in mlps if size
+                                                  for shape in ((2 * size, hidden), (hidden, size))]

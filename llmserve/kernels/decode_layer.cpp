@@ -19,8 +19,8 @@
 // names them from the model's description): norms that scale by 1 + w (Gemma), a norm over each query and key head
 // before rotary (Qwen3, Gemma 3), sandwich norms (Gemma 3: the attention's and the MLP's outputs normed before their
 // residual adds, the MLP's input by a norm of its own), a tanh-GELU gate, scaled embeddings, a sliding window per
-// layer (Mistral, Phi-3, Gemma 3's local layers) and a second rotary table for windowed layers (Gemma 3). Experts
-// are not here: a mixture-of-experts model decodes layer by layer.
+// layer (Mistral, Phi-3, Gemma 3's local layers) and a second rotary table for windowed layers (Gemma 3); and
+// experts in place of the MLP (Mixtral, Qwen2-MoE: `Experts`, the eager block's ops in its order).
 //
 // Each linear is int4 or int8 (a K-quant mix such as Q4_K_M: int4 where the file is 4-bit, int8 where it holds
 // more bits, Q6_K's in its 6-bit layout), or runs of rows of each (a `StackedLinear`: Q4_K q/k beside a Q6_K v),
@@ -209,6 +209,44 @@ Tensor view_of(const Tensor& base, int64_t offset, at::IntArrayRef sizes, at::In
                        base.options());
 }
 
+// the gated MLP's activation, as models/fused_stack.py names it
+enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
+
+// act(gate) * up over `rows` rows of a fused gate/up product (`ld` apart), into `out` [rows, n]
+template <typename T>
+void gate_rows(int64_t activation, const T* gate_up, T* out, int64_t rows, int64_t n, int64_t ld) {
+  if (activation == kGeluTanh)
+    llmserve::elementwise::gelu_tanh_and_mul_rows(gate_up, out, rows, n, ld);
+  else
+    llmserve::elementwise::silu_and_mul_rows(gate_up, out, rows, n, ld);
+}
+
+// One expert (or a shared expert): a gated MLP on the rows routed to it, each product into a tensor of its own
+// (an expert's rows are a step's few, not worth carving buffers for)
+struct ExpertMlp {
+  Linear gate_up, down;
+
+  template <typename T>
+  at::Tensor run(const at::Tensor& x, int64_t activation) const {
+    const int64_t rows = x.size(0), inter = gate_up.out_features() / 2;
+    at::Tensor product = at::empty({rows, 2 * inter}, x.options());
+    const at::Tensor both = gate_up(x, product);
+    at::Tensor gated = at::empty({rows, inter}, x.options());
+    gate_rows<T>(activation, static_cast<const T*>(both.data_ptr()), gated.data_ptr<T>(), rows, inter, 2 * inter);
+    at::Tensor out = at::empty({rows, down.out_features()}, x.options());
+    return down(gated, out);
+  }
+};
+
+// A mixture of experts in place of the MLP (layers/moe.py's `SparseMoE`): the router and the shared expert's gate in
+// the model's dtype, the experts' linears as any layer's
+struct Experts {
+  at::Tensor router;  // [experts, hidden] (undefined: a dense layer)
+  at::Tensor shared_gate;  // [1, hidden] (undefined: no shared expert)
+  std::vector<ExpertMlp> experts;
+  ExpertMlp shared;
+};
+
 // caches [blocks, kv_heads, block_size, head_dim], written at a step's `slots` (one per token and KV head, as
 // write_kv)
 struct LayerWeights {
@@ -219,14 +257,14 @@ struct LayerWeights {
   // the norm after attention: the MLP's input's, or (sandwich norms, `pre_feedforward_norm` defined) the attention
   // output's, before its residual add; then `post_feedforward_norm` of the MLP's output
   at::Tensor post_norm, pre_feedforward_norm, post_feedforward_norm;
-  Linear gate_up, down;
+  Linear gate_up, down;  // the dense MLP (no parts: experts)
+  Experts moe;
   at::Tensor k_cache, v_cache;
   int64_t window = 0;  // sliding window in tokens, 0: the whole context
   int64_t rope = 0;  // which rotary table: 0 the model's, 1 the windowed layers' own
-};
 
-// the gated MLP's activation, as models/fused_stack.py names it
-enum Activation : int64_t { kSilu = 0, kGeluTanh = 1 };
+  bool sparse() const { return moe.router.defined(); }
+};
 
 // A layer's pieces, in the order it runs them: where a step's time goes, per piece, is what `run_timed` reports
 // (benchmarks/bandwidth_ceiling.py), to say what holds a small model's step back from its memory-bandwidth floor.
@@ -263,6 +301,8 @@ struct Step {
   double eps, scale;  // the norms' epsilon, the attention's scale
   bool unit_offset;  // norms scale by 1 + w
   int64_t activation;  // an `Activation`
+  int64_t top_k;  // experts a token takes
+  bool normalize_top_k;  // their weights renormalized to sum to 1
   std::array<const T*, 2> cos, sin;  // [tokens, head_dim] of each rotary table (a layer's `rope` picks)
   const int64_t* slots;  // [tokens * num_kv_heads]
   bool plain_slots;  // the caches hold the model's dtype: the K/V write is a copy per slot
@@ -306,6 +346,37 @@ inline void prefetch_tensor(const at::Tensor& t) {
 template <typename T>
 Tensor rows_of(const Step<T>& step, T* data, int64_t width) {
   return at::from_blob(data, {step.tokens, width}, step.buffers.options());
+}
+
+// The experts' block on the normed rows `h`, as `SparseMoE.forward` computes it, through the same ops in the same
+// order (so the same bits): the router's softmax in float32, the top k (renormalized where the family does), the
+// (token, choice) pairs grouped by expert with one stable sort, each expert picked run once on its rows and its
+// weighted output added into theirs in expert order, then the shared expert through its sigmoid gate.
+template <typename T>
+at::Tensor experts_block(const Experts& m, const at::Tensor& h, const Step<T>& step) {
+  const at::Tensor probs = at::softmax(at::linear(h, m.router).to(at::kFloat), -1);
+  auto [weights, chosen] = at::topk(probs, step.top_k, -1);
+  if (step.normalize_top_k) weights = weights / weights.sum(-1, /*keepdim=*/true);
+  weights = weights.to(h.scalar_type());
+  const at::Tensor flat = chosen.flatten();
+  const at::Tensor order = at::argsort(flat, /*stable=*/true, 0, /*descending=*/false);
+  const at::Tensor counts = at::bincount(flat, {}, static_cast<int64_t>(m.experts.size())).contiguous();
+  const at::Tensor tokens = at::floor_divide(order, step.top_k);
+  const at::Tensor picked = weights.flatten().index_select(0, order);
+  at::Tensor out = at::zeros_like(h);
+  const int64_t* count = counts.data_ptr<int64_t>();
+  int64_t start = 0;
+  for (size_t e = 0; e < m.experts.size(); ++e) {
+    const int64_t n = count[e];
+    if (n == 0) continue;
+    const at::Tensor rows = tokens.narrow(0, start, n);
+    const at::Tensor y = m.experts[e].run<T>(h.index_select(0, rows), step.activation);
+    out.index_add_(0, rows, y * picked.narrow(0, start, n).unsqueeze(1));
+    start += n;
+  }
+  if (m.shared_gate.defined())
+    out = out + at::sigmoid(at::linear(h, m.shared_gate)) * m.shared.run<T>(h, step.activation);
+  return out;
 }
 
 // One layer. `x`: the residual stream so far (the step's `residual` buffer, or the embedded tokens for the first
@@ -377,19 +448,20 @@ Tensor decode_layer(const T* x, const Tensor& delta, LayerWeights& w, const Laye
     norm_rows(x, o_data, w.post_norm, step.normed, step.residual, tokens, hidden, eps, offset);
   }
   timer.mark(kPostNorm);
-  const at::Tensor gate_up = w.gate_up(step.normed_rows, step.gate_up);
-  timer.mark(kGateUp);
-  const T* gate_up_data = static_cast<const T*>(gate_up.data_ptr());
-  if (step.activation == kGeluTanh)
-    llmserve::elementwise::gelu_tanh_and_mul_rows(gate_up_data, step.gated, tokens, step.intermediate,
-                                                  2 * step.intermediate);
-  else
-    llmserve::elementwise::silu_and_mul_rows(gate_up_data, step.gated, tokens, step.intermediate,
-                                             2 * step.intermediate);
-  timer.mark(kGate);
-  if (next != nullptr) prefetch_tensor(next->input_norm);
-  at::Tensor down = w.down(step.gated_rows, step.down);
-  timer.mark(kDown);
+  at::Tensor down;
+  if (w.sparse()) {
+    down = experts_block(w.moe, step.normed_rows, step);
+    timer.mark(kDown);  // (the router, the experts' products and gates, and their sums, all timed as "down")
+  } else {
+    const at::Tensor gate_up = w.gate_up(step.normed_rows, step.gate_up);
+    timer.mark(kGateUp);
+    gate_rows<T>(step.activation, static_cast<const T*>(gate_up.data_ptr()), step.gated, tokens, step.intermediate,
+                 2 * step.intermediate);
+    timer.mark(kGate);
+    if (next != nullptr) prefetch_tensor(next->input_norm);
+    down = w.down(step.gated_rows, step.down);
+    timer.mark(kDown);
+  }
   if (w.post_feedforward_norm.defined()) {  // sandwich: the MLP's output normed before the next layer adds it
     norm_rows<T>(static_cast<const T*>(down.data_ptr()), nullptr, w.post_feedforward_norm, step.block_out, nullptr,
                  tokens, hidden, eps, offset);
@@ -446,11 +518,13 @@ class DecodeStack : public torch::CustomClassHolder {
         local_sin_table_(optional_field(model, "local_sin_table")),
         num_heads_(field(sizes, "num_heads", "model")), intermediate_size_(field(sizes, "intermediate_size", "model")),
         activation_(optional_size(sizes, "activation", kSilu)),
+        top_k_(optional_size(sizes, "top_k", 0)), normalize_top_k_(optional_size(sizes, "normalize_top_k", 0) != 0),
         unit_offset_(optional_size(sizes, "norm_unit_offset", 0) != 0),
         eps_(field(numbers, "eps", "model")), scale_(field(numbers, "scale", "model")) {
     check_fields(model, {"embedding", "cos_table", "sin_table", "final_norm", "embedding_scale", "local_cos_table",
                          "local_sin_table"}, "model");
-    check_fields(sizes, {"num_heads", "intermediate_size", "activation", "norm_unit_offset"}, "model");
+    check_fields(sizes, {"num_heads", "intermediate_size", "activation", "norm_unit_offset", "top_k",
+                         "normalize_top_k"}, "model");
     check_fields(numbers, {"eps", "scale"}, "model");
     TORCH_CHECK(activation_ == kSilu || activation_ == kGeluTanh, "DecodeStack: unknown activation ", activation_);
     const at::Tensor embedding_scale = optional_field(model, "embedding_scale");
@@ -462,13 +536,14 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   // A new layer (the one before it is checked): input_norm, post_norm, k_cache, v_cache; where the layer has them,
-  // qkv_bias, q_norm and k_norm, pre_feedforward_norm and post_feedforward_norm; sizes: `window` (0 or none: the
-  // whole context) and `rope` (1: the windowed layers' table)
+  // qkv_bias, q_norm and k_norm, pre_feedforward_norm and post_feedforward_norm, the experts' `router` and the
+  // `shared_expert_gate`; sizes: `window` (0 or none: the whole context) and `rope` (1: the windowed layers' table)
   void add_layer(c10::Dict<std::string, at::Tensor> fields, c10::Dict<std::string, int64_t> sizes) {
     TORCH_CHECK(!finished_, "DecodeStack.add_layer: the stack is finished");
     if (!layers_.empty()) check_layer(layers_.back());
     check_fields(fields, {"input_norm", "post_norm", "k_cache", "v_cache", "qkv_bias", "q_norm", "k_norm",
-                          "pre_feedforward_norm", "post_feedforward_norm"}, "add_layer");
+                          "pre_feedforward_norm", "post_feedforward_norm", "router", "shared_expert_gate"},
+                 "add_layer");
     check_fields(sizes, {"window", "rope"}, "add_layer");
     LayerWeights layer;
     layer.input_norm = field(fields, "input_norm", "add_layer");
@@ -479,6 +554,8 @@ class DecodeStack : public torch::CustomClassHolder {
     layer.k_norm = optional_field(fields, "k_norm");
     layer.pre_feedforward_norm = optional_field(fields, "pre_feedforward_norm");
     layer.post_feedforward_norm = optional_field(fields, "post_feedforward_norm");
+    layer.moe.router = optional_field(fields, "router");
+    layer.moe.shared_gate = optional_field(fields, "shared_expert_gate");
     layer.window = optional_size(sizes, "window", 0);
     layer.rope = optional_size(sizes, "rope", 0);
     TORCH_CHECK(layer.window >= 0, "DecodeStack.add_layer: a window is 0 (none) or a number of tokens");
@@ -488,16 +565,28 @@ class DecodeStack : public torch::CustomClassHolder {
     layers_.push_back(std::move(layer));
   }
 
-  // The next run of rows of the current layer's `linear` (qkv, o, gate_up or down)
+  // The next run of rows of the current layer's `linear`: qkv, o, and the dense MLP's gate_up and down, or an
+  // expert's (expert_gate_up, expert_down, with the `expert`'s index in sizes: the next expert's or the last one's)
+  // and the shared expert's (shared_gate_up, shared_down)
   void add_part(const std::string& linear, c10::Dict<std::string, at::Tensor> tensors,
                 c10::Dict<std::string, int64_t> sizes) {
     TORCH_CHECK(!finished_ && !layers_.empty(), "DecodeStack.add_part: a part belongs to a layer (add_layer first)");
     check_fields(tensors, {"weight", "scales", "smooth_inv", "large_weight", "large_scales", "large_extra"},
                  "add_part");
-    check_fields(sizes, {"rows", "activation_parts", "small_max_tokens", "large_kind"}, "add_part");
+    check_fields(sizes, {"rows", "activation_parts", "small_max_tokens", "large_kind", "expert"}, "add_part");
     LayerWeights& layer = layers_.back();
     Linear* target = linear == "qkv" ? &layer.qkv : linear == "o" ? &layer.o : linear == "gate_up" ? &layer.gate_up
-                     : linear == "down" ? &layer.down : nullptr;
+                     : linear == "down" ? &layer.down : linear == "shared_gate_up" ? &layer.moe.shared.gate_up
+                     : linear == "shared_down" ? &layer.moe.shared.down : nullptr;
+    if (linear == "expert_gate_up" || linear == "expert_down") {
+      auto& experts = layer.moe.experts;
+      const int64_t expert = field(sizes, "expert", "add_part");
+      TORCH_CHECK(expert == static_cast<int64_t>(experts.size()) - 1 ||
+                      (expert == static_cast<int64_t>(experts.size()) && linear == "expert_gate_up"),
+                  "DecodeStack.add_part: experts come in order, each its gate_up parts, then its down parts");
+      if (expert == static_cast<int64_t>(experts.size())) experts.emplace_back();
+      target = linear == "expert_gate_up" ? &experts.back().gate_up : &experts.back().down;
+    }
     TORCH_CHECK(target != nullptr, "DecodeStack.add_part: unknown linear '", linear, "'");
     const int64_t kind = field(sizes, "large_kind", "add_part"), rows = field(sizes, "rows", "add_part");
     TORCH_CHECK(kind == kDense || kind == kOneDnn || kind == kAmx, "DecodeStack: unknown large step ", kind);
@@ -546,6 +635,9 @@ class DecodeStack : public torch::CustomClassHolder {
                            local_sin_table_.scalar_type() == cos_table_.scalar_type() &&
                            local_sin_table_.is_contiguous()),
                 "DecodeStack: the windowed layers' rotary tables are like the model's");
+    sparse_ = std::any_of(layers_.begin(), layers_.end(), [](const LayerWeights& l) { return l.sparse(); });
+    TORCH_CHECK(!sparse_ || (top_k_ >= 1 && top_k_ <= layers_[0].moe.router.size(0)),
+                "DecodeStack: a model with experts needs top_k, from 1 to its experts");
     finished_ = true;
   }
 
@@ -574,9 +666,12 @@ class DecodeStack : public torch::CustomClassHolder {
   // A layer's caches, norms and linears against the first layer's and the model's sizes
   void check_layer(const LayerWeights& layer) const {
     const LayerWeights& first = layers_[0];
+    const bool sparse = layer.sparse();
     for (const Linear* linear : {&layer.qkv, &layer.o, &layer.gate_up, &layer.down})
-      TORCH_CHECK(!linear->parts.empty(), "DecodeStack: each layer has four linears (qkv, o, gate_up, down) of one "
-                  "part or more");
+      TORCH_CHECK(!linear->parts.empty() || (sparse && (linear == &layer.gate_up || linear == &layer.down)),
+                  "DecodeStack: each layer has four linears (qkv, o, gate_up, down) of one part or more, or experts "
+                  "in place of gate_up and down");
+    if (sparse) check_experts(layer);
     TORCH_CHECK(layer.k_cache.dim() == 4 && layer.k_cache.sizes() == layer.v_cache.sizes() &&
                     layer.k_cache.is_contiguous() && layer.v_cache.is_contiguous(),
                 "DecodeStack: caches must be contiguous [blocks, kv_heads, block_size, head_dim]");
@@ -592,8 +687,9 @@ class DecodeStack : public torch::CustomClassHolder {
                   "DecodeStack: norm weights must be contiguous float32 or bfloat16, one per feature, alike");
     const int64_t hidden = layer.input_norm.numel(), head_dim = llmserve::attention::cache_head_dim(layer.k_cache);
     TORCH_CHECK(layer.qkv.out_features() == (num_heads_ + 2 * layer.k_cache.size(1)) * head_dim &&
-                    layer.o.out_features() == hidden && layer.gate_up.out_features() == 2 * intermediate_size_ &&
-                    layer.down.out_features() == hidden,
+                    layer.o.out_features() == hidden &&
+                    (sparse || (layer.gate_up.out_features() == 2 * intermediate_size_ &&
+                                layer.down.out_features() == hidden)),
                 "DecodeStack: a linear's parts must add up to its rows");
     TORCH_CHECK(!layer.qkv.parts[0].bias.defined() || layer.qkv.out_features() == qkv_bias_.numel(),
                 "DecodeStack: a q/k/v bias has one value per row");
@@ -611,6 +707,33 @@ class DecodeStack : public torch::CustomClassHolder {
       TORCH_CHECK(!norm->defined() || (norm->is_contiguous() && norm->numel() == head_dim &&
                                        norm->scalar_type() == first.input_norm.scalar_type()),
                   "DecodeStack: a query or key norm has one contiguous weight per head feature, like the layer's norms");
+  }
+
+  // A layer's experts: no dense MLP beside them, one expert a router row, each a gated MLP to the hidden size; a
+  // shared expert with its gate or neither
+  void check_experts(const LayerWeights& layer) const {
+    const Experts& moe = layer.moe;
+    const int64_t hidden = layer.input_norm.numel();
+    TORCH_CHECK(layer.gate_up.parts.empty() && layer.down.parts.empty(),
+                "DecodeStack: a layer has a dense MLP or experts, not both");
+    TORCH_CHECK(moe.router.dim() == 2 && moe.router.size(1) == hidden && moe.router.is_contiguous() &&
+                    moe.router.scalar_type() == embedding_.scalar_type() &&
+                    moe.router.size(0) == static_cast<int64_t>(moe.experts.size()),
+                "DecodeStack: the router is contiguous [experts, hidden] in the model's dtype, a row per expert given");
+    auto check_mlp = [&](const ExpertMlp& mlp) {
+      TORCH_CHECK(!mlp.gate_up.parts.empty() && !mlp.down.parts.empty() && mlp.gate_up.out_features() % 2 == 0 &&
+                      mlp.down.out_features() == hidden,
+                  "DecodeStack: an expert is a gate/up product of even rows and a down product to the hidden size");
+    };
+    for (const ExpertMlp& expert : moe.experts) check_mlp(expert);
+    const bool shared = !moe.shared.gate_up.parts.empty() || !moe.shared.down.parts.empty();
+    TORCH_CHECK(shared == moe.shared_gate.defined(), "DecodeStack: a shared expert comes with its gate, or neither");
+    if (shared) {
+      check_mlp(moe.shared);
+      TORCH_CHECK(moe.shared_gate.dim() == 2 && moe.shared_gate.size(0) == 1 && moe.shared_gate.size(1) == hidden &&
+                      moe.shared_gate.scalar_type() == embedding_.scalar_type(),
+                  "DecodeStack: the shared expert's gate is [1, hidden] in the model's dtype");
+    }
   }
 
   template <typename Timer>
@@ -648,6 +771,8 @@ class DecodeStack : public torch::CustomClassHolder {
     step.scale = scale_;
     step.unit_offset = unit_offset_;
     step.activation = activation_;
+    step.top_k = top_k_;
+    step.normalize_top_k = normalize_top_k_;
     // the slots, checked once for every layer's K/V write (as write_kv checks them)
     const at::Tensor slots = slots_in.contiguous();
     TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == step.tokens * step.num_kv_heads,
@@ -740,8 +865,8 @@ class DecodeStack : public torch::CustomClassHolder {
                              i + 1 < layers_.size() ? &layers_[i + 1] : nullptr, step, timer);
     };
     // A step every part's own kernel takes holds torch's threads as one team for all its layers (team.h); a larger
-    // step's products are oneDNN's, which fork their own
-    if (tokens <= small_max_tokens_)
+    // step's products are oneDNN's, and experts' routing ATen's, which fork their own
+    if (tokens <= small_max_tokens_ && !sparse_)
       llmserve::team::with_team(layers);
     else
       layers();
@@ -759,8 +884,9 @@ class DecodeStack : public torch::CustomClassHolder {
   bool finished_ = false;
   at::Tensor embedding_, cos_table_, sin_table_, final_norm_, local_cos_table_, local_sin_table_;
   std::optional<float> embedding_scale_;  // the embedding's rows times this, rounded to its dtype (Gemma)
-  int64_t num_heads_, intermediate_size_, activation_;
-  bool unit_offset_;
+  int64_t num_heads_, intermediate_size_, activation_, top_k_;
+  bool normalize_top_k_, unit_offset_;
+  bool sparse_ = false;  // a layer has experts
   int64_t small_max_tokens_ = std::numeric_limits<int64_t>::max();  // the smallest of every part's small-step limit
   double eps_, scale_;
 };

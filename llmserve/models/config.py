@@ -2,9 +2,9 @@
 
 One description serves every path that runs a model (the eager forward, the one-call native decode stack,
 calibration, tensor parallelism, the planner): each reads the fields it needs, and a path that cannot run a
-field's value says so (`models/fused_stack.py`'s `fused_stack_refusal`, the build plan) instead of computing
-something else. A family (`models/families.py`) is how one Hugging Face architecture's config and tensor names
-map onto this description; the fields' defaults are Llama's.
+field's value says so (AWQ's experts, the build plan) instead of computing something else. A family
+(`models/families.py`) is how one Hugging Face architecture's config and tensor names map onto this description;
+the fields' defaults are Llama's.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 
 The call interprets the model's description as the eager layers do: each field that differs from Llama's (norms
 scaling by 1 + w, query/key norms, sandwich norms, the gate's activation, scaled embeddings, sliding windows, the
-windowed layers' rotary table) is a named field of the stack or of a layer. Experts are not: a mixture-of-experts
-model decodes layer by layer, and the build plan says why (`fused_stack_refusal`).
+windowed layers' rotary table, experts with their router and a shared expert) is a named field of the stack or of
+a layer.
 """
 
 from __future__ import annotations
@@ -12,13 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from llmserve.models.config import ModelConfig
+from llmserve.layers.moe import SparseMoE
 from llmserve.quantization.weight_only import StackedLinear, WeightOnlyLinear
-
-
-def fused_stack_refusal(cfg: ModelConfig) -> str | None:
-    """Why the one native call cannot run this model, or None where it can."""
-    return "experts: the one native call runs dense layers" if cfg.moe is not None else None
 
 
 def fused_decode_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
@@ -27,20 +22,20 @@ def fused_decode_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, tor
     (docs/performance.md, "The one-call decode step"). Built from the embedding, the rotary tables, the layers' native
     int4 or int8 weights (a `StackedLinear`'s parts each), their large-step products for steps past the small-step
     kernels (int8 x int8, or dense on the quantized values: build it after `prepack_linears`, and again once
-    calibration gives the layers int8 weights), q/k/v biases, norms and KV caches (shared, not copied); it
+    calibration gives the layers int8 weights), q/k/v biases, norms, routers and KV caches (shared, not copied); it
     computes as the layers do on the native elementwise kernels, bit for bit, at any decode step's size. Raises
-    ValueError where a layer's weights are not on the native kernels, or the model has experts."""
-    if refusal := fused_stack_refusal(model.config):
-        raise ValueError(f"the fused decode stack cannot run this model: {refusal}")
+    ValueError where a layer's weights are not on the native kernels."""
     layers = list(model.layers)
-    linears = [lin for layer in layers for lin in (
-        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-    if not all(isinstance(lin, WeightOnlyLinear | StackedLinear) and lin.native for lin in linears):
+    named = [named for layer in layers for named in _linears(layer)]
+    if not all(isinstance(lin, WeightOnlyLinear | StackedLinear) and lin.native for _, lin, _ in named):
         raise ValueError("the fused decode stack needs every decoder linear on the native int4 or int8 kernels")
-    if any(lin.bias is not None for layer in layers for lin in (layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                                                                 layer.mlp.down_proj)):
+    if any(lin.bias is not None for name, lin, _ in named if name != "qkv"):
         raise ValueError("the fused decode stack takes a bias on q/k/v only")
     cfg = model.config
+    sizes = {"num_heads": cfg.num_heads, "intermediate_size": cfg.intermediate_size,
+             "activation": _ACTIVATIONS[cfg.activation], "norm_unit_offset": int(cfg.norm_unit_offset)}
+    if cfg.moe is not None:
+        sizes.update(top_k=cfg.moe.top_k, normalize_top_k=int(cfg.moe.normalize_top_k))
     tensors = {"embedding": model.embed_tokens.weight, "cos_table": model.rotary.cos_cache,
                "sin_table": model.rotary.signed_sin_cache, "final_norm": model.norm.weight}
     if model.embed_scale is not None:
@@ -48,10 +43,8 @@ def fused_decode_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, tor
     if model.local_rotary is not None:
         local = model.local_rotary
         tensors.update(local_cos_table=local.cos_cache, local_sin_table=local.signed_sin_cache)
-    stack = torch.classes.llmserve.DecodeStack(
-        tensors, {"num_heads": cfg.num_heads, "intermediate_size": cfg.intermediate_size,
-                  "activation": _ACTIVATIONS[cfg.activation], "norm_unit_offset": int(cfg.norm_unit_offset)},
-        {"eps": cfg.rms_norm_eps, "scale": layers[0].self_attn.scale})
+    stack = torch.classes.llmserve.DecodeStack(tensors, sizes,
+                                               {"eps": cfg.rms_norm_eps, "scale": layers[0].self_attn.scale})
     for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
         attn, mlp = layer.self_attn, layer.mlp
         fields = {"input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
@@ -63,13 +56,33 @@ def fused_decode_stack(model: nn.Module, kv_caches: list[tuple[torch.Tensor, tor
         if layer.sandwich:
             fields.update(pre_feedforward_norm=layer.pre_feedforward_layernorm.weight,
                           post_feedforward_norm=layer.post_feedforward_layernorm.weight)
+        if isinstance(mlp, SparseMoE):
+            fields["router"] = mlp.gate.weight
+            if mlp.shared_expert is not None:
+                fields["shared_expert_gate"] = mlp.shared_expert_gate.weight
         stack.add_layer(fields, {"window": attn.window, "rope": attn.rope})
-        for name, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
-                             ("down", mlp.down_proj)):
+        for name, linear, extra in _linears(layer):
             for part in linear.parts if isinstance(linear, StackedLinear) else [linear]:
-                stack.add_part(name, *_part_fields(part))
+                tensors, part_sizes = _part_fields(part)
+                stack.add_part(name, tensors, {**part_sizes, **extra})
     stack.finish()
     return stack
+
+
+def _linears(layer: nn.Module) -> list[tuple[str, nn.Module, dict[str, int]]]:
+    """A layer's linears in the order the stack takes them, each with its name there (decode_layer.cpp, `add_part`)
+    and what else it says of it (an expert's index)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = [("qkv", attn.qkv_proj, {}), ("o", attn.o_proj, {})]
+    if not isinstance(mlp, SparseMoE):
+        return [*linears, ("gate_up", mlp.gate_up_proj, {}), ("down", mlp.down_proj, {})]
+    for index, expert in enumerate(mlp.experts):
+        linears += [("expert_gate_up", expert.gate_up_proj, {"expert": index}),
+                    ("expert_down", expert.down_proj, {"expert": index})]
+    if mlp.shared_expert is not None:
+        linears += [("shared_gate_up", mlp.shared_expert.gate_up_proj, {}),
+                    ("shared_down", mlp.shared_expert.down_proj, {})]
+    return linears
 
 
 def _part_fields(part: WeightOnlyLinear) -> tuple[dict[str, torch.Tensor], dict[str, int]]:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from llmserve.kernels import native_quantized_kernels
+
 pytestmark = pytest.mark.benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -159,8 +161,8 @@ def test_device_throughput(tmp_path: Path) -> None:
 
 
 def test_moe_decode(tmp_path: Path) -> None:
-    """A tiny Mixtral and the dense Llama of its active size, built here, alternated as loaded and under int4 (the
-    dense one also layer by layer); the experts a step runs are counted."""
+    """A tiny Mixtral and the dense Llama of its active size, built here, alternated as loaded and under int4 (each
+    also layer by layer); the experts a step runs are counted."""
     run("moe_decode.py", "--hidden", "64", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--experts", "4",
         "--expert-intermediate", "32", "--output-len", "4", "--concurrency", "1", "2", "--rounds", "1",
         "--out-dir", str(tmp_path))
@@ -171,6 +173,8 @@ def test_moe_decode(tmp_path: Path) -> None:
     assert doc["rows"][0]["experts_run_per_layer"] == 2  # top-2 of one token
     moe, dense = doc["models"]["moe"], doc["models"]["dense"]
     assert moe["params_active"] == dense["params_active"] + 2 * 4 * 64  # the same, but for the routers' rows
-    assert moe["plans"]["int4"]["decode_steps"] == "layer by layer"
+    if native_quantized_kernels():  # both models' int4 decode steps as one native call, and each layer by layer
+        assert moe["plans"]["int4"]["decode_steps"] == dense["plans"]["int4"]["decode_steps"] == "one native call"
+        assert doc["rows"][2]["moe-layered_tok_s"] > 0 and doc["rows"][2]["dense-layered_tok_s"] > 0
     assert "| int4 | 1 |" in (tmp_path / "decode.md").read_text()
     assert (tmp_path / "decode.png").read_bytes()[:4] == b"\x89PNG"

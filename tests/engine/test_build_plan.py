@@ -244,13 +244,21 @@ GEMMA_SHAPED = dataclasses.replace(SMOLLM, architecture="Gemma3ForCausalLM", nor
                                    layer_windows=(512, 0) * 15, local_rope_theta=10_000.0)
 
 
-def test_a_family_past_llamas_shape_runs_layer_by_layer_and_says_why():
-    """The one native decode call computes Llama's layer: a Gemma-shaped model's decode steps run layer by layer
-    (so no automatic speculation either), and the plan names what the model has beyond Llama's shape."""
+def test_every_family_decodes_in_one_native_call_where_its_linears_pack():
+    """The one native decode call interprets the model's description: a Gemma-shaped model and a mixture of experts
+    take it as Llama's shape does; experts whose rows the int4 kernel cannot pack keep every decode step layer by
+    layer."""
+    llama_shaped = _plan(_formats("Q4_K")).fused_decode_max_tokens  # (0 on a CPU without the native kernels)
     plan = resolve_plan(engine_config(kv_cache_memory_gb=0.01), GEMMA_SHAPED, _formats("Q4_K"))
-    assert plan.weights == "int4" and plan.fused_decode_max_tokens == 0 and plan.speculative is None
-    assert "sliding-window attention" in plan.reasons["decode steps"] and "query/key norms" in plan.describe()
-    assert _plan(_formats("Q4_K")).fused_decode_max_tokens  # where the Llama shape has it
+    assert plan.weights == "int4" and plan.fused_decode_max_tokens == llama_shaped
+    moe = dataclasses.replace(SMOLLM, architecture="MixtralForCausalLM",
+                              moe=MoEConfig(num_experts=8, top_k=2, expert_intermediate_size=1536,
+                                            normalize_top_k=True))
+    plan = resolve_plan(engine_config(kv_cache_memory_gb=0.01), moe, _formats("Q4_K"))
+    assert plan.fused_decode_max_tokens == llama_shaped
+    unpacked = dataclasses.replace(moe, moe=dataclasses.replace(moe.moe, expert_intermediate_size=1544))
+    plan = resolve_plan(engine_config(kv_cache_memory_gb=0.01), unpacked, _formats("Q4_K"))
+    assert plan.fused_decode_max_tokens == 0
 
 
 def test_calibrations_run_every_dense_family_and_awq_refuses_experts():

@@ -185,6 +185,26 @@ def test_the_stack_refuses_mismatched_layers():
         stack(layer_sizes={"windows": 24})
     with pytest.raises(RuntimeError, match="one value in the embedding's dtype"):
         stack(model={"embedding_scale": torch.ones(2)})
+    # experts in place of gate_up and down: a router row each, in order, and a top k
+    router = torch.zeros(2, 16)
+    expert_rows = {"qkv": rows["qkv"], "o": 16}
+
+    def with_experts(layer=None, expert_order=(0, 0, 1, 1)):
+        made = stack(layer={"router": router, **(layer or {})}, linears=expert_rows, finish=False)
+        for index, name in zip(expert_order, ("expert_gate_up", "expert_down") * 2, strict=True):
+            made.add_part(name, {"weight": norm, "large_weight": norm},
+                          {"rows": 64 if name == "expert_gate_up" else 16, "activation_parts": 2,
+                           "small_max_tokens": 16, "large_kind": 0, "expert": index})
+        made.finish()
+
+    with pytest.raises(RuntimeError, match="needs top_k"):  # (a model size; the families' tests build real ones)
+        with_experts()
+    with pytest.raises(RuntimeError, match="experts come in order"):
+        with_experts(expert_order=(0, 0, 2, 2))
+    with pytest.raises(RuntimeError, match="a row per expert"):
+        with_experts(layer={"router": torch.zeros(3, 16)})
+    with pytest.raises(RuntimeError, match="a shared expert comes with its gate"):
+        with_experts(layer={"shared_expert_gate": torch.zeros(1, 16)})
     with pytest.raises(RuntimeError, match="unknown activation 2"):
         torch.classes.llmserve.DecodeStack({"embedding": torch.zeros(100, 16), "cos_table": table, "sin_table": table,
                                             "final_norm": norm}, {"num_heads": 9, "intermediate_size": 1536,

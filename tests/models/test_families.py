@@ -17,7 +17,6 @@ from llmserve.evaluate.reference import reference_greedy
 from llmserve.kernels import native_quantized_kernels
 from llmserve.kv_cache.key_smoothing import cannot_smooth
 from llmserve.loader import build_model, load_checkpoint
-from llmserve.models.fused_stack import fused_decode_stack
 from tests.greedy import assert_fused_equals_layer_by_layer, assert_greedy_equals
 
 VOCAB = 49152  # the default model's tokenizer is reused, so the vocabulary matches it
@@ -46,7 +45,7 @@ def _tiny_configs() -> dict[str, transformers.PretrainedConfig]:
         "mixtral": transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
                                               tie_word_embeddings=False),
         "qwen2-moe": transformers.Qwen2MoeConfig(
-            **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+            **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
             shared_expert_intermediate_size=96, norm_topk_prob=False, mlp_only_layers=[1], tie_word_embeddings=False),
     }
 
@@ -143,17 +142,15 @@ def test_chunked_prefill_and_prefix_cache_hits_match_transformers(checkpoints):
     assert llm.engine.kv_cache.stats.hits > hits
 
 
-DENSE = [kind for kind in FAMILIES if kind not in ("mixtral", "qwen2-moe")]
-
-
 @pytest.mark.skipif(not native_quantized_kernels(), reason="the one native call needs the native int4 kernels")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("kind", DENSE)
+@pytest.mark.parametrize("kind", FAMILIES)
 def test_the_one_native_call_computes_what_the_layers_do(kind, dtype, checkpoints):
-    """Decode steps as one native call (kernels/decode_layer.cpp), built from each dense family's description
-    (Gemma 3's unit-offset, query/key and sandwich norms, tanh-GELU gate, scaled embeddings, local rotary table and
-    windows; Qwen3's query/key norms; Mistral's and Phi-3's windows; Qwen2's biases; Llama 3's scaled rotary table),
-    give the layer-by-layer forward's tokens and log-probabilities to the last bit, past the windows."""
+    """Decode steps as one native call (kernels/decode_layer.cpp), built from each family's description (Gemma 3's
+    unit-offset, query/key and sandwich norms, tanh-GELU gate, scaled embeddings, local rotary table and windows;
+    Qwen3's query/key norms; Mistral's and Phi-3's windows; Qwen2's biases; Llama 3's scaled rotary table; Mixtral's
+    experts, Qwen2-MoE's shared expert and dense layer), give the layer-by-layer forward's tokens and
+    log-probabilities to the last bit, past the windows."""
     path, _, _ = checkpoints(kind)
     # (prefix caching off: the second run would prefill after cached blocks, which rounds otherwise than a whole
     # prompt does)
@@ -162,16 +159,6 @@ def test_the_one_native_call_computes_what_the_layers_do(kind, dtype, checkpoint
     assert llm.engine.runner.fused_stack is not None and llm.engine.plan.fused_decode_max_tokens > 0
     assert_fused_equals_layer_by_layer(llm, checkpoints.prompts, SamplingParams(
         temperature=0, max_tokens=32, ignore_eos=True, logprobs=3))
-
-
-def test_experts_decode_layer_by_layer_and_the_plan_says_why(checkpoints):
-    path, _, _ = checkpoints("mixtral")
-    llm = LLM(path, dtype="bfloat16", quantization="int4", kernels="native", kv_cache_memory_gb=0.05)
-    assert llm.engine.runner.fused_stack is None and llm.engine.plan.fused_decode_max_tokens == 0
-    if native_quantized_kernels():
-        assert "experts" in llm.engine.plan.reasons["decode steps"]
-    with pytest.raises(ValueError, match="experts"):
-        fused_decode_stack(llm.engine.runner.model, llm.engine.runner.kv_caches)
 
 
 def test_qwen2_biases_are_not_vacuous(checkpoints):
