@@ -501,10 +501,11 @@ void check_fields(const c10::Dict<std::string, V>& fields, std::initializer_list
 // The decoder layers, built once from the model's tensors (shared, not copied) and its KV caches, so a step is one
 // call with the step's own tensors only. Built by name, as the model describes itself (models/fused_stack.py): the
 // model's own fields (its embedding, rotary tables and final norm; where it has them, `embedding_scale`, the windowed
-// layers' `local_cos_table` and `local_sin_table`, `activation` and `norm_unit_offset`), then each layer
-// (`add_layer`: its norms, caches, and where it has them its q/k/v bias, query/key norms, sandwich norms, `window`
-// and `rope` table) and its four linears' parts (`add_part`, in row order: one, or a `StackedLinear`'s), then
-// `finish`, which checks the last layer and the whole. A part names its small-step weight (`weight`, with `scales` for int8; int4 has none), its
+// layers' `local_cos_table` and `local_sin_table`, `activation`, `norm_unit_offset`, and the experts' `top_k` and
+// `normalize_top_k`), then each layer (`add_layer`: its norms, caches, and where it has them its q/k/v bias,
+// query/key norms, sandwich norms, router, `window` and `rope` table) and its linears' parts (`add_part`, in row
+// order: one, or a `StackedLinear`'s; an expert's after the one before it), then `finish`, which checks the last
+// layer and the whole. A part names its small-step weight (`weight`, with `scales` for int8; int4 has none), its
 // large-step product (`large_kind`, a `LargeStepKind`, reading `large_weight` and, where its kind does,
 // `smooth_inv`, `large_scales` and `large_extra`), `rows`, `activation_parts` and `small_max_tokens`, the largest
 // step its small-step kernel takes.
@@ -635,8 +636,9 @@ class DecodeStack : public torch::CustomClassHolder {
                            local_sin_table_.scalar_type() == cos_table_.scalar_type() &&
                            local_sin_table_.is_contiguous()),
                 "DecodeStack: the windowed layers' rotary tables are like the model's");
-    sparse_ = std::any_of(layers_.begin(), layers_.end(), [](const LayerWeights& l) { return l.sparse(); });
-    TORCH_CHECK(!sparse_ || (top_k_ >= 1 && top_k_ <= layers_[0].moe.router.size(0)),
+    const auto sparse = std::find_if(layers_.begin(), layers_.end(), [](const LayerWeights& l) { return l.sparse(); });
+    sparse_ = sparse != layers_.end();
+    TORCH_CHECK(!sparse_ || (top_k_ >= 1 && top_k_ <= sparse->moe.router.size(0)),
                 "DecodeStack: a model with experts needs top_k, from 1 to its experts");
     finished_ = true;
   }
@@ -706,7 +708,8 @@ class DecodeStack : public torch::CustomClassHolder {
     for (const at::Tensor* norm : {&layer.q_norm, &layer.k_norm})
       TORCH_CHECK(!norm->defined() || (norm->is_contiguous() && norm->numel() == head_dim &&
                                        norm->scalar_type() == first.input_norm.scalar_type()),
-                  "DecodeStack: a query or key norm has one contiguous weight per head feature, like the layer's norms");
+                  "DecodeStack: a query or key norm has one contiguous weight per head feature, like the layer's "
+                  "norms");
   }
 
   // A layer's experts: no dense MLP beside them, one expert a router row, each a gated MLP to the hidden size; a
