@@ -64,6 +64,16 @@ inline void store16(at::BFloat16* p, __m512 v, __mmask16 m) {
 }
 
 using llmserve::exp16;  // simd_exp.h
+
+// x / (1 + e^-z) (SiLU: z = x; GELU's tanh form: z = 2u), the division as a reciprocal estimate and one Newton step
+// (~1 ulp): a 512-bit division has 16-cycle throughput, which bound the whole gate
+inline __m512 over_one_plus_exp_neg(__m512 x, __m512 z) {
+  const __m512 neg = _mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), z), _mm512_set1_ps(88.f));  // no inf
+  const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(neg));
+  __m512 inv = _mm512_rcp14_ps(den);
+  inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.f)));
+  return _mm512_mul_ps(x, inv);
+}
 #endif
 
 // One row of RMSNorm: out = w * x * rsqrt(mean(x^2) + eps), with (1 + w) in float32 for `unit_offset` (Gemma's
@@ -162,14 +172,7 @@ LLMSERVE_ONE_BODY void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64
       for (int64_t i = 0; i < n; i += kLanes) {
         const __mmask16 m = tail_mask(n - i);
         const __m512 g = load16(gate + i, m);
-        // g / (1 + e^-g), the division as a reciprocal estimate and one Newton step (~1 ulp): a 512-bit
-        // division has 16-cycle throughput, which bound the whole op
-        const __m512 neg = _mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(88.f));  // no inf
-        const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(neg));
-        __m512 inv = _mm512_rcp14_ps(den);
-        inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.f)));
-        const __m512 silu = _mm512_mul_ps(g, inv);
-        store16(o + i, _mm512_mul_ps(silu, load16(up + i, m)), m);
+        store16(o + i, _mm512_mul_ps(over_one_plus_exp_neg(g, g), load16(up + i, m)), m);
       }
 #else
       for (int64_t i = 0; i < n; ++i) {
@@ -198,12 +201,8 @@ LLMSERVE_ONE_BODY void gelu_tanh_and_mul_rows(const T* x, T* out, int64_t rows, 
         const __m512 g = load16(gate + i, m);
         const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
         const __m512 two_u = _mm512_mul_ps(_mm512_set1_ps(kTwoBeta), _mm512_fmadd_ps(_mm512_set1_ps(kKappa), cube, g));
-        const __m512 neg = _mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), two_u), _mm512_set1_ps(88.f));  // no inf
-        const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.f), exp16(neg));
-        __m512 inv = _mm512_rcp14_ps(den);
-        inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.f)));
         T rounded[kLanes];  // the activation in the model's dtype, as the reference holds it
-        store16(rounded, _mm512_mul_ps(g, inv), 0xFFFF);
+        store16(rounded, over_one_plus_exp_neg(g, two_u), 0xFFFF);
         store16(o + i, _mm512_mul_ps(load16(rounded, 0xFFFF), load16(up + i, m)), m);
       }
 #else
