@@ -360,7 +360,7 @@ at::Tensor experts_block(const Experts& m, const at::Tensor& h, const Step<T>& s
   weights = weights.to(h.scalar_type());
   const at::Tensor flat = chosen.flatten();
   const at::Tensor order = at::argsort(flat, /*stable=*/true, 0, /*descending=*/false);
-  const at::Tensor counts = at::bincount(flat, {}, static_cast<int64_t>(m.experts.size())).contiguous();
+  const at::Tensor counts = at::bincount(flat, {}, static_cast<int64_t>(m.experts.size()));
   const at::Tensor tokens = at::floor_divide(order, step.top_k);
   const at::Tensor picked = weights.flatten().index_select(0, order);
   at::Tensor out = at::zeros_like(h);
@@ -795,12 +795,12 @@ class DecodeStack : public torch::CustomClassHolder {
     const int64_t qkv_width = qk_width + step.num_kv_heads * head_dim;
     // each buffer on a cache line of its own (64 bytes: 16 float32 or 32 bfloat16), in the order they are carved;
     // a buffer the model does not need is 0 wide
-    const bool local = local_cos_table_.defined(), qk_norms = first.q_norm.defined();
-    const bool sandwich = first.pre_feedforward_norm.defined();
-    const std::array<int64_t, 16> widths = {hidden, head_dim, head_dim, local ? head_dim : 0, local ? head_dim : 0,
-                                            hidden, hidden, qk_width, inter, qk_norms ? qk_width : 0,
-                                            sandwich ? hidden : 0, qkv_width, attended_width, hidden, 2 * inter,
-                                            hidden};
+    const bool local = local_cos_table_.defined();
+    const int64_t local_width = local ? head_dim : 0, qk_normed_width = first.q_norm.defined() ? qk_width : 0;
+    const int64_t block_out_width = first.pre_feedforward_norm.defined() ? hidden : 0;
+    const std::array<int64_t, 16> widths = {hidden, head_dim, head_dim, local_width, local_width, hidden, hidden,
+                                            qk_width, inter, qk_normed_width, block_out_width, qkv_width,
+                                            attended_width, hidden, 2 * inter, hidden};
     const int64_t line = 64 / static_cast<int64_t>(sizeof(T));
     int64_t total = 0;
     for (int64_t width : widths) total += (rows * width + line - 1) / line * line;
@@ -828,16 +828,12 @@ class DecodeStack : public torch::CustomClassHolder {
       else
         copy(cos_table.data_ptr<T>(), sin_table.data_ptr<T>());
     };
-    for (int table_index = 0; table_index < 2; ++table_index) {
-      T* const cos = carve(widths[1 + 2 * table_index]);
-      T* const sin = carve(widths[2 + 2 * table_index]);
-      if (table_index == 0)
-        rotary_rows_of(cos_table_, sin_table_, cos, sin);
-      else if (local)
-        rotary_rows_of(local_cos_table_, local_sin_table_, cos, sin);
-      step.cos[table_index] = cos;
-      step.sin[table_index] = sin;
-    }
+    T *const cos = carve(head_dim), *const sin = carve(head_dim);
+    T *const local_cos = carve(local_width), *const local_sin = carve(local_width);
+    rotary_rows_of(cos_table_, sin_table_, cos, sin);
+    if (local) rotary_rows_of(local_cos_table_, local_sin_table_, local_cos, local_sin);
+    step.cos = {cos, local_cos};
+    step.sin = {sin, local_sin};
     for (int64_t t = 0; t < rows; ++t)
       std::memcpy(embedded + t * hidden, table + ids[t] * hidden, hidden * sizeof(T));
     if (embedding_scale_)  // as the eager `x * scale` in the model's dtype rounds
@@ -847,8 +843,8 @@ class DecodeStack : public torch::CustomClassHolder {
     step.normed = carve(hidden);
     step.qk = carve(qk_width);
     step.gated = carve(inter);
-    step.qk_normed = carve(widths[9]);
-    step.block_out = carve(widths[10]);
+    step.qk_normed = carve(qk_normed_width);
+    step.block_out = carve(block_out_width);
     step.normed_rows = rows_of(step, step.normed, hidden);
     step.gated_rows = rows_of(step, step.gated, inter);
     step.qkv = rows_of(step, carve(qkv_width), qkv_width);

@@ -65,7 +65,7 @@ inline void store16(at::BFloat16* p, __m512 v, __mmask16 m) {
 
 using llmserve::exp16;  // simd_exp.h
 
-// x / (1 + e^-z) (SiLU: z = x; GELU's tanh form: z = 2u), the division as a reciprocal estimate and one Newton step
+// x / (1 + e^-z) (SiLU: z = x; GELU's tanh form: z = 2u, `GeluTanh`), the division as a reciprocal estimate and one Newton step
 // (~1 ulp): a 512-bit division has 16-cycle throughput, which bound the whole gate
 inline __m512 over_one_plus_exp_neg(__m512 x, __m512 z) {
   const __m512 neg = _mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), z), _mm512_set1_ps(88.f));  // no inf
@@ -162,8 +162,39 @@ LLMSERVE_ONE_BODY void rotary_rows(const T* x, const T* cos, const T* sin, T* ou
   });
 }
 
-template <typename T>
-LLMSERVE_ONE_BODY void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t n, int64_t ld) {
+// The gates' activations, each in float32 on 16 lanes (AVX-512) or one value: `kRoundActivation`, the activation
+// rounded to the model's dtype before the product, as a reference that runs it as an op of its own does.
+struct Silu {  // g / (1 + e^-g), kept in float32 up to the product
+  static constexpr bool kRoundActivation = false;
+#if defined(__AVX512F__)
+  static __m512 vector(__m512 g) { return over_one_plus_exp_neg(g, g); }
+#endif
+  // e^-g clamped as the vector's: under -ffast-math (no infinities assumed) a vectorized exp's inf made NaN
+  static float scalar(float g) { return g / (1.f + std::exp(std::min(-g, 88.f))); }
+};
+
+// The tanh-approximated GELU (Gemma), rounded before the product as the reference's two ops round it.
+// gelu(g) = g / 2 (1 + tanh(u)), u = sqrt(2 / pi) (g + 0.044715 g^3), is g / (1 + e^(-2u)): SiLU's form on 2u,
+// without tanh's cancellation near 0.
+struct GeluTanh {
+  static constexpr bool kRoundActivation = true;
+  static constexpr float kTwoBeta = 2.f * 0.7978845608028654f, kKappa = 0.044715f;
+#if defined(__AVX512F__)
+  static __m512 vector(__m512 g) {
+    const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+    return over_one_plus_exp_neg(
+        g, _mm512_mul_ps(_mm512_set1_ps(kTwoBeta), _mm512_fmadd_ps(_mm512_set1_ps(kKappa), cube, g)));
+  }
+#endif
+  static float scalar(float g) {
+    const float two_u = kTwoBeta * (g + kKappa * g * g * g);
+    return g / (1.f + std::exp(std::min(-two_u, 88.f)));
+  }
+};
+
+// act(gate) * up over `rows` rows of the fused gate/up product (`ld` apart), into `out` [rows, n]
+template <typename Act, typename T>
+inline void gate_and_mul_rows(const T* x, T* out, int64_t rows, int64_t n, int64_t ld) {
   team::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T *gate = x + r * ld, *up = gate + n;
@@ -171,50 +202,33 @@ LLMSERVE_ONE_BODY void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64
 #if defined(__AVX512F__)
       for (int64_t i = 0; i < n; i += kLanes) {
         const __mmask16 m = tail_mask(n - i);
-        const __m512 g = load16(gate + i, m);
-        store16(o + i, _mm512_mul_ps(over_one_plus_exp_neg(g, g), load16(up + i, m)), m);
+        __m512 act = Act::vector(load16(gate + i, m));
+        if constexpr (Act::kRoundActivation) {
+          T rounded[kLanes];
+          store16(rounded, act, 0xFFFF);
+          act = load16(rounded, 0xFFFF);
+        }
+        store16(o + i, _mm512_mul_ps(act, load16(up + i, m)), m);
       }
 #else
       for (int64_t i = 0; i < n; ++i) {
-        const float g = static_cast<float>(gate[i]);
-        // e^-g clamped as above: under -ffast-math (no infinities assumed) a vectorized exp's inf made NaN
-        o[i] = static_cast<T>(g / (1.f + std::exp(std::min(-g, 88.f))) * static_cast<float>(up[i]));
+        float act = Act::scalar(static_cast<float>(gate[i]));
+        if constexpr (Act::kRoundActivation) act = static_cast<float>(static_cast<T>(act));
+        o[i] = static_cast<T>(act * static_cast<float>(up[i]));
       }
 #endif
     }
   });
 }
 
-// The tanh-approximated GELU gate (Gemma): out = T(T(gelu(gate)) * up), the activation rounded to the model's dtype
-// before the product as the reference's two ops round it. gelu(g) = g / 2 (1 + tanh(u)), u = sqrt(2 / pi) (g +
-// 0.044715 g^3), is g / (1 + e^(-2u)): SiLU's form on 2u, without tanh's cancellation near 0.
+template <typename T>
+LLMSERVE_ONE_BODY void silu_and_mul_rows(const T* x, T* out, int64_t rows, int64_t n, int64_t ld) {
+  gate_and_mul_rows<Silu>(x, out, rows, n, ld);
+}
+
 template <typename T>
 LLMSERVE_ONE_BODY void gelu_tanh_and_mul_rows(const T* x, T* out, int64_t rows, int64_t n, int64_t ld) {
-  constexpr float kTwoBeta = 2.f * 0.7978845608028654f, kKappa = 0.044715f;
-  team::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T *gate = x + r * ld, *up = gate + n;
-      T* o = out + r * n;
-#if defined(__AVX512F__)
-      for (int64_t i = 0; i < n; i += kLanes) {
-        const __mmask16 m = tail_mask(n - i);
-        const __m512 g = load16(gate + i, m);
-        const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
-        const __m512 two_u = _mm512_mul_ps(_mm512_set1_ps(kTwoBeta), _mm512_fmadd_ps(_mm512_set1_ps(kKappa), cube, g));
-        T rounded[kLanes];  // the activation in the model's dtype, as the reference holds it
-        store16(rounded, over_one_plus_exp_neg(g, two_u), 0xFFFF);
-        store16(o + i, _mm512_mul_ps(load16(rounded, 0xFFFF), load16(up + i, m)), m);
-      }
-#else
-      for (int64_t i = 0; i < n; ++i) {
-        const float g = static_cast<float>(gate[i]);
-        const float two_u = kTwoBeta * (g + kKappa * g * g * g);
-        const T act = static_cast<T>(g / (1.f + std::exp(std::min(-two_u, 88.f))));
-        o[i] = static_cast<T>(static_cast<float>(act) * static_cast<float>(up[i]));
-      }
-#endif
-    }
-  });
+  gate_and_mul_rows<GeluTanh>(x, out, rows, n, ld);
 }
 
 // out[r, :] = T(y[r, :] * scales[r]): an int8 product's float32 sums times each token's activation scale, rounded
