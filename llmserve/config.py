@@ -23,6 +23,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # scales (quantization/awq.py)
 QUANTIZATION_METHODS = (*LINEAR_METHODS, *MIXED_METHODS, "awq")
 KERNEL_CHOICES = ("auto", "native", "torch")
+LARGE_STEP_CHOICES = ("auto", "quantized", "int8", "dense")
 # KV cache formats (vLLM's names): the model dtype, or 1-byte values with a float32 scale per token and
 # KV head (kv_cache/kv_quant.py). "fp8" is vLLM's alias of fp8_e4m3.
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
@@ -57,11 +58,14 @@ class ModelConfig:
                                        "AWQ checkpoint's own are used as stored; `llmserve quantize` writes one); "
                                        "none = the weights as loaded",
                                        choices=("auto", "none", *QUANTIZATION_METHODS), flag="-q")
-    int8_activations: bool | None = _option(None, "with quantized weights: steps of many tokens (batches, prompts) "
-                                            "multiply per-token int8 activations by SmoothQuant-smoothed int8 "
-                                            "weights, calibrated at start: ~1.4x faster batch steps for +0.2-0.3 %% "
-                                            "perplexity; default: on where the weights run int4 because the file is "
-                                            "4-bit and the CPU has VNNI or AMX")
+    large_steps: str = _option("auto", "with quantized weights: how steps of many tokens (batches, prompts) "
+                               "multiply; quantized = on the same native kernels as small steps, over the quantized "
+                               "weights themselves (no second copy of them, and a token's product the same bits "
+                               "whatever else its step holds); int8 = per-token int8 activations times "
+                               "SmoothQuant-smoothed int8 weights, calibrated at start (a second, int8 copy; +0.2-0.3 "
+                               "%% perplexity on SmolLM2); dense = the dequantized weights in the model dtype (a "
+                               "second copy of twice the bytes); auto = quantized where the native kernels run",
+                               choices=LARGE_STEP_CHOICES)
     q8_activations: bool | None = _option(None, "with int4 weights on the native kernels: a small step's inputs "
                                           "(decode batches, short prompt chunks; int4 and int8 layers) quantized as "
                                           "llama.cpp's Q8_0 (an int8 per input, a scale per 32) instead of split to "
@@ -99,8 +103,11 @@ class ModelConfig:
                              f"{self.quantization!r}")
         if self.quantization in QUANTIZATION_METHODS and not self.device.startswith(("cpu", "auto")):
             raise ValueError(f"quantization {self.quantization!r} has CPU kernels only, not {self.device!r}")
-        if self.int8_activations and self.quantization in (None, "none"):
-            raise ValueError("int8_activations needs quantization ('int8' or 'int4'): it is their large-step path")
+        if self.large_steps not in LARGE_STEP_CHOICES:
+            raise ValueError(f"large_steps must be one of {list(LARGE_STEP_CHOICES)}, got {self.large_steps!r}")
+        if self.large_steps != "auto" and self.quantization in (None, "none"):
+            raise ValueError(f"large_steps={self.large_steps!r} needs quantization ('int8' or 'int4'): it chooses "
+                             "their large-step path")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

@@ -64,6 +64,16 @@ class Int8Products(StrEnum):
     NONE = ""
 
 
+class LargeSteps(StrEnum):
+    """How quantized weights multiply steps past the small-step kernels' crossover (`ModelConfig.large_steps`):
+    on those same kernels (no second copy of the weights, a token's product the same bits whatever its step holds),
+    int8 x int8 (SmoothQuant), or dense over the dequantized weights; dense weights: DENSE."""
+
+    QUANTIZED = "quantized"
+    INT8 = "int8"
+    DENSE = "dense"
+
+
 class CompileMode(StrEnum):
     """What torch.compile compiles: each decode-only step as one graph, each decoder layer, or nothing."""
 
@@ -92,8 +102,8 @@ class BuildPlan:
     # int8 where it holds more bits)
     small_step_kernels: Kernels  # quantized weights' small-step products (NONE: dense weights)
     small_step_max_tokens: int  # steps up to this many tokens take the small-step kernel (0: dense weights)
-    int8_activations: bool  # quantized weights: large steps multiply int8 x int8 (SmoothQuant)
-    int8_products: Int8Products  # with int8 activations, whose kernel
+    large_steps: LargeSteps  # quantized weights: how steps past `small_step_max_tokens` multiply
+    int8_products: Int8Products  # with int8 large steps, whose kernel
     attention: str  # "native" (the C++ paged kernel) | "torch"
     elementwise: Kernels  # the layers' norms, rotary and gate in eager steps
     argmax: Kernels  # greedy sampling
@@ -109,7 +119,20 @@ class BuildPlan:
     speculative: SpeculativeConfig | None = None  # speculative decoding, as asked or as "auto" resolved it
     cuda_graph_max_tokens: int = 0  # decode-only steps up to this many tokens replay CUDA graphs (0: never)
     huge_pages: bool = False  # the streamed weights in one huge-page arena (quantization/weight_arena.py)
+    # a token's output bits do not depend on the rest of its step: quantized products at every size, and attention
+    # on the native decode kernel for prompt tokens too (layers/attention/native.py)
+    batch_invariant: bool = False
     reasons: dict[str, str] = field(default_factory=dict, compare=False)  # why, per choice
+
+    @property
+    def int8_activations(self) -> bool:
+        """Large steps multiply int8 x int8, after a calibration at start."""
+        return self.large_steps == LargeSteps.INT8
+
+    def large_step_products(self) -> str:
+        return {LargeSteps.QUANTIZED: "the small-step kernels (no second copy of the weights)",
+                LargeSteps.INT8: f"int8 x int8 ({self.int8_products})",
+                LargeSteps.DENSE: "dense products"}[self.large_steps]
 
     def step_route(self, decode_only: bool, num_tokens: int, has_graph: bool) -> StepRoute:
         """How a step runs: the first of `STEP_ROUTES` that can run it. The one place this is decided."""
@@ -122,10 +145,12 @@ class BuildPlan:
             ("weights", self.weights + (f", output head {self.head}" if self.head != "int8" else "")),
             ("small steps", f"{self.small_step_kernels} kernels, <= {self.small_step_max_tokens} tokens"
              + (", inputs as Q8_0" if self.activation_parts == 1 else "") if self.small_step_max_tokens else "-"),
-            ("large steps", f"int8 x int8 ({self.int8_products})" if self.int8_activations else "dense products"),
+            ("large steps", self.large_step_products()),
             *([("weight memory", "one arena on 2 MiB huge pages, in the order a step reads it" if self.huge_pages
                 else "the allocator's pages")] if "weight memory" in self.reasons else []),
             ("attention", self.attention),
+            ("determinism", "a token's bits whatever else its step holds" if self.batch_invariant else
+             "a token's last bits may depend on its step's other rows"),
             ("elementwise", self.elementwise),
             ("argmax", self.argmax),
             *([("tensor parallel", f"{self.tensor_parallel_size} ranks")] if self.tensor_parallel_size > 1 else []),
@@ -153,8 +178,11 @@ class BuildPlan:
     def _routes(self) -> str:
         parts = []
         if self.fused_decode_max_tokens:
-            large = f"int8 x int8 ({self.int8_products})" if self.int8_activations else "dense"
-            parts.append(f"one native call ({large} products past {self.fused_decode_max_tokens} tokens)")
+            if self.large_steps == LargeSteps.QUANTIZED:
+                parts.append("one native call")
+            else:
+                parts.append(f"one native call ({self.large_step_products()} past {self.fused_decode_max_tokens} "
+                             "tokens)")
         if self.cuda_graph_max_tokens:
             parts.append(f"CUDA graphs up to {self.cuda_graph_max_tokens} tokens")
         if self.compile == CompileMode.GRAPH:
@@ -207,85 +235,77 @@ def resolve_plan(config: EngineConfig, model: ModelConfig, source_formats: dict[
                               "which are kept: the fastest, output head included")
     products = _products(config, weights, on_cpu, built, wanted, reasons)
     huge_pages = _huge_pages(mc.huge_pages, products.small == Kernels.NATIVE, reasons)
-    elementwise = _elementwise(mc.kernels, built, dtype, weights, products.int8_activations, reasons)
+    elementwise = _elementwise(mc.kernels, built, dtype, weights, products.large == LargeSteps.INT8, reasons)
     route = _decode_route(config, model, device, weights, products, elementwise, attention, reasons)
     max_model_len = min(mc.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
     spec, num_blocks = _kv_cache(config, model, attention, dtype, max_model_len, device, reasons)
+    batch_invariant = _batch_invariant(products, attention, reasons)
     return BuildPlan(
         device=device, dtype=dtype, weights=weights, small_step_kernels=products.small,
-        small_step_max_tokens=products.small_max, int8_activations=products.int8_activations,
+        small_step_max_tokens=products.small_max, large_steps=products.large,
         int8_products=products.int8_products, attention=attention, elementwise=elementwise,
         argmax=Kernels.NATIVE if built else Kernels.TORCH, compile=route.compile,
         fused_decode_max_tokens=route.fused_max_tokens,
         kv_cache=spec, num_kv_blocks=num_blocks, max_model_len=max_model_len, head=head, tensor_parallel_size=tp,
         activation_parts=products.activation_parts, speculative=route.speculative,
-        cuda_graph_max_tokens=route.cuda_graph_max_tokens, huge_pages=huge_pages, reasons=reasons,
+        cuda_graph_max_tokens=route.cuda_graph_max_tokens, huge_pages=huge_pages, batch_invariant=batch_invariant,
+        reasons=reasons,
     )
 
 
 @dataclass(frozen=True)
 class _Products:
-    """How quantized linears multiply: the small-step kernels and the largest step they take, the int4 inputs'
-    parts (1: Q8_0), and whether large steps run int8 x int8, on which kernel. Dense weights: the defaults."""
+    """How quantized linears multiply: the small-step kernels and their crossover, the int4 inputs' parts (1: Q8_0),
+    and how large steps multiply (int8 x int8: on which kernel). Dense weights: the defaults."""
 
     small: Kernels = Kernels.NONE
     small_max: int = 0
     activation_parts: int = 2
-    int8_activations: bool = False
+    large: LargeSteps = LargeSteps.DENSE
     int8_products: Int8Products = Int8Products.NONE
 
 
 def _products(config: EngineConfig, weights: str, on_cpu: bool, built: bool, wanted: bool,
               reasons: dict[str, str]) -> _Products:
     mc = config.model
-    tp = config.parallel.tensor_parallel_size
-    int8_activations = bool(mc.int8_activations)
     if mc.q8_activations and weights not in ("int4", "int4+int8"):
         raise ValueError(f"q8_activations are the int4 kernel's inputs, and this model's weights run "
                          f"{weights!r} ({reasons.get('weights', 'as asked')})")
-    if int8_activations and weights == "as loaded":
-        raise ValueError(f"int8_activations needs quantized weights, and quantization={mc.quantization!r} keeps this "
-                         f"model's as loaded ({reasons.get('weights', 'as asked')}): ask for 'int8' or 'int4'")
-    if int8_activations and on_cpu and not cpu_has_vnni():
-        raise ValueError("int8_activations needs a CPU with VNNI (AVX512-VNNI, AVX-VNNI or AMX): without it "
+    if mc.large_steps != "auto" and weights == "as loaded":
+        raise ValueError(f"large_steps={mc.large_steps!r} needs quantized weights, and quantization="
+                         f"{mc.quantization!r} keeps this model's as loaded ({reasons.get('weights', 'as asked')}): "
+                         "ask for 'int8' or 'int4'")
+    if mc.large_steps == "int8" and on_cpu and not cpu_has_vnni():
+        raise ValueError("large_steps='int8' needs a CPU with VNNI (AVX512-VNNI, AVX-VNNI or AMX): without it "
                          "oneDNN's int8 products saturate and give wrong results")
     if weights == "as loaded":
-        return _Products(int8_activations=int8_activations)
+        return _Products()
     vectorized = built and native_quantized_kernels()
     if mc.kernels == "native" and not vectorized:
         raise RuntimeError("kernels='native' but the native quantized kernels need AVX-512 VNNI or AVX2")
     small = Kernels.NATIVE if vectorized else Kernels.TORCH
     if built and not vectorized:
         reasons["small steps"] = "llmserve's need AVX-512 VNNI or AVX2"
+    if mc.large_steps == "quantized" and small != Kernels.NATIVE:
+        raise ValueError("large_steps='quantized' needs llmserve's native quantized kernels (AVX-512 VNNI or AVX2)")
     small_max = small_step_tokens(weights)
     if mc.q8_activations and small != Kernels.NATIVE:
         raise ValueError("q8_activations need llmserve's native int4 kernel (AVX-512 VNNI or AVX2)")
     if weights == "int4+int8":  # with ~16-bit inputs (Q8_0's below)
         reasons["small steps"] = f"int8 layers up to {LINEAR_METHODS['int8'].small_step_tokens} tokens"
-    if mc.int8_activations is None:  # auto: where the file itself is 4-bit and int8 products are fast here
-        # not for int4+int8: on a K-quant mix they cost far more perplexity than its weights alone do, which
-        # is not the file's quality (docs/performance.md, "Large steps: int8 activations and dense products")
-        int8_activations = mc.quantization == "auto" and weights == "int4" and cpu_has_vnni()
-        if int8_activations and tp > 1:
-            int8_activations = False
-            reasons["large steps"] = "auto: tensor parallel (the calibration runs in one process)"
-        elif int8_activations and config.scheduler.max_num_batched_tokens <= small_max:
-            # no step is ever large (and calibration, seeing none, would have nothing to measure)
-            int8_activations = False
-            reasons["large steps"] = "auto: max_num_batched_tokens leaves every step to the small-step kernels"
-        elif int8_activations:
-            reasons["large steps"] = ("auto: a 4-bit file, and this CPU multiplies int8 natively; +0.2-0.3 % "
-                                      "perplexity on SmolLM2 (docs/performance.md, "
-                                      "\"Large steps: int8 activations and dense products\")")
-        elif weights == "int4+int8":
-            reasons["large steps"] = "auto: int8 activations cost this kind of file +1.8 % perplexity"
+    large = LargeSteps(mc.large_steps) if mc.large_steps != "auto" else (
+        LargeSteps.QUANTIZED if small == Kernels.NATIVE else LargeSteps.DENSE)
+    if mc.large_steps != "auto":
+        reasons["large steps"] = "as asked"
+    elif large == LargeSteps.QUANTIZED:
+        reasons["large steps"] = f"auto: {_QUANTIZED_LARGE_STEPS}"
     parts = 2
     q8 = mc.q8_activations
     if q8 is None:  # auto: where `llmserve eval` measured them to leave the model's quality as it was
         q8 = mc.quantization == "auto" and small == Kernels.NATIVE and (weights == "int4+int8" or mc.draft)
     if q8:
         parts = 1
-        if not int8_activations:  # the int4 layers take steps up to Q8_MAX_TOKENS; dense products beyond
+        if large != LargeSteps.INT8:  # the int4 layers take steps up to Q8_MAX_TOKENS; the large-step product beyond
             small_max = Q8_MAX_TOKENS
         why = ("as asked" if mc.q8_activations else "auto: a draft's weights only propose" if mc.draft else
                f"auto: a K-quant mix, {_Q8_MEASURED}")
@@ -295,13 +315,28 @@ def _products(config: EngineConfig, weights: str, on_cpu: bool, built: bool, wan
     elif mc.q8_activations is None and small == Kernels.NATIVE and weights == "int4":
         reasons["small steps"] = f"auto: ~16-bit int4 inputs for a 4-bit file, {_Q8_MEASURED}"
     products = Int8Products.NONE
-    if int8_activations:
+    if large == LargeSteps.INT8:
         products = Int8Products.AMX if wanted and amx_int8_gemm() else Int8Products.ONEDNN
         if products == Int8Products.AMX:
             small_max = min(small_max, AMX_MIN_TOKENS - 1)
             amx_note = f"AMX takes steps from {AMX_MIN_TOKENS} tokens"
             reasons["large steps"] = "; ".join(filter(None, [reasons.get("large steps"), amx_note]))
-    return _Products(small, small_max, parts, int8_activations, products)
+    return _Products(small, small_max, parts, large, products)
+
+
+def _batch_invariant(products: _Products, attention: str, reasons: dict[str, str]) -> bool:
+    """Whether a token's output has the same bits whatever else its step holds (other requests, its prompt's chunks
+    or cached blocks, a speculative verification, a recomputation after preemption): where every product is the
+    quantized kernels' (their integer sums are exact, the rest per row) and attention the native decode kernel's,
+    prompt tokens as decode rows (its context split depends on the row alone)."""
+    if products.large == LargeSteps.QUANTIZED and attention == "native":
+        reasons["determinism"] = ("quantized products at every size, attention on the decode kernel for prompt "
+                                  "tokens too")
+        return True
+    why = ("dense or int8 x int8 large steps round by the step's size" if products.large != LargeSteps.QUANTIZED
+           else "PyTorch attention blocks a prompt by its length")
+    reasons["determinism"] = why
+    return False
 
 
 def _elementwise(kernels: str, built: bool, dtype: torch.dtype, weights: str, int8_activations: bool,
@@ -423,11 +458,15 @@ def _check_tensor_parallel(config: EngineConfig, model: ModelConfig, weights: st
     if config.model.quantization == "awq":
         raise ValueError("tensor_parallel_size > 1 with quantization='awq': search once with `llmserve quantize "
                          "MODEL --method awq --out DIR` and serve DIR")
-    if config.model.int8_activations:
-        raise ValueError("int8_activations are calibrated in one process: not with tensor_parallel_size > 1")
+    if config.model.large_steps == "int8":
+        raise ValueError("int8 large steps are calibrated in one process: not with tensor_parallel_size > 1")
     reasons["tensor parallel"] = ("each rank its heads, MLP units and vocabulary rows; two all-reduces a layer, "
                                   "the decoder stack layer by layer")
 
+
+# Why the quantized kernels take large steps by default (docs/performance.md, "Large steps")
+_QUANTIZED_LARGE_STEPS = ("the small-step kernels at every size: no second copy of the weights, and a token's "
+                          "product the same bits whatever else its step holds")
 
 # What Q8_0 inputs to the int4 kernel (llama.cpp's activations) cost, by `llmserve eval`'s perplexity with every
 # token through the kernel (docs/performance.md, "Weight quantization quality"): little on the Qwen2.5-Coder Q4_K_M
@@ -517,7 +556,8 @@ def _device(config: EngineConfig, reasons: dict[str, str]) -> str:
         return mc.device
     cpu_only = [what for what, asked in ((f"quantization {mc.quantization!r}", mc.quantization in QUANTIZATION_METHODS),
                                          ("kernels 'native'", mc.kernels == "native"),
-                                         ("int8_activations", bool(mc.int8_activations))) if asked]
+                                         (f"large_steps {mc.large_steps!r}", mc.large_steps in ("int8", "quantized"))
+                                         ) if asked]
     tp = config.parallel.tensor_parallel_size
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if not gpus:

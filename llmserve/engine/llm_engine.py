@@ -316,7 +316,7 @@ class LLMEngine:
                                  "a draft must share the target's tokenizer")
         mc = self.config.model
         draft = LLMEngine(EngineConfig(
-            model=dataclasses.replace(mc, model=spec.model, quantization="auto", int8_activations=None,
+            model=dataclasses.replace(mc, model=spec.model, quantization="auto", large_steps="auto",
                                       compile=False, max_model_len=self.plan.max_model_len, draft=True),
             cache=dataclasses.replace(self.config.cache, kv_cache_memory_gb=draft_kv_bytes / 2**30,
                                       block_size=DRAFT_BLOCK_SIZE,

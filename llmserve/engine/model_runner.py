@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch import nn
 
 from llmserve.distributed.tensor_parallel import TensorParallel, shard_config, shard_grids, shard_model
-from llmserve.engine.build_plan import BuildPlan, CompileMode, Int8Products, Kernels, StepRoute
+from llmserve.engine.build_plan import BuildPlan, CompileMode, Int8Products, Kernels, LargeSteps, StepRoute
 from llmserve.engine.cuda_graphs import CudaGraphs
 from llmserve.engine.heap import trim_heap
 from llmserve.engine.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
@@ -31,7 +33,7 @@ from llmserve.loader import Checkpoint, build_model
 from llmserve.models.decoder import LayerMethods, compile_layers
 from llmserve.models.fused_stack import fused_decode_stack
 from llmserve.quantization.weight_arena import place_on_huge_pages
-from llmserve.quantization.weight_only import quantize_model
+from llmserve.quantization.weight_only import ModelQuantizer
 from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.rejection_sampler import verify
 
@@ -57,6 +59,17 @@ class _RequestState:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+
+def _trimming(quantize_layer: Callable[[nn.Module, int], None]) -> Callable[[nn.Module, int], None]:
+    """A layer's quantization, then the heap's free pages handed back: its dense weights, freed among the quantized
+    ones, would otherwise stay resident (heap.py), and a layer's worth would pile up per layer."""
+
+    def quantize_and_trim(model: nn.Module, index: int) -> None:
+        quantize_layer(model, index)
+        trim_heap()
+
+    return quantize_and_trim
 
 
 @dataclass
@@ -85,8 +98,16 @@ class ModelRunner:
         self.eos_token_ids = ckpt.eos_token_ids  # banned until min_tokens, unless ignore_eos
         self.attention = ATTENTION_BACKENDS[plan.attention]()
         methods = LayerMethods(self.attention, native_elementwise=plan.elementwise == Kernels.NATIVE)
-        model = build_model(ckpt, plan.dtype, plan.device, methods)
-        trim_heap()  # the checkpoint's float32 copies are freed: their pages go back before quantizing (heap.py)
+        quantizer = None if plan.weights == "as loaded" else ModelQuantizer(
+            plan.weights, plan.small_step_kernels == Kernels.NATIVE, plan.small_step_max_tokens, ckpt.grids,
+            plan.head, plan.activation_parts, every_step=plan.large_steps == LargeSteps.QUANTIZED)
+        # each layer quantized as soon as it is loaded (its dense weights released before the next is read), unless
+        # something reads the dense model first: key smoothing, or cutting it into tensor-parallel ranks
+        streamed = quantizer is not None and tp is None and plan.kv_cache.dtype != torch.int8
+        if streamed:  # the quantizer holds the grids now, and drops each as its weight is quantized
+            ckpt.int4_grids = ckpt.int8_grids = None
+        model = build_model(ckpt, plan.dtype, plan.device, methods, _trimming(quantizer.layer) if streamed else None)
+        trim_heap()  # the decoded tensors are freed: their pages go back before quantizing (heap.py)
         # before quantizing: folded into the dense rows and the file's int4 grid (kv_cache/key_smoothing.py)
         self.key_smoothing = None
         if plan.kv_cache.dtype == torch.int8:
@@ -102,9 +123,10 @@ class ModelRunner:
             grids = {method: shard_grids(found, ckpt.config, tp) for method, found in grids.items()}
             self.config = shard_config(ckpt.config, tp.size)
             kv_spec = dataclasses.replace(kv_spec, num_kv_heads=self.config.num_kv_heads)
-        if plan.weights != "as loaded":
-            quantize_model(model, plan.weights, plan.small_step_kernels == Kernels.NATIVE, plan.small_step_max_tokens,
-                           grids, plan.head, plan.activation_parts)
+        if streamed:
+            quantizer.output_head(model)
+        elif quantizer is not None:  # after key smoothing and the ranks' cut, on their grids
+            dataclasses.replace(quantizer, grids=grids)(model)
         # eager steps read the packed copies only: the plain ones go, unless a compiled graph (it traces `F.linear`) or
         # int8-activation calibration (it smooths the plain weight) reads them
         release = plan.compile == CompileMode.OFF and not plan.int8_activations
@@ -116,6 +138,8 @@ class ModelRunner:
                 logger.info("%.1f MB of streamed weights placed on huge pages", placed / 1e6)
             except OSError as e:  # refused before any weight moved: they stay where they are
                 logger.warning("the weights stay on the allocator's pages: huge pages refused (%s)", e)
+        if plan.batch_invariant:
+            self.attention.take_prompt_tokens_as_decodes()
         if plan.compile != CompileMode.OFF:
             self.attention.stay_eager_in_compiled_graphs()
         if plan.compile == CompileMode.LAYERS:

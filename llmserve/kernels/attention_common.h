@@ -258,10 +258,16 @@ void decode_portable(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   });
 }
 
-// Too few (sequence, KV head) tasks to keep every thread busy (a step of one or two requests): each context is
-// split into `parts` of `part_len` tokens (a multiple of 16) whose softmax statistics are merged at the end
-// (flash-decoding). Parts come in a multiple of the threads' count where contexts are long enough, and then the tasks
-// run interleaved (`run_tasks`). A windowed context (`window` > 0) is split from its `read_start` on.
+// Each context is split into `parts` of `part_len` tokens (kPartTokens, whatever the batch) whose softmax statistics
+// are merged at the end (flash-decoding): the split keeps every thread busy in a step of one or two requests, and
+// since where a part starts depends on a row's own context only, a query's result has the same bits whatever else
+// its step holds (batch-invariant: alone or beside others, a prompt token or a decode). Parts come in a multiple
+// of the threads' count where contexts are long enough, and then the tasks run interleaved (`run_tasks`). A windowed
+// context (`window` > 0) is split from its `read_start` on.
+// A part's tokens: a multiple of 16 (the AMX score tiles' chunk); 128 keeps two threads busy on one request's
+// context of a few hundred tokens, at a merge of 66 floats a query head per part.
+constexpr int64_t kPartTokens = 128;
+
 struct ContextSplit {
   int64_t parts, part_len;
   bool interleaved;
@@ -292,20 +298,12 @@ struct PartTask {
   }
 };
 
-inline ContextSplit split_contexts(int64_t pairs, const int32_t* lens, int64_t batch, int64_t window,
-                                   int64_t block_size) {
-  const int64_t threads = at::get_num_threads();
+inline ContextSplit split_contexts(const int32_t* lens, int64_t batch, int64_t window, int64_t block_size) {
   int64_t max_ctx = 0;  // the most tokens a context reads
   for (int64_t b = 0; b < batch; ++b)
     max_ctx = std::max<int64_t>(max_ctx, lens[b] - read_start(lens[b], window, block_size));
-  int64_t parts = 1;
-  if (pairs < 2 * threads) {
-    const int64_t most = std::max<int64_t>(1, (max_ctx + 63) / 64);  // parts of 64 tokens at least
-    parts = std::min(((4 * threads + pairs - 1) / pairs + threads - 1) / threads * threads, most);
-    if (parts > threads) parts = parts / threads * threads;
-  }
-  return {parts, ((max_ctx + parts - 1) / parts + 15) / 16 * 16, parts > 1 && parts % threads == 0, window,
-          block_size};
+  const int64_t parts = std::max<int64_t>(1, (max_ctx + kPartTokens - 1) / kPartTokens);
+  return {parts, kPartTokens, parts > 1 && parts % at::get_num_threads() == 0, window, block_size};
 }
 
 // Merges each query head's parts (flash-decoding): `partial` holds, per (sequence, KV head) pair, part and query

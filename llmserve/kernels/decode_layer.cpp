@@ -113,9 +113,11 @@ const LargeStepOps& large_step_ops() {
 //   kernel's (`weight` in its layout, `extra` its compensation); the bias added after.
 // Why here too: layer by layer a large step spends a good share of its time between its ops, which a compiled
 // graph saves only after a long compile (docs/performance.md, "The one-call decode step").
+// - kNone: none; the part's own kernel takes every step (its `small_max_tokens` is the largest int64), so a token's
+//   product has the same bits whatever the step holds, and no second copy of the weight is kept.
 // Returns the tensor that holds the product: `out`, or the op's own output where the op allocates one (copying it
 // into `out` would cost a pass over it; the layer reads whichever it gets).
-enum LargeStepKind : int64_t { kDense = 0, kOneDnn = 1, kAmx = 2 };
+enum LargeStepKind : int64_t { kDense = 0, kOneDnn = 1, kAmx = 2, kNone = 3 };
 
 struct LargeStep {
   int64_t kind = kDense;
@@ -590,17 +592,24 @@ class DecodeStack : public torch::CustomClassHolder {
     }
     TORCH_CHECK(target != nullptr, "DecodeStack.add_part: unknown linear '", linear, "'");
     const int64_t kind = field(sizes, "large_kind", "add_part"), rows = field(sizes, "rows", "add_part");
-    TORCH_CHECK(kind == kDense || kind == kOneDnn || kind == kAmx, "DecodeStack: unknown large step ", kind);
-    const at::Tensor large_weight = field(tensors, "large_weight", "add_part");
-    TORCH_CHECK(large_weight.defined() && (large_weight.is_mkldnn() || large_weight.numel()),
-                "DecodeStack: every part needs its large-step weight");
+    TORCH_CHECK(kind == kDense || kind == kOneDnn || kind == kAmx || kind == kNone,
+                "DecodeStack: unknown large step ", kind);
+    const int64_t small_max = field(sizes, "small_max_tokens", "add_part");
+    const at::Tensor large_weight = optional_field(tensors, "large_weight");
+    if (kind == kNone) {
+      TORCH_CHECK(!large_weight.defined() && small_max == std::numeric_limits<int64_t>::max(),
+                  "DecodeStack: a part without a large step takes every step on its own kernel (small_max_tokens "
+                  "the largest int64) and has no large-step weight");
+    } else {
+      TORCH_CHECK(large_weight.defined() && (large_weight.is_mkldnn() || large_weight.numel()),
+                  "DecodeStack: every part with a large step needs its large-step weight");
+    }
     at::Tensor bias;
     if (linear == "qkv" && qkv_bias_.defined()) {  // each part adds its rows of the layer's bias
       const int64_t first_row = target->out_features();
       TORCH_CHECK(first_row + rows <= qkv_bias_.numel(), "DecodeStack: a q/k/v bias has one value per row");
       bias = qkv_bias_.narrow(0, first_row, rows);
     }
-    const int64_t small_max = field(sizes, "small_max_tokens", "add_part");
     target->parts.push_back({field(tensors, "weight", "add_part"), optional_field(tensors, "scales"), bias,
                              field(sizes, "activation_parts", "add_part"), rows, small_max,
                              LargeStep{kind, optional_field(tensors, "smooth_inv"), large_weight,

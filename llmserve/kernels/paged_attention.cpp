@@ -181,7 +181,7 @@ void decode_kernel_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at
   static const PairLaneOrder lanes;  // acc lanes -> head_dim order (see the V loop)
   const __m512i perm_a = lanes.a, perm_b = lanes.b;
   const int64_t pairs = batch * num_kv_heads;
-  const ContextSplit split = split_contexts(pairs, lens, batch, window, block_size);
+  const ContextSplit split = split_contexts(lens, batch, window, block_size);
   const int64_t parts = split.parts;
   // per task and query head: the scores' max, the sum of their exponentials, the unnormalised V sum
   constexpr int64_t stride = head_dim + 2;
@@ -424,7 +424,7 @@ void decode_kernel_avx2(const at::Tensor& q, const at::Tensor& k_cache, const at
   T* out_ptr = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
   const int64_t pairs = batch * num_kv_heads;
-  const ContextSplit split = split_contexts(pairs, lens, batch, window, block_size);
+  const ContextSplit split = split_contexts(lens, batch, window, block_size);
   const int64_t parts = split.parts;
   // per task and query head: the scores' max, the sum of their exponentials, the unnormalised V sum
   const int64_t stride = head_dim + 2;

@@ -105,7 +105,7 @@ void decode_int8_vnni(const at::Tensor& q, const at::Tensor& k_cache, const at::
   static const PairLaneOrder lanes;  // value-sum lanes -> head_dim order
   const __m512i perm_a = lanes.a, perm_b = lanes.b;
   const int64_t pairs = batch * num_kv_heads;
-  const ContextSplit split = split_contexts(pairs, lens, batch, window, block_size);
+  const ContextSplit split = split_contexts(lens, batch, window, block_size);
   const int64_t parts = split.parts;
   constexpr int64_t stride = head_dim + 2;  // max, sum, then the unnormalised V sum
   // not zeroed: every task writes its own (and a zeroing here would pass each line written on another core twice)

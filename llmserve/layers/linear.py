@@ -61,9 +61,9 @@ class PackedLinear(nn.Module):
 
 def prepack_linears(model: nn.Module, release_plain: bool = False) -> int:
     """Pack the weight of every dense linear that packs: an `nn.Linear` becomes a `PackedLinear`, a layer
-    with a `packed` slot (the quantized layers' large-step path) gets it filled. `release_plain`: drop each plain
-    copy as soon as its packed one exists (see `release_plain_weights`), so the peak holds one layer's weight twice,
-    not the model's. Returns how many were packed."""
+    with a `packed` slot (the quantized layers' large-step path, where it has a dense weight) gets it filled.
+    `release_plain`: drop each plain copy as soon as its packed one exists (see `release_plain_weights`), so the
+    peak holds one layer's weight twice, not the model's. Returns how many were packed."""
     packed = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
@@ -71,7 +71,7 @@ def prepack_linears(model: nn.Module, release_plain: bool = False) -> int:
                 child = PackedLinear(child)
                 setattr(module, name, child)
                 packed += 1
-            elif getattr(child, "packed", False) is None:
+            elif getattr(child, "packed", False) is None and child.weight is not None:
                 child.packed = prepack_weight(child.weight)
                 packed += child.packed is not None
             else:

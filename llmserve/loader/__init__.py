@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -81,14 +82,15 @@ def same_tokenizer(a: str | None, b: str | None) -> bool:
     return bool(files) and files == tokenizer_files(b)
 
 
-def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: str, methods: LayerMethods | None = None) -> nn.Module:
+def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: str, methods: LayerMethods | None = None,
+                on_layer_loaded: Callable[[nn.Module, int], None] | None = None) -> nn.Module:
     """The model of this checkpoint, its weights loaded; `methods`: how its layers compute (the build
-    plan's choice; default PyTorch's attention and ops).
+    plan's choice; default PyTorch's attention and ops). `on_layer_loaded(model, i)`: called once decoder layer i
+    holds its weights (a quantizer replacing them as the model loads).
 
-    Memory: a GGUF arrives dequantized to float32 (7.1 GB for a 1.5B model). The parameters are created in
-    the model's dtype (not in float32 first), and `load_weights` casts each tensor into its parameter as it
-    takes it out of `ckpt`, so the checkpoint shrinks as the model grows: the peak is the float32 checkpoint's,
-    with no cast copy of either beside them."""
+    Memory: the parameters are created in the model's dtype (not in float32 first), and `load_weights` takes each
+    tensor out of `ckpt` (a GGUF's decoded to float32 only then) and casts it into its parameter, so the peak holds the
+    model and one decoded tensor; with `on_layer_loaded` quantizing, the dense layers never all exist either."""
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # the parameters' initial values are overwritten below anyway
     try:
@@ -96,5 +98,5 @@ def build_model(ckpt: Checkpoint, dtype: torch.dtype, device: str, methods: Laye
     finally:
         torch.set_default_dtype(default)
     model = model.to(device=device, dtype=dtype)  # the buffers: rotary tables, computed in float32
-    model.load_weights(ckpt.weights)
+    model.load_weights(ckpt.weights, None if on_layer_loaded is None else lambda i: on_layer_loaded(model, i))
     return model.eval().requires_grad_(False)

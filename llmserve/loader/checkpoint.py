@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 
 import torch
@@ -10,11 +11,39 @@ from llmserve.models.config import ModelConfig
 from llmserve.quantization.int4_groups import Int4Groups
 
 
+class LazyTensors(MutableMapping):
+    """Tensors by name, each made (a GGUF tensor decoded) only when taken. Why: the model takes them one at a time
+    and releases each (`DecoderForCausalLM.load_weights`), so the start's peak holds one decoded tensor, not the
+    whole float32 checkpoint (7.1 GB for a 1.5B model, twice what the served model holds). Reading a tensor twice
+    decodes it twice."""
+
+    def __init__(self, makers: dict[str, Callable[[], torch.Tensor]]) -> None:
+        self._makers = makers
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._makers[name]()
+
+    def __setitem__(self, name: str, tensor: torch.Tensor) -> None:
+        self._makers[name] = lambda: tensor
+
+    def __delitem__(self, name: str) -> None:
+        del self._makers[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._makers)
+
+    def __len__(self) -> int:
+        return len(self._makers)
+
+    def clear(self) -> None:  # without making each first, as the mixin's would
+        self._makers.clear()
+
+
 @dataclass
 class Checkpoint:
     name: str
     config: ModelConfig
-    weights: dict[str, torch.Tensor]  # Hugging Face tensor names, dense
+    weights: MutableMapping[str, torch.Tensor]  # Hugging Face tensor names, dense (a GGUF's made as taken)
     tokenizer: object  # a transformers fast tokenizer
     chat_template: str | None
     eos_token_ids: list[int]

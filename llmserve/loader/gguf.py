@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 import os
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K, quant_shape_to_byte_shape
-from tqdm import tqdm
 
-from llmserve.loader.checkpoint import Checkpoint
+from llmserve.loader.checkpoint import Checkpoint, LazyTensors
 from llmserve.loader.download import cache_root
 from llmserve.loader.ggml_blocks import dequantize
 from llmserve.loader.gguf_header import GGUFHeader, read_gguf_header
@@ -79,12 +80,17 @@ class GGUFTensor:
     tensor_type: GGMLQuantizationType
     shape: tuple[int, ...]
     data: np.ndarray
+    # hands its bytes' pages back to the file (the map stays; a later read faults them in again from the page cache):
+    # a decoded tensor's need not stay resident while the rest of the model loads
+    release: Callable[[], None] = field(default=lambda: None, compare=False, repr=False)
 
 
 def read_tensors(path: str, header: GGUFHeader | None = None) -> list[GGUFTensor]:
     """Every tensor of the file, as views of one read-only map: nothing is read until used."""
     header = header or read_gguf_header(path)
-    file = np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)  # views of a memmap are memmaps: slower ops
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    file = mapped.view(np.ndarray)  # views of a memmap are memmaps: slower ops
+    release = _page_releaser(mapped._mmap)
     tensors = []
     for info in header.tensors:
         qtype = GGMLQuantizationType(info.ggml_type)
@@ -100,8 +106,22 @@ def read_tensors(path: str, header: GGUFHeader | None = None) -> list[GGUFTensor
             data = raw.view(np.float16).reshape(shape)
         else:
             data = raw.reshape(quant_shape_to_byte_shape(shape, qtype))
-        tensors.append(GGUFTensor(info.name, qtype, info.dims, data))
+        tensors.append(GGUFTensor(info.name, qtype, info.dims, data,
+                                  lambda start=info.offset, stop=end: release(start, stop)))
     return tensors
+
+
+def _page_releaser(mm: mmap.mmap | None) -> Callable[[int, int], None]:
+    """release(start, end): the whole pages of the file's bytes [start, end) dropped from this process's memory
+    (MADV_DONTNEED; clean file pages, so nothing is lost). Where the map cannot be advised, nothing."""
+    page = mmap.PAGESIZE
+
+    def release(start: int, end: int) -> None:
+        first, last = -(-start // page) * page, end // page * page
+        if mm is not None and last > first and hasattr(mm, "madvise"):
+            mm.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+    return release
 
 
 def load_gguf(path: str, name: str, tokenizer: object | None = None) -> Checkpoint:
@@ -111,22 +131,22 @@ def load_gguf(path: str, name: str, tokenizer: object | None = None) -> Checkpoi
     arch = meta["general.architecture"]
     hf = hf_config_from_metadata(meta, arch, header.tensor_shapes)
     config = config_from_hf(hf)
-    weights, formats, grids, grids8 = {}, {}, {}, {}
-    for tensor in tqdm(read_tensors(path, header), desc=f"Dequantizing {os.path.basename(path)}", unit="tensor"):
+    makers, formats, grids, grids8 = {}, {}, {}, {}
+    for tensor in read_tensors(path, header):
         hf_name = _hf_name(tensor.name, arch)
-        array, grid, grid8 = _dense(tensor), int4_grid(tensor), int8_grid(tensor)
+        grid, grid8 = int4_grid(tensor), int8_grid(tensor)
+        heads = None
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = hf["num_attention_heads"] if "q_proj" in hf_name else hf["num_key_value_heads"]
-            array = _unpermute_rope_rows(array, heads)
             grid = grid and tuple(_unpermute_rope_rows(g, heads) for g in grid)
             grid8 = grid8 and tuple(_unpermute_rope_rows(g, heads) for g in grid8)
-        if arch in _NORM_PLUS_ONE and hf_name.endswith("norm.weight"):
-            array = array - 1  # float32, as transformers' GGUF loader subtracts it
-        weights[hf_name] = array.contiguous()
+        makers[hf_name] = _decoder(tensor, heads, arch in _NORM_PLUS_ONE and hf_name.endswith("norm.weight"))
+        tensor.release()  # the grids read every block's header: all its pages, until it is decoded
         formats[hf_name] = tensor.tensor_type.name
         for found, into in ((grid, grids), (grid8, grids8)):
             if found is not None:
                 into[hf_name] = tuple(torch.from_numpy(np.ascontiguousarray(g)) for g in found)
+    weights = LazyTensors(makers)
     if tokenizer is None:
         tokenizer = gguf_tokenizer(path)
     return Checkpoint(
@@ -227,6 +247,22 @@ def _hf_name(gguf_name: str, arch: str) -> str:
     if not m or m.group(2) not in names:
         raise ValueError(f"unexpected GGUF tensor {gguf_name!r}")
     return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
+
+
+def _decoder(tensor: GGUFTensor, heads: int | None, plus_one: bool) -> Callable[[], torch.Tensor]:
+    """What makes the tensor's transformers values when the model takes it: decoded, its rows un-permuted for
+    `heads` (Llama's q/k), less one (`plus_one`: Gemma's norms, in float32 as transformers' GGUF loader does)."""
+
+    def make() -> torch.Tensor:
+        array = _dense(tensor)
+        tensor.release()
+        if heads is not None:
+            array = _unpermute_rope_rows(array, heads)
+        if plus_one:
+            array = array - 1
+        return array.contiguous()
+
+    return make
 
 
 def _dense(tensor: GGUFTensor) -> torch.Tensor:

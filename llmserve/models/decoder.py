@@ -10,12 +10,13 @@ checkpoint fills every one (`load_weights` refuses one it lacks).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from llmserve.layers.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from llmserve.layers.attention.whole_sequence import WholeSequenceAttention
@@ -251,21 +252,30 @@ class DecoderForCausalLM(nn.Module):
                 return [name.replace(fused_part, p) for p in parts]
         return [name]
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: MutableMapping[str, torch.Tensor],
+                     on_layer_loaded: Callable[[int], None] | None = None) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up. Raises on missing or extra.
-        Consumes `weights`: each tensor is released once copied, so the checkpoint and the model never
-        both exist whole (see `build_model`)."""
-        own = dict(self.named_parameters())
-        remaining = {k.removeprefix("model."): v for k, v in weights.items()}
-        weights.clear()
-        if self.config.tie_word_embeddings:
-            remaining.pop("lm_head.weight", None)
-        for name, param in own.items():
+        Consumes `weights`: each tensor is taken out (a lazy checkpoint's decoded then) and released once copied, so
+        the checkpoint and the model never both exist whole (see `build_model`). `on_layer_loaded(i)`: called once
+        decoder layer i holds all its weights (before the next layer's are read), so that a caller can turn it into
+        what it serves (quantized) while the rest still waits in the file."""
+        names = {k.removeprefix("model."): k for k in weights}
+        if self.config.tie_word_embeddings and "lm_head.weight" in names:
+            del weights[names.pop("lm_head.weight")]
+        # by name, not holding the parameters: a layer replaced by `on_layer_loaded` must free its own
+        order = [name for name, _ in self.named_parameters()]
+        loading = None  # the decoder layer being loaded
+        for name in tqdm(order, desc="Loading weights", unit="tensor", leave=False):
+            layer = int(name.split(".")[1]) if name.startswith("layers.") else None
+            if on_layer_loaded is not None and loading is not None and layer != loading:
+                on_layer_loaded(loading)
+            loading = layer
+            param = self.get_parameter(name)
             sources = self.checkpoint_sources(name)
-            missing = [s for s in sources if s not in remaining]
+            missing = [s for s in sources if s not in names]
             if missing:
                 raise ValueError(f"checkpoint lacks {missing[0]!r}")
-            parts = [remaining.pop(s) for s in sources]
+            parts = [weights.pop(names.pop(s)) for s in sources]
             shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
             if shape != tuple(param.shape):
                 raise ValueError(f"{name}: checkpoint shape {shape} != {tuple(param.shape)}")
@@ -274,7 +284,10 @@ class DecoderForCausalLM(nn.Module):
                 for part in parts:
                     param[row:row + part.shape[0]].copy_(part)
                     row += part.shape[0]
-            del parts
-        extra = [k for k in remaining if "rotary_emb" not in k]
+            del parts, param
+        if on_layer_loaded is not None and loading is not None:
+            on_layer_loaded(loading)
+        extra = [k for k in names if "rotary_emb" not in k]
+        weights.clear()
         if extra:
             raise ValueError(f"checkpoint has tensors the model does not use: {extra[:5]}")

@@ -99,7 +99,7 @@ def _part_fields(part: WeightOnlyLinear) -> tuple[dict[str, torch.Tensor], dict[
 
 
 # a part's large-step product, as the stack names it (decode_layer.cpp, `LargeStepKind`)
-_LARGE_STEP_KINDS = {"dense": 0, "onednn": 1, "amx": 2}
+_LARGE_STEP_KINDS = {"dense": 0, "onednn": 1, "amx": 2, "none": 3}
 # the gate's activation (`ModelConfig.activation`), as the stack names it (decode_layer.cpp, `Activation`)
 _ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 
@@ -107,7 +107,9 @@ _ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 def _large_step_tensors(part: WeightOnlyLinear) -> tuple[torch.Tensor | None, ...]:
     """What the stack's large-step product reads: smooth_inv, the weight, its scales, and zero points (oneDNN's)
     or compensation (the AMX kernel's); for the dense product only the weight, oneDNN's packed copy where it has one
-    (the plain one may be released)."""
+    (the plain one may be released); none where the small-step kernel takes every step."""
+    if part.large_step_kernel == "none":
+        return None, None, None, None
     if part.large_step_kernel == "amx":
         return part.smooth_inv, part.int8_amx_packed, part.int8_scales, part.int8_compensation
     if part.large_step_kernel == "onednn":

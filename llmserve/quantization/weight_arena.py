@@ -13,10 +13,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmserve.engine.heap import trim_heap
 from llmserve.os_pages import anonymous_pages
 
 HUGE_PAGE = 2 << 20
 _ALIGN = 64  # each tensor starts on a cache line, as the allocator's do
+# the heap's freed pages handed back after each this many bytes copied: the originals lie among other chunks, where
+# glibc keeps them resident (engine/heap.py), and the arena would otherwise add all of them to the start's peak
+_TRIM_EVERY = 64 << 20
 
 
 def streamed_weights(model: nn.Module) -> list[tuple[nn.Module, str]]:
@@ -30,19 +34,26 @@ def streamed_weights(model: nn.Module) -> list[tuple[nn.Module, str]]:
 def place_on_huge_pages(model: nn.Module) -> int:
     """Copy the streamed weights into one anonymous private mapping advised MADV_HUGEPAGE and make each buffer a
     view of it (the arena lives as long as any view does); returns the bytes placed. Each original is released
-    as its copy is made, so memory grows by one tensor at most. Raises OSError, before any buffer has moved, where
+    as its copy is made and the heap trimmed every `_TRIM_EVERY` bytes, so memory grows by that much at most. Raises
+    OSError, before any buffer has moved, where
     the mapping or the advice is refused."""
     entries = streamed_weights(model)
     sizes = [_aligned(getattr(module, name).nbytes, _ALIGN) for module, name in entries]
     total = _aligned(sum(sizes), HUGE_PAGE)
     arena = anonymous_pages(total + HUGE_PAGE, huge_pages=True)
     offset = -arena.data_ptr() % HUGE_PAGE
+    since_trim = 0
     for (module, name), size in zip(entries, sizes, strict=True):
         tensor = module._buffers[name]
         view = arena[offset : offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
         view.copy_(tensor)
         module._buffers[name] = view
+        del tensor
         offset += size
+        since_trim += size
+        if since_trim >= _TRIM_EVERY:
+            trim_heap()
+            since_trim = 0
     return sum(sizes)
 
 

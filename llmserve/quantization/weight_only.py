@@ -16,6 +16,7 @@ becomes a `StackedLinear`: one layer per run of rows of one format, each computi
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -36,6 +37,9 @@ Q8_MAX_TOKENS = 32
 # --amx-int8`). Quality: what every step int8 x int8 costs over int4 ("Weight quantization quality") bounds what
 # this costs.
 AMX_MIN_TOKENS = 9
+# A layer whose small-step kernel takes every step (the plan's quantized large steps): the largest int64, as the
+# one-call decode stack reads it. Such a layer keeps no dense copy of its weight.
+EVERY_STEP = 2**63 - 1
 
 
 class WeightOnlyLinear(nn.Module):
@@ -43,7 +47,9 @@ class WeightOnlyLinear(nn.Module):
 
     Two products, chosen once when the layer is built: the format's small-step kernel (steps of at most
     `max_quantized_tokens` tokens) and the large-step product (the exact dequantized weight, or int8 x int8
-    once `use_int8_activations` ran). A call only picks between the two by its token count."""
+    once `use_int8_activations` ran). A call only picks between the two by its token count. With
+    `max_quantized_tokens=EVERY_STEP` the small-step kernel takes every step and there is no large-step product:
+    one copy of the weight, and a token's output the same bits whatever the step's other rows."""
 
     def __init__(self, weight: torch.Tensor, method: str, native_kernels: bool = False,
                  max_quantized_tokens: int | None = None, bias: torch.Tensor | None = None,
@@ -64,8 +70,12 @@ class WeightOnlyLinear(nn.Module):
         self.max_quantized_tokens = max_quantized_tokens or form.spec.small_step_tokens
         out_features, in_features = weight.shape
         self.native = native_kernels and form.native_packs(out_features, in_features)
+        # the native kernel takes every step: no dense copy (nor its making, where the format can skip it)
+        every_step = self.max_quantized_tokens >= EVERY_STEP and self.native
+        if self.max_quantized_tokens >= EVERY_STEP and not self.native:  # PyTorch's kernel: its own crossover
+            self.max_quantized_tokens = form.spec.small_step_tokens
         with torch.no_grad():
-            prepared = form.prepare(weight, grid, self.native)
+            prepared = form.prepare(weight, grid, self.native, dense=not every_step)
         self.layout = prepared.layout
         # the small-step kernel's weight and scales: the native layout, or PyTorch's
         self.register_buffer("qweight", prepared.qweight)
@@ -74,8 +84,9 @@ class WeightOnlyLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
         # (none where the format keeps a file grid PyTorch's kernel cannot read: every step the dense product)
         self._small_step = None if prepared.qweight is None else form.small_step(self.native)
-        # the large-step path: the quantized values themselves, in the model dtype
-        self.register_buffer("weight", prepared.dequantized.to(weight.dtype))
+        # the large-step path: the quantized values themselves, in the model dtype (none where the small-step kernel
+        # takes every step)
+        self.register_buffer("weight", None if every_step else prepared.dequantized.to(weight.dtype))
         self.packed: torch.Tensor | None = None  # its oneDNN-packed copy, once `prepack_linears` made one
         self._large_step = dense_linear
         # or, once `use_int8_activations` ran, the large-step path is int8 x int8 (see int8_activations.py)
@@ -110,9 +121,10 @@ class WeightOnlyLinear(nn.Module):
 
     @property
     def large_step_kernel(self) -> str:
-        """The large-step product: "dense" (the dequantized weight), or int8 x int8 on "onednn" or "amx"."""
+        """The large-step product: "dense" (the dequantized weight), int8 x int8 on "onednn" or "amx", or "none"
+        (the small-step kernel takes every step)."""
         if not self.uses_int8_activations:
-            return "dense"
+            return "none" if self.weight is None and self.packed is None else "dense"
         return "amx" if self.int8_amx_packed is not None else "onednn"
 
     def int8_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -147,43 +159,88 @@ def layer_format(weights: str, sources: list[str], grids: Grids | None) -> tuple
     return last, _fused_grid(grids.get(last, {}), sources)
 
 
-def quantize_model(model: nn.Module, method: str, native_kernels: bool = False,
-                   max_quantized_tokens: int | None = None, grids: Grids | None = None, head: str = "int8",
-                   activation_parts: int = 2) -> nn.Module:
-    """Replace every `nn.Linear` of the decoder layers by a `WeightOnlyLinear` (its bias, if any, kept), and
-    give the output head `head` weights, int8 unless asked (its logits rank every token; a speculative draft
-    takes int4), a tied embedding staying as it is (a lookup reads one row).
+@dataclass
+class ModelQuantizer:
+    """How a model's linears become `WeightOnlyLinear`s: the decoder layers' (each `nn.Linear`, its bias kept) and
+    the output head, `head` weights, int8 unless asked (its logits rank every token; a speculative draft takes
+    int4), a tied embedding staying as it is (a lookup reads one row). One layer at a time (`layer`), so that a
+    model can be quantized as it loads (`build_model`'s `on_layer_loaded`): its dense weights never all exist.
+
     `method`: a registered format or a mix of them ("int4+int8": int4 where the file stored the weight on a 4-bit
     grid, int8 where it stored more bits). `native_kernels`: the caller has loaded `llmserve.kernels`; small steps
-    use them. `max_quantized_tokens`: the largest step the small-step kernels take (default and ceiling:
-    the layer's method's, Q8_MAX_TOKENS on Q8_0 inputs). `grids`: the checkpoint's own grids (`Checkpoint.grids`,
-    Hugging Face names), which each format keeps (an int8 head only a Q6_K one: `head_grid`). `activation_parts`: the
-    native kernels' small-step inputs (see `WeightOnlyLinear`)."""
-    grids = {m: {k.removeprefix("model."): v for k, v in found.items()} for m, found in (grids or {}).items()}
+    use them. `max_quantized_tokens`: the largest step the small-step kernels take (default and ceiling: the layer's
+    method's, Q8_MAX_TOKENS on Q8_0 inputs). `grids`: the checkpoint's own grids (`Checkpoint.grids`, Hugging Face
+    names), which each format keeps (an int8 head only a Q6_K one: `head_grid`). `activation_parts`: the native
+    kernels' small-step inputs (see `WeightOnlyLinear`). `every_step`: the native kernels take every step, output
+    head included (`EVERY_STEP`; `max_quantized_tokens` is then ignored)."""
 
-    def quantized(weight: torch.Tensor, bias: torch.Tensor | None, sources: list[str]) -> WeightOnlyLinear:
-        layer_method, grid = layer_format(method, sources, grids)
-        return WeightOnlyLinear(weight, layer_method, native_kernels,
-                                small_step_cap(layer_method, max_quantized_tokens, activation_parts),
-                                bias, grid, activation_parts)
+    method: str
+    native_kernels: bool = False
+    max_quantized_tokens: int | None = None
+    grids: Grids | None = None
+    head: str = "int8"
+    activation_parts: int = 2
+    every_step: bool = False
 
-    for prefix, module in list(model.layers.named_modules(prefix="layers")):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
+    def __post_init__(self) -> None:
+        self.grids = {m: {k.removeprefix("model."): v for k, v in found.items()}
+                      for m, found in (self.grids or {}).items()}
+
+    def _cap(self, layer_method: str) -> int:
+        return EVERY_STEP if self.every_step else small_step_cap(layer_method, self.max_quantized_tokens,
+                                                                 self.activation_parts)
+
+    def _quantized(self, weight: torch.Tensor, bias: torch.Tensor | None, sources: list[str]) -> WeightOnlyLinear:
+        layer_method, grid = layer_format(self.method, sources, self.grids)
+        return WeightOnlyLinear(weight, layer_method, self.native_kernels, self._cap(layer_method), bias, grid,
+                                self.activation_parts)
+
+    def layer(self, model: nn.Module, index: int) -> None:
+        """Decoder layer `index`'s linears."""
+        for prefix, module in list(model.layers[index].named_modules(prefix=f"layers.{index}")):
+            for child_name, child in list(module.named_children()):
+                if not isinstance(child, nn.Linear):
+                    continue
                 sources = model.checkpoint_sources(f"{prefix}.{child_name}.weight")
                 runs = _format_runs(sources, module.source_rows(child_name),
-                                    lambda s: _source_format(method, s, grids))
+                                    lambda s: _source_format(self.method, s, self.grids))
                 if len(runs) == 1:
-                    setattr(module, child_name, quantized(child.weight, child.bias, sources))
+                    setattr(module, child_name, self._quantized(child.weight, child.bias, sources))
                 else:  # rows the file stored in different formats: each run of rows in its own
                     setattr(module, child_name, StackedLinear([
-                        quantized(child.weight[rows], None if child.bias is None else child.bias[rows], run)
+                        self._quantized(child.weight[rows], None if child.bias is None else child.bias[rows], run)
                         for run, rows in runs]))
-    head_source = "embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
-    model.lm_head = WeightOnlyLinear(model.lm_head.weight, head, native_kernels,
-                                     small_step_cap(head, max_quantized_tokens, activation_parts),
-                                     grid=head_grid(head, grids, head_source), activation_parts=activation_parts)
-    return model
+                self._forget(sources)
+
+    def output_head(self, model: nn.Module) -> None:
+        source = "embed_tokens.weight" if model.config.tie_word_embeddings else "lm_head.weight"
+        model.lm_head = WeightOnlyLinear(model.lm_head.weight, self.head, self.native_kernels, self._cap(self.head),
+                                         grid=head_grid(self.head, self.grids, source),
+                                         activation_parts=self.activation_parts)
+        self._forget([source])
+
+    def _forget(self, sources: list[str]) -> None:
+        """Drop the grids of weights already quantized: where the quantizer holds the only references (the
+        checkpoint let go of them, as a model quantized while it loads does), a 1.5B model's int4 grids are 0.3 GB
+        of its start's peak."""
+        for found in self.grids.values():
+            for source in sources:
+                found.pop(source, None)
+
+    def __call__(self, model: nn.Module) -> nn.Module:
+        """The whole model's, layers and head."""
+        for index in range(len(model.layers)):
+            self.layer(model, index)
+        self.output_head(model)
+        return model
+
+
+def quantize_model(model: nn.Module, method: str, native_kernels: bool = False,
+                   max_quantized_tokens: int | None = None, grids: Grids | None = None, head: str = "int8",
+                   activation_parts: int = 2, every_step: bool = False) -> nn.Module:
+    """Every linear of a loaded model quantized (see `ModelQuantizer` for the arguments)."""
+    return ModelQuantizer(method, native_kernels, max_quantized_tokens, grids, head, activation_parts,
+                          every_step)(model)
 
 
 def head_grid(head: str, grids: Grids, source: str) -> tuple[torch.Tensor, ...] | None:

@@ -145,7 +145,7 @@ def test_a_dead_rank_stops_the_engine_in_bounded_time_and_leaves_no_process(tiny
 @pytest.mark.parametrize(("options", "needle"), [
     (dict(tensor_parallel_size=3), "does not divide the model's 4 attention heads"),
     (dict(tensor_parallel_size=2, quantization="awq"), "llmserve quantize"),
-    (dict(tensor_parallel_size=2, quantization="int4", int8_activations=True), "calibrated in one process"),
+    (dict(tensor_parallel_size=2, quantization="int4", large_steps="int8"), "calibrated in one process"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be >= 1"),
 ])
 def test_what_cannot_be_sharded_is_refused_before_anything_starts(tiny, options, needle):

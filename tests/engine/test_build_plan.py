@@ -36,7 +36,7 @@ def _plan(formats, **options):
 def test_a_4_bit_file_runs_on_the_int4_path_by_default():
     plan = _plan(_formats("Q4_1"))
     assert plan.weights == "int4" and "Q4_1" in plan.reasons["weights"]
-    assert plan.int8_activations == cpu_has_vnni()
+    assert not plan.int8_activations and plan.large_steps == _auto_large_steps()
     assert "int4" in plan.describe() and "build plan" in plan.describe()
     assert _plan(_formats("Q4_0", down="Q4_1")).weights == "int4"
     assert _plan(_formats("Q4_K")).weights == "int4"
@@ -47,7 +47,7 @@ def test_a_mostly_4_bit_k_quant_mix_runs_int4_and_int8():
     int8 holds every wider tensor's values (Q6_K, Q8_0, Q5_0: Qwen2.5-Coder-0.5B's Q4_K_M is mostly Q5_0)."""
     plan = _plan(_formats("Q4_K", down="Q6_K"))
     assert plan.weights == "int4+int8" and "Q6_K" in plan.reasons["weights"]
-    assert not plan.int8_activations  # they would cost quality here
+    assert not plan.int8_activations  # they would cost quality here (auto never picks them)
     # decode steps as one native call, as far as the int8 layers' kernel takes a step: with Q8_0 inputs (the
     # default there) as far as int4's, with ~16-bit ones 8 tokens
     sixteen_bit = _plan(_formats("Q4_K", down="Q6_K"), q8_activations=False)
@@ -73,15 +73,19 @@ def test_every_decode_step_is_one_call_where_the_stack_runs():
         pytest.skip("no one-call decode stack on this CPU")
     assert [plan.step_route(True, n, False) for n in (1, 16, 17, 256)] == ["fused"] * 4
     assert plan.step_route(False, 17, False) == "eager"  # prompt tokens: layer by layer
-    # (16 tokens; 8 where AMX takes the products from 9)
-    large = f"int8 x int8 ({plan.int8_products})" if plan.int8_activations else "dense"
-    assert f"one native call ({large} products past {plan.fused_decode_max_tokens} tokens)" in plan.describe()
+    # auto: the small-step kernels take every size, so the call has no large-step product to name
+    assert plan.large_steps == "quantized" and "one native call;" in plan.describe()
+    int8 = _plan(_formats("Q4_1"), large_steps="int8") if cpu_has_vnni() else None
+    if int8 is not None:  # (16 tokens; 8 where AMX takes the products from 9)
+        assert (f"one native call (int8 x int8 ({int8.int8_products}) past {int8.fused_decode_max_tokens} tokens)"
+                in int8.describe())
     compiled = _plan(_formats("Q4_1"), compile=True)
     assert compiled.compile == "off" and "nothing is left for --compile" in compiled.reasons["decode steps"]
-    dense = _plan(_formats("Q4_1"), int8_activations=False, compile=True)
+    dense = _plan(_formats("Q4_1"), large_steps="dense", compile=True)
     assert dense.fused_decode_max_tokens == 16 and dense.compile == "off"
     assert [dense.step_route(True, n, False) for n in (16, 17)] == ["fused", "fused"]
     assert "one native call (dense products past 16 tokens)" in dense.describe()
+    assert not dense.batch_invariant and plan.batch_invariant
     # without the stack (PyTorch's kernels) --compile still compiles the decode steps
     assert _plan(_formats("Q4_1"), kernels="torch", compile=True).compile == "layers"
 
@@ -91,7 +95,7 @@ def test_a_file_int8_holds_runs_int8(formats):
     """Q8_0, Q5_0 and Q6_K values are an integer int8 holds times the file's own scales: int8 keeps them all."""
     plan = _plan(formats)
     assert plan.weights == "int8" and "on a grid int8 holds" in plan.reasons["weights"]
-    assert not plan.int8_activations  # the auto rule keeps those to 4-bit files
+    assert not plan.int8_activations and plan.large_steps == _auto_large_steps()
 
 
 @pytest.mark.parametrize("formats", [_formats("Q5_1"), _formats("Q5_K", down="Q6_K"), _formats("F16"), None])
@@ -104,27 +108,53 @@ def test_choices_asked_for_win():
     assert _plan(_formats("Q4_1"), quantization="none").weights == "as loaded"
     explicit = _plan(_formats("Q5_0"), quantization="int4")
     assert explicit.weights == "int4" and not explicit.int8_activations  # int8 activations only when asked
-    assert _plan(_formats("Q4_1"), int8_activations=False).int8_activations is False
+    assert _plan(_formats("Q4_1"), large_steps="dense").large_steps == "dense"
     if cpu_has_vnni():
-        assert _plan(_formats("Q5_0"), quantization="int8", int8_activations=True).int8_activations
-    with pytest.raises(ValueError, match="int8_activations"):
-        engine_config(quantization="none", int8_activations=True)
-    with pytest.raises(ValueError, match="int8_activations needs quantized weights"):  # auto kept a Q5_K file
-        _plan(_formats("Q5_K"), int8_activations=True)
+        assert _plan(_formats("Q5_0"), quantization="int8", large_steps="int8").int8_activations
+    with pytest.raises(ValueError, match="large_steps='int8' needs quantization"):
+        engine_config(quantization="none", large_steps="int8")
+    with pytest.raises(ValueError, match="large_steps='int8' needs quantized weights"):  # auto kept a Q5_K file
+        _plan(_formats("Q5_K"), large_steps="int8")
+    with pytest.raises(ValueError, match="large_steps must be one of"):
+        engine_config(large_steps="fast")
 
 
 @pytest.mark.parametrize("vnni", [True, False])
 def test_int8_activations_need_vnni(monkeypatch, vnni):
     """Without VNNI oneDNN's uint8 x int8 product saturates its int16 pair sums (on an AVX2-only AMD EPYC,
     tests/kernels/test_int8_gemm.py's first case: -8.50 for -5.48): asked for, int8 activations are refused
-    there, and auto never picks them."""
+    there (auto never picks them: it takes the quantized kernels at every size)."""
     monkeypatch.setattr(build_plan, "cpu_has_vnni", lambda: vnni)
-    assert _plan(_formats("Q4_1")).int8_activations == vnni
+    assert not _plan(_formats("Q4_1")).int8_activations
     if vnni:
-        assert _plan(_formats("Q4_1"), int8_activations=True).int8_activations
+        assert _plan(_formats("Q4_1"), large_steps="int8").int8_activations
     else:
         with pytest.raises(ValueError, match="needs a CPU with VNNI"):
-            _plan(_formats("Q4_1"), int8_activations=True)
+            _plan(_formats("Q4_1"), large_steps="int8")
+
+
+def _auto_large_steps() -> str:
+    from llmserve.kernels import load_cpu_kernels, native_quantized_kernels
+
+    return "quantized" if load_cpu_kernels() and native_quantized_kernels() else "dense"
+
+
+def test_large_steps_by_default_on_the_quantized_kernels():
+    """auto: where the native kernels run, every step of a quantized model multiplies on them (no second copy of
+    the weights, the same bits for a token at every step size), and the plan says the steps are batch-invariant;
+    elsewhere the large steps are dense and it says they are not."""
+    for formats in (_formats("Q4_1"), _formats("Q4_K", down="Q6_K"), _formats("Q8_0")):
+        plan = _plan(formats)
+        assert plan.large_steps == _auto_large_steps()
+        assert plan.batch_invariant == (plan.large_steps == "quantized" and plan.attention == "native")
+        if plan.batch_invariant:
+            assert "no second copy" in plan.describe() and "whatever else its step holds" in plan.describe()
+    torch_kernels = _plan(_formats("Q4_1"), kernels="torch")
+    assert torch_kernels.large_steps == "dense" and not torch_kernels.batch_invariant
+    assert "round by the step's size" in torch_kernels.reasons["determinism"]
+    if _auto_large_steps() == "dense":
+        with pytest.raises(ValueError, match="needs llmserve's native quantized kernels"):
+            _plan(_formats("Q4_1"), large_steps="quantized")
 
 
 def test_a_draft_runs_the_fastest_weights_head_included():
@@ -156,13 +186,13 @@ def test_q8_inputs_by_default_for_a_k_quant_mix():
     mix = _plan(_formats("Q4_K", down="Q6_K"))
     assert mix.activation_parts == (1 if native else 2)
     assert mix.small_step_max_tokens == (Q8_MAX_TOKENS if native else small_step_tokens("int4+int8"))
-    four_bit = _plan(_formats("Q4_1"), int8_activations=False)
+    four_bit = _plan(_formats("Q4_1"), large_steps="dense")
     assert (four_bit.activation_parts, four_bit.small_step_max_tokens) == (2, small_step_tokens("int4"))
     assert "as Q8_0" not in four_bit.describe()
     if native:
         assert "Q8_0" in mix.describe() and "K-quant mix" in mix.reasons["small steps"]
         assert "SmolLM2" in four_bit.reasons["small steps"]
-        asked = _plan(_formats("Q4_1"), int8_activations=False, q8_activations=True)
+        asked = _plan(_formats("Q4_1"), large_steps="dense", q8_activations=True)
         assert (asked.activation_parts, asked.small_step_max_tokens) == (1, Q8_MAX_TOKENS)
         assert "as asked" in asked.reasons["small steps"]
         assert _plan(_formats("Q4_1"), draft=True).activation_parts == 1
@@ -234,7 +264,7 @@ def test_the_device_is_a_gpu_where_there_is_one(monkeypatch):
     plan = _plan(_formats("Q4_1"))
     assert plan.device == "cuda" and plan.cuda_graph_max_tokens == 64 and plan.reasons["device"] == "auto: NVIDIA H200"
     asks = [{"quantization": "int4"}, {"kernels": "native"}, {"tensor_parallel_size": 3}]
-    for cpu_only in asks + ([{"int8_activations": True}] if cpu_has_vnni() else []):  # else refused on this CPU
+    for cpu_only in asks + ([{"large_steps": "int8"}] if cpu_has_vnni() else []):  # else refused on this CPU
         assert _plan(_formats("Q4_1"), **cpu_only).device == "cpu", cpu_only
     assert _plan(_formats("Q4_1"), device="cpu").device == "cpu"  # as asked
 

@@ -30,17 +30,18 @@ def test_fused_decode_equals_the_layer_by_layer_native_ops(dtype, kv_cache_dtype
         temperature=0, max_tokens=12, ignore_eos=True, logprobs=5))
 
 
-@pytest.mark.parametrize(("int8_activations", "dtype"), [pytest.param(True, "bfloat16", marks=pytest.mark.modes),
-                                                          (False, "bfloat16"),
-                                                          pytest.param(False, "float32", marks=pytest.mark.modes)])
-def test_larger_decode_steps_run_inside_the_one_call(int8_activations, dtype):
-    """Past the int4 kernel's tokens a step's products are the layers' large-step ones: int8 x int8 (oneDNN's, or our
-    AMX kernel's) or dense on the quantized values (oneDNN's packed bf16 weight; the plain float32 one): the call
-    makes them through the same ops in the same order as the layers do, so the same bits. (Prefix caching off: a
-    second run would otherwise prefill after cached blocks, which rounds differently from a whole prompt.)"""
-    if int8_activations and not cpu_has_vnni():
+@pytest.mark.parametrize(("large_steps", "dtype"), [pytest.param("int8", "bfloat16", marks=pytest.mark.modes),
+                                                     ("dense", "bfloat16"), ("quantized", "bfloat16"),
+                                                     pytest.param("dense", "float32", marks=pytest.mark.modes)])
+def test_larger_decode_steps_run_inside_the_one_call(large_steps, dtype):
+    """Past the int4 kernel's crossover a step's products are the layers' large-step ones: int8 x int8 (oneDNN's, or
+    our AMX kernel's), dense on the quantized values (oneDNN's packed bf16 weight; the plain float32 one), or the
+    int4 kernel itself: the call makes them through the same ops in the same order as the layers do, so the same
+    bits. (Prefix caching off: a second run would otherwise prefill after cached blocks, which rounds differently
+    from a whole prompt where large steps are not the quantized kernels.)"""
+    if large_steps == "int8" and not cpu_has_vnni():
         pytest.skip("int8 activations need VNNI (AVX512-VNNI, AVX-VNNI or AMX)")
-    llm = LLM(dtype=dtype, quantization="int4", int8_activations=int8_activations, kv_cache_memory_gb=0.25,
+    llm = LLM(dtype=dtype, quantization="int4", large_steps=large_steps, kv_cache_memory_gb=0.25,
               max_model_len=512, max_num_seqs=32, enable_prefix_caching=False, speculative_config="off")
     runner = llm.engine.runner
     assert runner.plan.fused_decode_max_tokens in (8, 16)  # 8 where AMX runs 9+
@@ -63,7 +64,7 @@ def test_qwen_fused_decode_equals_the_layer_by_layer_native_ops(method, q8):
     steps, the bias inside oneDNN's product): the same bits."""
     if installed_path(PARTED_MODELS[QWEN]) is None:
         pytest.skip(f"{QWEN} is not assembled here (`llmserve download {QWEN}`; setup does it)")
-    llm = LLM(QWEN, dtype="bfloat16", quantization=method, int8_activations=False, q8_activations=q8,
+    llm = LLM(QWEN, dtype="bfloat16", quantization=method, large_steps="dense", q8_activations=q8,
               kv_cache_memory_gb=0.25, max_model_len=1024, max_num_seqs=10, enable_prefix_caching=False)
     runner = llm.engine.runner
     linears = [m for m in runner.model.layers.modules() if isinstance(m, WeightOnlyLinear)]
@@ -129,7 +130,8 @@ def test_the_stack_refuses_mismatched_layers():
         made.add_layer({"input_norm": norm, "post_norm": norm, "k_cache": cache, "v_cache": cache, **(layer or {})},
                        layer_sizes or {})
         for name, count in (linears or rows).items():
-            made.add_part(name, {"weight": norm, "large_weight": norm, **(part or {})},
+            tensors = {"weight": norm, "large_weight": norm, **(part or {})}  # None: the field left out
+            made.add_part(name, {k: t for k, t in tensors.items() if t is not None},
                           {"rows": count, "activation_parts": 2, "small_max_tokens": 16, "large_kind": 0,
                            **(sizes or {})})
         if finish:
@@ -145,8 +147,15 @@ def test_the_stack_refuses_mismatched_layers():
         stack(linears={**rows, "mlp": 16})
     with pytest.raises(RuntimeError, match="four linears"):
         stack(linears={"qkv": rows["qkv"], "o": 16, "down": 16})
-    with pytest.raises(RuntimeError, match="unknown large step 3"):
-        stack(sizes={"large_kind": 3})
+    with pytest.raises(RuntimeError, match="unknown large step 4"):
+        stack(sizes={"large_kind": 4})
+    # no large step (3): every step on the part's own kernel, and no large-step weight to go with it
+    every_step = {"large_kind": 3, "small_max_tokens": 2**63 - 1}
+    stack(sizes=every_step, part={"large_weight": None})
+    with pytest.raises(RuntimeError, match="takes every step on its own kernel"):
+        stack(sizes=every_step)
+    with pytest.raises(RuntimeError, match="takes every step on its own kernel"):
+        stack(sizes={"large_kind": 3}, part={"large_weight": None})
     with pytest.raises(RuntimeError, match="needs its large-step weight"):
         stack(part={"large_weight": torch.empty(0)})
     with pytest.raises(RuntimeError, match="one value per row"):

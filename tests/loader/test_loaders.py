@@ -64,3 +64,21 @@ def test_a_4_bit_tensor_s_grid_gives_back_its_values(path):
         assert q.min() >= 0 and q.max() <= 15
         np.testing.assert_array_equal(q * scale[..., None] + low[..., None], groups)
     assert seen  # each file has 4-bit tensors
+
+
+def test_a_gguf_s_tensors_are_decoded_only_when_taken(model_path):
+    """`Checkpoint.weights` of a GGUF decodes each tensor as it is taken (the start's peak holds one decoded tensor,
+    not the float32 model), the same values every time; taking one removes it."""
+    from llmserve.loader.checkpoint import LazyTensors
+    from llmserve.loader.gguf import _dense, read_tensors
+
+    ckpt = load_checkpoint(None)
+    assert isinstance(ckpt.weights, LazyTensors) and len(ckpt.weights) == len(read_tensors(model_path))
+    name = "model.layers.3.mlp.down_proj.weight"
+    first = ckpt.weights[name]
+    assert first.dtype == torch.float32 and torch.equal(first, ckpt.weights[name])
+    [raw] = [t for t in read_tensors(model_path) if t.name == "blk.3.ffn_down.weight"]
+    assert torch.equal(first, _dense(raw))
+    assert torch.equal(ckpt.weights.pop(name), first) and name not in ckpt.weights
+    ckpt.weights.clear()
+    assert not ckpt.weights

@@ -227,7 +227,7 @@ def test_served_checkpoint_equals_the_model_that_wrote_it(written, tiny_one_laye
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a village"]
     writer = LLM(str(tiny_one_layer), quantization="awq", kv_cache_memory_gb=0.05)
-    served = LLM(str(written), kv_cache_memory_gb=0.05, int8_activations=False)  # auto: int4, not re-searched
+    served = LLM(str(written), kv_cache_memory_gb=0.05, large_steps="dense")  # auto: int4, not re-searched
     assert served.engine.plan.weights == writer.engine.plan.weights == "int4"
     for a, b in zip(writer.engine.runner.model.modules(), served.engine.runner.model.modules(), strict=True):
         if isinstance(a, WeightOnlyLinear):

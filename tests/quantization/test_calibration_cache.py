@@ -18,7 +18,7 @@ from llmserve.quantization.weight_only import WeightOnlyLinear
 
 pytestmark = pytest.mark.skipif(not cpu_has_vnni(), reason="int8 activations need VNNI; the build plan refuses them")
 
-OPTIONS = dict(quantization="int4", int8_activations=True, max_model_len=512)
+OPTIONS = dict(quantization="int4", large_steps="int8", max_model_len=512)
 FROM_CACHE = "from the cache of an earlier start"
 
 

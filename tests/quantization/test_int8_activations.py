@@ -104,8 +104,8 @@ def test_calibration_text_is_varied_prompts():
 
 
 def test_int8_activations_need_quantization():
-    with pytest.raises(ValueError, match="int8_activations needs quantization"):
-        ModelConfig(quantization="none", int8_activations=True)
+    with pytest.raises(ValueError, match="needs quantization"):
+        ModelConfig(quantization="none", large_steps="int8")
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +122,7 @@ WHOLE_PROMPTS = {"long_prefill_token_threshold": 512, "max_num_batched_tokens": 
 
 @NEEDS_VNNI
 def test_engine_matches_transformers_computing_the_same_way(hf_model, long_prompts):
-    llm = LLM(dtype="float32", quantization="int4", int8_activations=True, kv_cache_memory_gb=0.25,
+    llm = LLM(dtype="float32", quantization="int4", large_steps="int8", kv_cache_memory_gb=0.25,
               max_model_len=2048, **WHOLE_PROMPTS)
     served = llm.engine.runner.model
     assert all(m.uses_int8_activations for m in served.layers.modules() if isinstance(m, WeightOnlyLinear))
@@ -136,7 +136,7 @@ def test_engine_matches_transformers_computing_the_same_way(hf_model, long_promp
 @pytest.mark.compile
 @NEEDS_VNNI
 def test_compiled_decode_batches_run_int8_too(hf_model, long_prompts):
-    llm = LLM(dtype="float32", quantization="int4", int8_activations=True, compile=True, kv_cache_memory_gb=0.25,
+    llm = LLM(dtype="float32", quantization="int4", large_steps="int8", compile=True, kv_cache_memory_gb=0.25,
               max_model_len=2048, **WHOLE_PROMPTS)
     # 24 sequences: every step carries more than 16 tokens, so every projection is int8 x int8
     prompts = long_prompts * 6

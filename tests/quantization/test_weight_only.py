@@ -188,7 +188,7 @@ def test_q8_inputs_engine_matches_transformers_on_their_levels(hf_model, prompt_
     # minimums, so the reference splits each weight as the file does
     ref = q8_input_reference(hf_model, "int4", load_checkpoint(None).grids)
     references = [_greedy_with_logits(ref, ids, 32) for ids in prompts]
-    llm = LLM(dtype="float32", quantization="int4", q8_activations=True, kv_cache_memory_gb=0.25,
+    llm = LLM(dtype="float32", quantization="int4", q8_activations=True, large_steps="dense", kv_cache_memory_gb=0.25,
               max_model_len=2048, long_prefill_token_threshold=512, max_num_batched_tokens=4096)
     assert llm.engine.plan.activation_parts == 1 and llm.engine.runner.fused_stack is not None
     int4 = [m for m in llm.engine.runner.model.layers.modules() if isinstance(m, WeightOnlyLinear)]

@@ -19,6 +19,10 @@ class AttentionBackend:
 
     # whether `decode_metadata` reads `head_rows` (each request's (block, KV head) rows): built only for those that do
     gathers_head_rows = True
+    # every prompt token attends as a decode row of its own (`attention_metadata`), so that a query's result does
+    # not depend on how its prompt was chunked or cached, or on the rest of its step (a backend whose decode path
+    # is batch-invariant sets it; see NativeAttention.take_prompt_tokens_as_decodes)
+    prompt_tokens_as_decodes = False
 
     @classmethod
     def unavailable(cls, device: str, native_kernels: bool) -> str | None:

@@ -104,6 +104,11 @@ def attention_metadata(
     else:
         write_slots = cache_slots(block_table[row_of_token, positions // bs], positions, bs,
                                   num_kv_heads).flatten().to(device)
+    if backend.prompt_tokens_as_decodes and num_decodes < len(counts):
+        # every token a decode row of its own: its request's block table, its own context (through itself)
+        table = padded_tables(tables, torch.int32, min_width=2)[row_of_token]
+        decodes = DecodeBatch(len(positions), table.to(device), (positions + 1).to(torch.int32).to(device))
+        return AttentionMetadata(write_slots, decodes, [])
     head_rows = cache_rows(block_table, num_kv_heads) if backend.gathers_head_rows or continued else None
     decodes = backend.decode_metadata(tables[:num_decodes], head_rows, starts[:num_decodes], bs, num_heads, dtype,
                                       device)

@@ -39,6 +39,12 @@ class NativeAttention(AttentionBackend):
             return _native_decode(q, k_cache, v_cache, meta.decodes, scale, window)
         return self._mixed(q, k, v, k_cache, v_cache, meta, scale, window)
 
+    def take_prompt_tokens_as_decodes(self) -> None:
+        """Every prompt token a decode row on the kernel, which splits a context where the context alone decides
+        (attention_common.h, `split_contexts`): a query's bits do not depend on its prompt's chunking, on cached
+        blocks or on the rest of its step, as SDPA's blocking of a chunk does (the build plan's determinism)."""
+        self.prompt_tokens_as_decodes = True
+
     def stay_eager_in_compiled_graphs(self) -> None:
         """Only a step with prompt tokens: its data-dependent Python runs eagerly (a graph break); a decode-only
         step's two custom ops stay inside the graph."""

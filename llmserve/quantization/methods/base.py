@@ -25,7 +25,9 @@ class PreparedWeight(NamedTuple):
 
     qweight: torch.Tensor | None  # the small-step kernel's weight (None: every step takes the large-step product)
     scales: torch.Tensor | None  # its row scales where the kernel reads any
-    dequantized: torch.Tensor  # the exact values the products compute with, for the large-step product
+    # the exact values the products compute with, for the large-step product (None where not asked for and the
+    # format saves making them)
+    dequantized: torch.Tensor | None
     layout: str  # how the kernel holds them: for logs and tests ("groups of 32", "super-blocks", "per row",
     # "six-bit", "grouped")
 
@@ -45,9 +47,11 @@ class LinearMethod(ABC):
         """Whether the native small-step kernel takes a weight of this shape."""
 
     @abstractmethod
-    def prepare(self, weight: torch.Tensor, grid: tuple[torch.Tensor, ...] | None, native: bool) -> PreparedWeight:
+    def prepare(self, weight: torch.Tensor, grid: tuple[torch.Tensor, ...] | None, native: bool,
+                dense: bool = True) -> PreparedWeight:
         """The weight in this format: on the file's own `grid` where it has one that gives this weight's values, else
-        fitted to it. `native`: for the native kernel's layout (the caller loaded the kernels, and `native_packs`)."""
+        fitted to it. `native`: for the native kernel's layout (the caller loaded the kernels, and `native_packs`).
+        `dense`: the caller keeps the dequantized values (else a format may leave them out)."""
 
     @abstractmethod
     def small_step(self, native: bool) -> SmallStep:

@@ -25,7 +25,9 @@ class Int4Method(LinearMethod):
     def native_packs(self, out_features: int, in_features: int) -> bool:
         return int4_packs(out_features, in_features)
 
-    def prepare(self, weight: torch.Tensor, grid: tuple[torch.Tensor, ...] | None, native: bool) -> PreparedWeight:
+    def prepare(self, weight: torch.Tensor, grid: tuple[torch.Tensor, ...] | None, native: bool,
+                dense: bool = True) -> PreparedWeight:
+        # (the levels' op makes the dequantized values in the same pass, whether kept or not)
         q, scales, mins, dequantized, blocks = quantize_int4(weight, grid, native)
         if native:
             return PreparedWeight(pack_int4(q, scales, mins, blocks), None, dequantized,

@@ -32,14 +32,15 @@ class Int8Method(LinearMethod):
     def native_packs(self, out_features: int, in_features: int) -> bool:
         return int8_packs(out_features, in_features)
 
-    def prepare(self, weight: torch.Tensor, grid: tuple[torch.Tensor, ...] | None, native: bool) -> PreparedWeight:
+    def prepare(self, weight: torch.Tensor, grid: tuple[torch.Tensor, ...] | None, native: bool,
+                dense: bool = True) -> PreparedWeight:
         levels = file_levels(weight, grid, native)
         out_features = weight.shape[0]
         if isinstance(levels, Int6Levels | GroupedLevels):  # native: the 6-bit or grouped layout, row scales ones
             packed = (levels.pack(), torch.ones(out_features)) if native else (None, None)
             return PreparedWeight(*packed, levels.dequantized, "six-bit" if isinstance(levels, Int6Levels) else
                                   "grouped")
-        q, scales, dequantized = quantize_int8(weight)
+        q, scales, dequantized = quantize_int8(weight, dense=dense)
         packed = (pack_int8(q), scales.float()) if native else (q, scales.to(weight.dtype))
         return PreparedWeight(*packed, dequantized, "per row")
 
@@ -55,18 +56,21 @@ def _torch_int8(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch._weight_int8pack_mm(x, layer.qweight, layer.scales)
 
 
-def quantize_int8(w: torch.Tensor, rows_at_a_time: int = 2048) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_int8(w: torch.Tensor, rows_at_a_time: int = 2048, dense: bool = True
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Symmetric per output channel: w ~ q * scale, q in [-127, 127], computed in float32, the values q * scale given
-    in w's dtype. A few thousand rows at a time: a whole output head's float32 temporaries (Qwen2.5-Coder-0.5B's
-    151,936 x 896) would cost its start fresh pages and passes over memory."""
+    in w's dtype (`dense`; else None: an output head's would be 0.47 GB of Qwen2.5-Coder-1.5B's start). A few thousand
+    rows at a time: a whole output head's float32 temporaries (Qwen2.5-Coder-0.5B's 151,936 x 896) would cost its
+    start fresh pages and passes over memory."""
     q = torch.empty(w.shape, dtype=torch.int8)
     scales = torch.empty(w.shape[0])
-    dequantized = torch.empty_like(w, memory_format=torch.contiguous_format)
+    dequantized = torch.empty_like(w, memory_format=torch.contiguous_format) if dense else None
     for start in range(0, w.shape[0], rows_at_a_time):
         rows = slice(start, start + rows_at_a_time)
         q[rows], scale = quantize_rows(w[rows].float())
         scales[rows] = scale.squeeze(1)
-        dequantized[rows] = q[rows].float() * scale
+        if dense:
+            dequantized[rows] = q[rows].float() * scale
     return q, scales, dequantized
 
 
