@@ -7,6 +7,9 @@ costs nothing until its blocks are used: kv_cache/kv_cache_spec.py), and the map
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import mmap
 
 import torch
@@ -20,3 +23,30 @@ def anonymous_pages(nbytes: int, huge_pages: bool = False) -> torch.Tensor:
     if huge_pages:
         pages.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(pages, dtype=torch.uint8)  # holds a reference to the mapping: it lives as long as a view
+
+
+@functools.cache
+def _libc_madvise():
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True), "madvise", None)
+    except OSError:
+        return None
+
+
+def drop_resident_pages(storages: list[torch.UntypedStorage]) -> int:
+    """Drop the resident pages of file-mapped storages (MADV_DONTNEED): a page read again faults in from the page
+    cache, with the file's bytes. For a model mapped from a file (quantization/prepared_cache.py) whose streamed
+    weights were copied elsewhere: the pages the copy read would otherwise stay resident beside the copy. Only for
+    storages never written since mapped (a private page written would go back to the file's bytes). Returns the
+    bytes advised (0 where the C library has no madvise)."""
+    madvise = _libc_madvise()
+    if madvise is None:
+        return 0
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    page, advised = mmap.PAGESIZE, 0
+    for storage in storages:
+        start = -(-storage.data_ptr() // page) * page
+        end = (storage.data_ptr() + storage.nbytes()) // page * page
+        if end > start and madvise(start, end - start, mmap.MADV_DONTNEED) == 0:
+            advised += end - start
+    return advised

@@ -91,7 +91,10 @@ class LLMEngine:
 
             self.runner = TensorParallelRunner(self.plan, ckpt, config)
         else:
-            self.runner = ModelRunner(self.plan, ckpt)
+            # a start after the first maps the model as an earlier one built it (quantization/prepared_cache.py)
+            prepared = None if config.model.quantization == "awq" else calibration_key(
+                resolve_model_path(config.model.model)[0], config, self.plan)
+            self.runner = ModelRunner(self.plan, ckpt, prepared_key=prepared)
         block_size = self.plan.kv_cache.block_size
         self.processor = InputProcessor(ckpt.tokenizer, ckpt.chat_template, ckpt.config.vocab_size,
                                         self.plan.max_model_len, self.plan.num_kv_blocks * block_size)

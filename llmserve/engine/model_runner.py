@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,6 +33,8 @@ from llmserve.layers.sampler import SamplingMetadata, sample
 from llmserve.loader import Checkpoint, build_model
 from llmserve.models.decoder import LayerMethods, compile_layers
 from llmserve.models.fused_stack import fused_decode_stack
+from llmserve.os_pages import drop_resident_pages
+from llmserve.quantization.prepared_cache import load_prepared, mapped_storages, save_prepared
 from llmserve.quantization.weight_arena import place_on_huge_pages
 from llmserve.quantization.weight_only import ModelQuantizer
 from llmserve.sampling_params import SamplingParams
@@ -89,8 +92,11 @@ class ModelRunner:
 
     healthy = True  # one process: if it runs, it is healthy (see distributed/executor.py for several)
 
-    def __init__(self, plan: BuildPlan, ckpt: Checkpoint, tp: TensorParallel | None = None) -> None:
-        """`tp`: this process's rank of a tensor-parallel group (it builds and runs its slice of the model)."""
+    def __init__(self, plan: BuildPlan, ckpt: Checkpoint, tp: TensorParallel | None = None,
+                 prepared_key: str | None = None) -> None:
+        """`tp`: this process's rank of a tensor-parallel group (it builds and runs its slice of the model).
+        `prepared_key`: where a quantized model built layer by layer is kept for the next start, and read from
+        (quantization/prepared_cache.py); None: always built."""
         self.plan = plan
         self.config = ckpt.config
         self.device = torch.device(plan.device)
@@ -106,7 +112,17 @@ class ModelRunner:
         streamed = quantizer is not None and tp is None and plan.kv_cache.dtype != torch.int8
         if streamed:  # the quantizer holds the grids now, and drops each as its weight is quantized
             ckpt.int4_grids = ckpt.int8_grids = None
-        model = build_model(ckpt, plan.dtype, plan.device, methods, _trimming(quantizer.layer) if streamed else None)
+        prepared_key = prepared_key if streamed else None
+        build_start = time.perf_counter()
+        model = load_prepared(prepared_key) if prepared_key else None
+        self.prepared_from_cache = model is not None
+        if model is not None:  # as an earlier start built it; its layers attend through this runner's backend
+            logger.info("prepared weights mapped from the cache in %.1fs", time.perf_counter() - build_start)
+            for layer in model.layers:
+                layer.self_attn.backend = self.attention
+        else:
+            model = build_model(ckpt, plan.dtype, plan.device, methods,
+                                _trimming(quantizer.layer) if streamed else None)
         trim_heap()  # the decoded tensors are freed: their pages go back before quantizing (heap.py)
         # before quantizing: folded into the dense rows and the file's int4 grid (kv_cache/key_smoothing.py)
         self.key_smoothing = None
@@ -123,7 +139,9 @@ class ModelRunner:
             grids = {method: shard_grids(found, ckpt.config, tp) for method, found in grids.items()}
             self.config = shard_config(ckpt.config, tp.size)
             kv_spec = dataclasses.replace(kv_spec, num_kv_heads=self.config.num_kv_heads)
-        if streamed:
+        if self.prepared_from_cache:
+            pass
+        elif streamed:
             quantizer.output_head(model)
         elif quantizer is not None:  # after key smoothing and the ranks' cut, on their grids
             dataclasses.replace(quantizer, grids=grids)(model)
@@ -132,10 +150,15 @@ class ModelRunner:
         release = plan.compile == CompileMode.OFF and not plan.int8_activations
         if packed := prepack_linears(model, release_plain=release):
             logger.info("%d linear weights prepacked for oneDNN", packed)
+        self.prepared_writer = None  # the thread writing the prepared weights for the next start, if any
+        if prepared_key and not self.prepared_from_cache:  # written beside the serving process, not before it
+            self.prepared_writer = save_prepared(prepared_key, model, time.perf_counter() - build_start)
         if plan.huge_pages:
             try:
+                mapped = mapped_storages(model) if self.prepared_from_cache else []
                 placed = place_on_huge_pages(model)
                 logger.info("%.1f MB of streamed weights placed on huge pages", placed / 1e6)
+                drop_resident_pages(mapped)  # the file pages the copy read (the embedding faults back as used)
             except OSError as e:  # refused before any weight moved: they stay where they are
                 logger.warning("the weights stay on the allocator's pages: huge pages refused (%s)", e)
         if plan.batch_invariant:

@@ -35,7 +35,7 @@ _SOURCE_SUFFIXES = (".py", ".cpp", ".h", ".txt", ".json")
 
 
 @functools.cache
-def _sources_digest() -> str:
+def sources_digest() -> str:
     """llmserve's own code and data, as one digest: what the measurement ran."""
     digest = hashlib.sha256()
     for path in sorted(p for p in _PACKAGE.rglob("*") if p.suffix in _SOURCE_SUFFIXES and p.is_file()):
@@ -80,7 +80,7 @@ def load_ranges(key: str) -> dict[str, torch.Tensor] | None:
     if not isinstance(ranges, dict) or not all(isinstance(v, torch.Tensor) for v in ranges.values()):
         logger.warning("ignoring a calibration cache file of unexpected content: %s", path)
         return None
-    return ranges if stored.get("sources") == _sources_digest() else None
+    return ranges if stored.get("sources") == sources_digest() else None
 
 
 def save_ranges(key: str, ranges: dict[str, torch.Tensor]) -> None:
@@ -88,7 +88,7 @@ def save_ranges(key: str, ranges: dict[str, torch.Tensor]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        torch.save({"sources": _sources_digest(), "ranges": {name: r.detach().cpu() for name, r in ranges.items()}},
+        torch.save({"sources": sources_digest(), "ranges": {name: r.detach().cpu() for name, r in ranges.items()}},
                    tmp)
         os.replace(tmp, path)
     except OSError as e:  # a read-only home: the next start measures again

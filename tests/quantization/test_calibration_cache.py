@@ -92,5 +92,5 @@ def test_the_key_follows_the_model_configuration_and_plan_not_the_cache_size(tmp
     ranges = {"layers.0.mlp.down_proj": torch.arange(4.0)}
     calibration_cache.save_ranges(base, ranges)
     assert torch.equal(calibration_cache.load_ranges(base)["layers.0.mlp.down_proj"], ranges["layers.0.mlp.down_proj"])
-    monkeypatch.setattr(calibration_cache, "_sources_digest", lambda: "other code")  # what a code change does
+    monkeypatch.setattr(calibration_cache, "sources_digest", lambda: "other code")  # what a code change does
     assert calibration_cache.load_ranges(base) is None

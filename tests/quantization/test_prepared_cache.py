@@ -1,0 +1,69 @@
+"""A quantized model as built is kept for the next start, which maps it instead of building it again."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmserve import LLM, SamplingParams
+from llmserve.quantization import calibration_cache, prepared_cache
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [42, 7, 99, 1000, 5]]
+
+
+@pytest.fixture
+def cache_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(prepared_cache, "MIN_BUILD_SECONDS", 0.0)  # the small default model is stored too
+    return tmp_path / "prepared"
+
+
+def _engine() -> LLM:
+    llm = LLM(kv_cache_memory_gb=0.05, max_model_len=512)
+    if llm.engine.runner.prepared_writer is not None:
+        llm.engine.runner.prepared_writer.join()
+    return llm
+
+
+def _outputs(llm: LLM) -> list[tuple]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def test_a_second_start_maps_the_model_the_first_built(cache_folder):
+    built = _engine()
+    if built.engine.plan.weights == "as loaded" or not built.engine.plan.batch_invariant:
+        pytest.skip("only a model quantized as it loads is stored (the native kernels run here)")
+    assert not built.engine.runner.prepared_from_cache and len(list(cache_folder.glob("*.pt"))) == 1
+    mapped = _engine()
+    assert mapped.engine.runner.prepared_from_cache and mapped.engine.runner.prepared_writer is None
+    assert _outputs(mapped) == _outputs(built)  # the same bits
+
+
+def test_a_model_stored_by_other_code_or_unreadable_is_built_again(cache_folder, monkeypatch):
+    first = _engine()
+    if first.engine.runner.prepared_writer is None and not list(cache_folder.glob("*.pt")):
+        pytest.skip("only a model quantized as it loads is stored (the native kernels run here)")
+    monkeypatch.setattr(calibration_cache, "sources_digest", lambda: "other code")
+    monkeypatch.setattr(prepared_cache, "sources_digest", lambda: "other code")
+    assert not _engine().engine.runner.prepared_from_cache  # and stored again, by this "code"
+    assert _engine().engine.runner.prepared_from_cache
+    [stored] = cache_folder.glob("*.pt")
+    stored.write_bytes(b"not a model")
+    rebuilt = _engine()
+    assert not rebuilt.engine.runner.prepared_from_cache and _outputs(rebuilt) == _outputs(first)
+
+
+def test_the_folder_keeps_the_most_recently_used(cache_folder, monkeypatch):
+    monkeypatch.setattr(prepared_cache, "KEEP", 2)
+    model = torch.nn.Linear(2, 2)
+    for key in ("a", "b", "c"):
+        prepared_cache.save_prepared(key, model, build_seconds=1.0).join()
+    assert sorted(p.stem for p in cache_folder.glob("*.pt")) == ["b", "c"]
+    assert isinstance(prepared_cache.load_prepared("b"), torch.nn.Linear)
+    prepared_cache.save_prepared("d", model, build_seconds=1.0).join()
+    assert sorted(p.stem for p in cache_folder.glob("*.pt")) == ["b", "d"]  # "b" was read after "c" was written
+    monkeypatch.setattr(prepared_cache, "MIN_BUILD_SECONDS", 2.0)
+    assert prepared_cache.save_prepared("e", model, build_seconds=1.0) is None  # built about as fast as it is read
