@@ -64,7 +64,9 @@ class ModelConfig:
                                "whatever else its step holds); int8 = per-token int8 activations times "
                                "SmoothQuant-smoothed int8 weights, calibrated at start (a second, int8 copy; +0.2-0.3 "
                                "%% perplexity on SmolLM2); dense = the dequantized weights in the model dtype (a "
-                               "second copy of twice the bytes); auto = quantized where the native kernels run",
+                               "second copy of twice the bytes); auto = quantized where the native kernels take Q8_0 "
+                               "inputs (K-quant mixes, drafts: there it is fastest), else int8 for a 4-bit file on a "
+                               "CPU with VNNI, else dense",
                                choices=LARGE_STEP_CHOICES)
     q8_activations: bool | None = _option(None, "with int4 weights on the native kernels: a small step's inputs "
                                           "(decode batches, short prompt chunks; int4 and int8 layers) quantized as "

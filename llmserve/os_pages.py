@@ -33,12 +33,14 @@ def _libc_madvise():
         return None
 
 
-def drop_resident_pages(storages: list[torch.UntypedStorage]) -> int:
-    """Drop the resident pages of file-mapped storages (MADV_DONTNEED): a page read again faults in from the page
-    cache, with the file's bytes. For a model mapped from a file (quantization/prepared_cache.py) whose streamed
-    weights were copied elsewhere: the pages the copy read would otherwise stay resident beside the copy. Only for
-    storages never written since mapped (a private page written would go back to the file's bytes). Returns the
-    bytes advised (0 where the C library has no madvise)."""
+# Linux's advice values (mmap's module lacks MADV_POPULATE_READ before Python 3.12's builds on newer headers)
+MADV_DONTNEED = mmap.MADV_DONTNEED
+MADV_POPULATE_READ = 22  # Linux 5.14+: page tables filled in one call (elsewhere EINVAL: then pages fault as read)
+
+
+def advise_storages(storages: list[torch.UntypedStorage], advice: int) -> int:
+    """madvise(`advice`) over the whole pages of each storage; returns the bytes the kernel took the advice for (0
+    where the C library has no madvise). `drop_resident_pages` and `populate` below are its two uses."""
     madvise = _libc_madvise()
     if madvise is None:
         return 0
@@ -47,6 +49,20 @@ def drop_resident_pages(storages: list[torch.UntypedStorage]) -> int:
     for storage in storages:
         start = -(-storage.data_ptr() // page) * page
         end = (storage.data_ptr() + storage.nbytes()) // page * page
-        if end > start and madvise(start, end - start, mmap.MADV_DONTNEED) == 0:
+        if end > start and madvise(start, end - start, advice) == 0:
             advised += end - start
     return advised
+
+
+def populate(storages: list[torch.UntypedStorage]) -> int:
+    """Map file-backed storages' pages in one call per storage (MADV_POPULATE_READ) before a pass reads them all:
+    a 1 GB copy out of a mapped file otherwise takes ~250,000 page faults."""
+    return advise_storages(storages, MADV_POPULATE_READ)
+
+
+def drop_resident_pages(storages: list[torch.UntypedStorage]) -> int:
+    """Drop the resident pages of file-mapped storages (MADV_DONTNEED): a page read again faults in from the page
+    cache, with the file's bytes. For a model mapped from a file (quantization/prepared_cache.py) whose streamed
+    weights were copied elsewhere: the pages the copy read would otherwise stay resident beside the copy. Only for
+    storages never written since mapped (a private page written would go back to the file's bytes)."""
+    return advise_storages(storages, MADV_DONTNEED)

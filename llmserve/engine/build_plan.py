@@ -293,16 +293,11 @@ def _products(config: EngineConfig, weights: str, on_cpu: bool, built: bool, wan
         raise ValueError("q8_activations need llmserve's native int4 kernel (AVX-512 VNNI or AVX2)")
     if weights == "int4+int8":  # with ~16-bit inputs (Q8_0's below)
         reasons["small steps"] = f"int8 layers up to {LINEAR_METHODS['int8'].small_step_tokens} tokens"
-    large = LargeSteps(mc.large_steps) if mc.large_steps != "auto" else (
-        LargeSteps.QUANTIZED if small == Kernels.NATIVE else LargeSteps.DENSE)
-    if mc.large_steps != "auto":
-        reasons["large steps"] = "as asked"
-    elif large == LargeSteps.QUANTIZED:
-        reasons["large steps"] = f"auto: {_QUANTIZED_LARGE_STEPS}"
-    parts = 2
     q8 = mc.q8_activations
     if q8 is None:  # auto: where `llmserve eval` measured them to leave the model's quality as it was
         q8 = mc.quantization == "auto" and small == Kernels.NATIVE and (weights == "int4+int8" or mc.draft)
+    large = _large_steps(config, weights, small, bool(q8), small_max, reasons)
+    parts = 2
     if q8:
         parts = 1
         if large != LargeSteps.INT8:  # the int4 layers take steps up to Q8_MAX_TOKENS; the large-step product beyond
@@ -322,6 +317,39 @@ def _products(config: EngineConfig, weights: str, on_cpu: bool, built: bool, wan
             amx_note = f"AMX takes steps from {AMX_MIN_TOKENS} tokens"
             reasons["large steps"] = "; ".join(filter(None, [reasons.get("large steps"), amx_note]))
     return _Products(small, small_max, parts, large, products)
+
+
+def _large_steps(config: EngineConfig, weights: str, small: Kernels, q8: bool, small_max: int,
+                 reasons: dict[str, str]) -> LargeSteps:
+    """auto: the small-step kernels at every size where their inputs are Q8_0 (K-quant mixes, drafts): there they
+    are faster than dense products from 32 to 512 tokens, keep one copy of the weights and make a token's bits
+    independent of its step. With ~16-bit inputs (a 4-bit-only file, a Q8_0 file) their double integer work costs
+    large steps 1.4-1.9x, served c=32 0.77-0.98x: there int8 x int8 for a 4-bit file on a CPU with VNNI, else dense,
+    and `--large-steps quantized` is the deterministic choice (docs/performance.md, "Large steps on the quantized
+    kernels")."""
+    mc = config.model
+    if mc.large_steps != "auto":
+        reasons["large steps"] = "as asked"
+        return LargeSteps(mc.large_steps)
+    if small == Kernels.NATIVE and q8:
+        reasons["large steps"] = f"auto: {_QUANTIZED_LARGE_STEPS}"
+        return LargeSteps.QUANTIZED
+    # not for int4+int8: on a K-quant mix int8 activations cost far more perplexity than its weights alone do
+    if not (mc.quantization == "auto" and weights == "int4" and cpu_has_vnni()):
+        if weights == "int4+int8":
+            reasons["large steps"] = "auto: int8 activations cost this kind of file +1.8 % perplexity"
+        return LargeSteps.DENSE
+    if config.parallel.tensor_parallel_size > 1:
+        reasons["large steps"] = "auto: tensor parallel (the calibration runs in one process)"
+        return LargeSteps.DENSE
+    if config.scheduler.max_num_batched_tokens <= small_max:
+        # no step is ever large (and calibration, seeing none, would have nothing to measure)
+        reasons["large steps"] = "auto: max_num_batched_tokens leaves every step to the small-step kernels"
+        return LargeSteps.DENSE
+    reasons["large steps"] = ("auto: a 4-bit file, and this CPU multiplies int8 natively; +0.2-0.3 % perplexity on "
+                              "SmolLM2 (docs/performance.md, \"Large steps: int8 activations and dense products\"); "
+                              "--large-steps quantized: deterministic, a third less memory, c=32 0.77-0.98x")
+    return LargeSteps.INT8
 
 
 def _batch_invariant(products: _Products, attention: str, reasons: dict[str, str]) -> bool:
@@ -465,8 +493,8 @@ def _check_tensor_parallel(config: EngineConfig, model: ModelConfig, weights: st
 
 
 # Why the quantized kernels take large steps by default (docs/performance.md, "Large steps")
-_QUANTIZED_LARGE_STEPS = ("the small-step kernels at every size: no second copy of the weights, and a token's "
-                          "product the same bits whatever else its step holds")
+_QUANTIZED_LARGE_STEPS = ("Q8_0 inputs: the small-step kernels at every size, faster than dense products, no second "
+                          "copy of the weights, and a token's product the same bits whatever else its step holds")
 
 # What Q8_0 inputs to the int4 kernel (llama.cpp's activations) cost, by `llmserve eval`'s perplexity with every
 # token through the kernel (docs/performance.md, "Weight quantization quality"): little on the Qwen2.5-Coder Q4_K_M

@@ -33,7 +33,7 @@ from llmserve.layers.sampler import SamplingMetadata, sample
 from llmserve.loader import Checkpoint, build_model
 from llmserve.models.decoder import LayerMethods, compile_layers
 from llmserve.models.fused_stack import fused_decode_stack
-from llmserve.os_pages import drop_resident_pages
+from llmserve.os_pages import drop_resident_pages, populate
 from llmserve.quantization.prepared_cache import load_prepared, mapped_storages, save_prepared
 from llmserve.quantization.weight_arena import place_on_huge_pages
 from llmserve.quantization.weight_only import ModelQuantizer
@@ -145,17 +145,19 @@ class ModelRunner:
             quantizer.output_head(model)
         elif quantizer is not None:  # after key smoothing and the ranks' cut, on their grids
             dataclasses.replace(quantizer, grids=grids)(model)
+        self.prepared_writer = None  # the thread writing the prepared weights for the next start, if any
+        if prepared_key and not self.prepared_from_cache:  # written beside the serving process, not before it (and
+            # before oneDNN's packed copies, which do not pickle)
+            self.prepared_writer = save_prepared(prepared_key, model, time.perf_counter() - build_start)
         # eager steps read the packed copies only: the plain ones go, unless a compiled graph (it traces `F.linear`) or
         # int8-activation calibration (it smooths the plain weight) reads them
         release = plan.compile == CompileMode.OFF and not plan.int8_activations
         if packed := prepack_linears(model, release_plain=release):
             logger.info("%d linear weights prepacked for oneDNN", packed)
-        self.prepared_writer = None  # the thread writing the prepared weights for the next start, if any
-        if prepared_key and not self.prepared_from_cache:  # written beside the serving process, not before it
-            self.prepared_writer = save_prepared(prepared_key, model, time.perf_counter() - build_start)
         if plan.huge_pages:
             try:
                 mapped = mapped_storages(model) if self.prepared_from_cache else []
+                populate(mapped)
                 placed = place_on_huge_pages(model)
                 logger.info("%.1f MB of streamed weights placed on huge pages", placed / 1e6)
                 drop_resident_pages(mapped)  # the file pages the copy read (the embedding faults back as used)

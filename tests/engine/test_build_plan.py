@@ -36,7 +36,7 @@ def _plan(formats, **options):
 def test_a_4_bit_file_runs_on_the_int4_path_by_default():
     plan = _plan(_formats("Q4_1"))
     assert plan.weights == "int4" and "Q4_1" in plan.reasons["weights"]
-    assert not plan.int8_activations and plan.large_steps == _auto_large_steps()
+    assert plan.int8_activations == cpu_has_vnni()  # ~16-bit inputs: int8 x int8 large steps where VNNI runs them
     assert "int4" in plan.describe() and "build plan" in plan.describe()
     assert _plan(_formats("Q4_0", down="Q4_1")).weights == "int4"
     assert _plan(_formats("Q4_K")).weights == "int4"
@@ -73,19 +73,18 @@ def test_every_decode_step_is_one_call_where_the_stack_runs():
         pytest.skip("no one-call decode stack on this CPU")
     assert [plan.step_route(True, n, False) for n in (1, 16, 17, 256)] == ["fused"] * 4
     assert plan.step_route(False, 17, False) == "eager"  # prompt tokens: layer by layer
-    # auto: the small-step kernels take every size, so the call has no large-step product to name
-    assert plan.large_steps == "quantized" and "one native call;" in plan.describe()
-    int8 = _plan(_formats("Q4_1"), large_steps="int8") if cpu_has_vnni() else None
-    if int8 is not None:  # (16 tokens; 8 where AMX takes the products from 9)
-        assert (f"one native call (int8 x int8 ({int8.int8_products}) past {int8.fused_decode_max_tokens} tokens)"
-                in int8.describe())
+    # (16 tokens; 8 where AMX takes the products from 9)
+    large = f"int8 x int8 ({plan.int8_products})" if plan.int8_activations else "dense products"
+    assert f"one native call ({large} past {plan.fused_decode_max_tokens} tokens)" in plan.describe()
+    # the small-step kernels at every size: the call has no large-step product to name
+    assert "one native call;" in _plan(_formats("Q4_1"), large_steps="quantized").describe()
     compiled = _plan(_formats("Q4_1"), compile=True)
     assert compiled.compile == "off" and "nothing is left for --compile" in compiled.reasons["decode steps"]
     dense = _plan(_formats("Q4_1"), large_steps="dense", compile=True)
     assert dense.fused_decode_max_tokens == 16 and dense.compile == "off"
     assert [dense.step_route(True, n, False) for n in (16, 17)] == ["fused", "fused"]
     assert "one native call (dense products past 16 tokens)" in dense.describe()
-    assert not dense.batch_invariant and plan.batch_invariant
+    assert not dense.batch_invariant
     # without the stack (PyTorch's kernels) --compile still compiles the decode steps
     assert _plan(_formats("Q4_1"), kernels="torch", compile=True).compile == "layers"
 
@@ -95,7 +94,7 @@ def test_a_file_int8_holds_runs_int8(formats):
     """Q8_0, Q5_0 and Q6_K values are an integer int8 holds times the file's own scales: int8 keeps them all."""
     plan = _plan(formats)
     assert plan.weights == "int8" and "on a grid int8 holds" in plan.reasons["weights"]
-    assert not plan.int8_activations and plan.large_steps == _auto_large_steps()
+    assert not plan.int8_activations and plan.large_steps == "dense"  # ~16-bit inputs: the dense product is faster
 
 
 @pytest.mark.parametrize("formats", [_formats("Q5_1"), _formats("Q5_K", down="Q6_K"), _formats("F16"), None])
@@ -123,9 +122,9 @@ def test_choices_asked_for_win():
 def test_int8_activations_need_vnni(monkeypatch, vnni):
     """Without VNNI oneDNN's uint8 x int8 product saturates its int16 pair sums (on an AVX2-only AMD EPYC,
     tests/kernels/test_int8_gemm.py's first case: -8.50 for -5.48): asked for, int8 activations are refused
-    there (auto never picks them: it takes the quantized kernels at every size)."""
+    there, and auto never picks them."""
     monkeypatch.setattr(build_plan, "cpu_has_vnni", lambda: vnni)
-    assert not _plan(_formats("Q4_1")).int8_activations
+    assert _plan(_formats("Q4_1")).int8_activations == vnni
     if vnni:
         assert _plan(_formats("Q4_1"), large_steps="int8").int8_activations
     else:
@@ -133,28 +132,30 @@ def test_int8_activations_need_vnni(monkeypatch, vnni):
             _plan(_formats("Q4_1"), large_steps="int8")
 
 
-def _auto_large_steps() -> str:
+def _native() -> bool:
     from llmserve.kernels import load_cpu_kernels, native_quantized_kernels
 
-    return "quantized" if load_cpu_kernels() and native_quantized_kernels() else "dense"
+    return load_cpu_kernels() and native_quantized_kernels()
 
 
-def test_large_steps_by_default_on_the_quantized_kernels():
-    """auto: where the native kernels run, every step of a quantized model multiplies on them (no second copy of
-    the weights, the same bits for a token at every step size), and the plan says the steps are batch-invariant;
-    elsewhere the large steps are dense and it says they are not."""
-    for formats in (_formats("Q4_1"), _formats("Q4_K", down="Q6_K"), _formats("Q8_0")):
-        plan = _plan(formats)
-        assert plan.large_steps == _auto_large_steps()
-        assert plan.batch_invariant == (plan.large_steps == "quantized" and plan.attention == "native")
-        if plan.batch_invariant:
-            assert "no second copy" in plan.describe() and "whatever else its step holds" in plan.describe()
+def test_large_steps_by_default_on_the_quantized_kernels_where_inputs_are_q8_0():
+    """auto: where the small steps take Q8_0 inputs (a K-quant mix, a draft) every step multiplies on the quantized
+    kernels (faster than dense there, no second copy, a token's bits whatever its step holds) and the plan says the
+    steps are batch-invariant; with ~16-bit inputs large steps stay int8 x int8 or dense, as asked they run on the
+    quantized kernels too; without the native kernels that is refused."""
+    mix = _plan(_formats("Q4_K", down="Q6_K"))
+    assert mix.large_steps == ("quantized" if _native() else "dense")
+    assert mix.batch_invariant == (_native() and mix.attention == "native")
+    if mix.batch_invariant:
+        assert "no second copy" in mix.describe() and "whatever else its step holds" in mix.describe()
+    asked = _plan(_formats("Q4_1"), large_steps="quantized") if _native() else None
+    if asked is not None:
+        assert asked.large_steps == "quantized" and asked.batch_invariant and "as asked" in asked.reasons["large steps"]
     torch_kernels = _plan(_formats("Q4_1"), kernels="torch")
-    assert torch_kernels.large_steps == "dense" and not torch_kernels.batch_invariant
+    assert torch_kernels.large_steps != "quantized" and not torch_kernels.batch_invariant
     assert "round by the step's size" in torch_kernels.reasons["determinism"]
-    if _auto_large_steps() == "dense":
-        with pytest.raises(ValueError, match="needs llmserve's native quantized kernels"):
-            _plan(_formats("Q4_1"), large_steps="quantized")
+    with pytest.raises(ValueError, match="needs llmserve's native quantized kernels"):
+        _plan(_formats("Q4_1"), kernels="torch", large_steps="quantized")
 
 
 def test_a_draft_runs_the_fastest_weights_head_included():

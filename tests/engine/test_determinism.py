@@ -1,8 +1,10 @@
-"""Deterministic by default: a request's tokens and log-probabilities, to the last bit, do not depend on the other
-requests in its batch, on prefix-cache hits, on chunked prefill, on preemption or on speculation, in the default
-configuration (bfloat16 where the CPU multiplies it, the file's quantization). What makes it so: every product on the
-quantized kernels whatever the step's size, and prompt tokens attending on the decode kernel, whose context split
-depends on the row alone (engine/build_plan.py, "determinism")."""
+"""Deterministic: with every step on the quantized kernels (`--large-steps quantized`, the default where small steps
+take Q8_0 inputs: K-quant mixes such as Qwen2.5-Coder's) a request's tokens and log-probabilities, to the last bit,
+do not depend on the other requests in its batch, on prefix-cache hits, on chunked prefill, on preemption or on
+speculation, in bfloat16 on the file's quantization. What makes it so: every product on the quantized kernels
+whatever the step's size, and prompt tokens attending on the decode kernel, whose context split depends on the row
+alone (engine/build_plan.py, "determinism"). Checked here on SmolLM2's Q4_1 and Qwen2.5-Coder-0.5B's Q8_0 file,
+whose ~16-bit inputs the kernels take as well."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ def _prompts(vocab: int) -> list[list[int]]:
 def _engine(model: str | None, **options) -> LLM:
     if model is not None and installed_path(PARTED_MODELS[model]) is None:
         pytest.skip(f"{model} is not assembled here (`llmserve download {model}`; setup does it)")
-    llm = LLM(model, dtype="bfloat16", max_model_len=1024, **{
+    llm = LLM(model, dtype="bfloat16", max_model_len=1024, large_steps="quantized", **{
         "kv_cache_memory_gb": 0.25, "speculative_config": "off", "enable_prefix_caching": False, **options})
     assert llm.engine.plan.batch_invariant, llm.engine.plan.describe()
     return llm

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from llmserve import LLM
+from llmserve.kernels import native_quantized_kernels
 from llmserve.loader import build_model, load_checkpoint
 from llmserve.quantization.weight_only import ModelQuantizer, WeightOnlyLinear
 
@@ -42,7 +43,7 @@ def test_each_layer_is_quantized_before_the_next_loads():
 def test_the_served_model_keeps_no_dense_copy_of_its_quantized_weights():
     """The default (every step on the quantized kernels, where they run): no layer holds its dequantized weight, or
     an int8 or oneDNN copy of it; and the checkpoint's grids were let go once used."""
-    llm = LLM(kv_cache_memory_gb=0.05)
+    llm = LLM(kv_cache_memory_gb=0.05, large_steps="quantized" if native_quantized_kernels() else "auto")
     runner = llm.engine.runner
     layers = [m for m in runner.model.modules() if isinstance(m, WeightOnlyLinear)]
     assert layers and runner.model.lm_head in layers

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
+from llmserve.kernels import native_quantized_kernels
 from llmserve.quantization import calibration_cache, prepared_cache
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
@@ -20,7 +21,8 @@ def cache_folder(tmp_path, monkeypatch):
 
 
 def _engine() -> LLM:
-    llm = LLM(kv_cache_memory_gb=0.05, max_model_len=512)
+    llm = LLM(kv_cache_memory_gb=0.05, max_model_len=512,
+              large_steps="quantized" if native_quantized_kernels() else "auto")
     if llm.engine.runner.prepared_writer is not None:
         llm.engine.runner.prepared_writer.join()
     return llm
