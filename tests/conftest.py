@@ -8,6 +8,7 @@ import torch
 from llmserve import LLM
 from llmserve.evaluate.reference import reference_greedy, reference_model
 from llmserve.loader.default_models import resolve_model_path
+from llmserve.quantization import prepared_cache
 
 # Why a test is left to the full tier (`make test-all`): each marker is registered with its reason in pyproject.toml.
 # `make test` runs `-m "not full"`, so a test needs only the marker that says why it is slow.
@@ -27,6 +28,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.processes)
         if any(item.get_closest_marker(name) for name in FULL_TIER_MARKERS):
             item.add_marker(pytest.mark.full)
+
+
+@pytest.fixture(autouse=True)
+def no_prepared_weights_written(monkeypatch):
+    """Engines built in tests store no prepared weights (quantization/prepared_cache.py): hundreds of configurations
+    would each write their model, and a later test would map what an earlier one built. Its own tests lower the
+    threshold again."""
+    monkeypatch.setattr(prepared_cache, "MIN_BUILD_SECONDS", float("inf"))
 
 
 # Prompts of different lengths (3 to ~300 tokens): chat-templated and raw text.

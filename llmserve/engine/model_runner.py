@@ -95,8 +95,8 @@ class ModelRunner:
     def __init__(self, plan: BuildPlan, ckpt: Checkpoint, tp: TensorParallel | None = None,
                  prepared_key: str | None = None) -> None:
         """`tp`: this process's rank of a tensor-parallel group (it builds and runs its slice of the model).
-        `prepared_key`: where a quantized model built layer by layer is kept for the next start, and read from
-        (quantization/prepared_cache.py); None: always built."""
+        `prepared_key`: where a quantized model built layer by layer, every step on its kernels, is kept for the next
+        start, and read from (quantization/prepared_cache.py); None: always built."""
         self.plan = plan
         self.config = ckpt.config
         self.device = torch.device(plan.device)
@@ -112,7 +112,8 @@ class ModelRunner:
         streamed = quantizer is not None and tp is None and plan.kv_cache.dtype != torch.int8
         if streamed:  # the quantizer holds the grids now, and drops each as its weight is quantized
             ckpt.int4_grids = ckpt.int8_grids = None
-        prepared_key = prepared_key if streamed else None
+        # kept only where every step runs the quantized kernels: a dense or int8 copy would double what is written
+        prepared_key = prepared_key if streamed and plan.large_steps == LargeSteps.QUANTIZED else None
         build_start = time.perf_counter()
         model = load_prepared(prepared_key) if prepared_key else None
         self.prepared_from_cache = model is not None

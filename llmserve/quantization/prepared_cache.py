@@ -7,7 +7,8 @@ skips all of it. The key is the calibration cache's (calibration_cache.py): the 
 modification time), the engine's configuration and resolved plan, torch's version and the CPU; the file also holds a
 digest of llmserve's sources, and a model stored by other code is built again and replaces it.
 
-Only models whose build took at least `MIN_BUILD_SECONDS` are stored (a small model is built about as fast as it
+Only models whose every step runs the quantized kernels (`--large-steps quantized`: no dense or int8 copy to write)
+and whose build took at least `MIN_BUILD_SECONDS` are stored (a small model is built about as fast as it
 would be read back), and the folder keeps the `KEEP` most recently used: a few GB at most. The file is a pickle of
 our own modules in our own cache folder (`weights_only=False`); one that cannot be read costs only the build.
 """
