@@ -54,7 +54,7 @@ class _Bf16Method(LinearMethod):
     def native_packs(self, out_features: int, in_features: int) -> bool:
         return False
 
-    def prepare(self, weight: torch.Tensor, grid, native: bool) -> PreparedWeight:
+    def prepare(self, weight: torch.Tensor, grid, native: bool, dense: bool = True) -> PreparedWeight:
         rounded = weight.to(torch.bfloat16)
         return PreparedWeight(rounded, None, rounded.to(weight.dtype), "bf16")
 
