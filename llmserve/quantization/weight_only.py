@@ -105,7 +105,7 @@ class WeightOnlyLinear(nn.Module):
         the shape packs."""
         with torch.no_grad():
             smooth = smoothing_scales(act_absmax, self.weight)
-            qweight, scales, _ = quantize_int8(self.weight.float() * smooth)
+            qweight, scales, _ = quantize_int8(self.weight.float() * smooth, dense=False)
         self.int8_scales, self.smooth_inv = scales.float(), 1 / smooth
         self.int8_zeros = torch.zeros(len(scales), dtype=torch.int64)
         if amx and int8_gemm_packs(*qweight.shape):
