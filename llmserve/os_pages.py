@@ -28,9 +28,12 @@ def anonymous_pages(nbytes: int, huge_pages: bool = False) -> torch.Tensor:
 @functools.cache
 def _libc_madvise():
     try:
-        return getattr(ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True), "madvise", None)
+        madvise = getattr(ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True), "madvise", None)
     except OSError:
         return None
+    if madvise is not None:
+        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return madvise
 
 
 # Linux's advice values (mmap's module lacks MADV_POPULATE_READ before Python 3.12's builds on newer headers)
@@ -44,7 +47,6 @@ def advise_storages(storages: list[torch.UntypedStorage], advice: int) -> int:
     madvise = _libc_madvise()
     if madvise is None:
         return 0
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     page, advised = mmap.PAGESIZE, 0
     for storage in storages:
         start = -(-storage.data_ptr() // page) * page

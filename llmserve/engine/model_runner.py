@@ -140,11 +140,9 @@ class ModelRunner:
             grids = {method: shard_grids(found, ckpt.config, tp) for method, found in grids.items()}
             self.config = shard_config(ckpt.config, tp.size)
             kv_spec = dataclasses.replace(kv_spec, num_kv_heads=self.config.num_kv_heads)
-        if self.prepared_from_cache:
-            pass
-        elif streamed:
+        if streamed and not self.prepared_from_cache:
             quantizer.output_head(model)
-        elif quantizer is not None:  # after key smoothing and the ranks' cut, on their grids
+        elif quantizer is not None and not streamed:  # after key smoothing and the ranks' cut, on their grids
             dataclasses.replace(quantizer, grids=grids)(model)
         self.prepared_writer = None  # the thread writing the prepared weights for the next start, if any
         if prepared_key and not self.prepared_from_cache:  # written beside the serving process, not before it (and
