@@ -6,11 +6,18 @@ baselines. It loads GGUF files with transformers' own dequantization, so it chec
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
+import time
+from pathlib import Path
 
 import torch
 
 from llmserve.loader.default_models import resolve_model_path
+from llmserve.loader.download import cache_root
+
+logger = logging.getLogger(__name__)
 
 
 def reference_model(model: str | None = None, dtype: torch.dtype = torch.float32):
@@ -22,10 +29,54 @@ def reference_model(model: str | None = None, dtype: torch.dtype = torch.float32
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     from transformers import GgufConfig
 
+    stored = _reference_file(path, dtype)
+    if stored.exists():
+        try:
+            return torch.load(stored, mmap=True, weights_only=False).eval()
+        except Exception as e:  # a truncated or foreign file: read the GGUF again, and overwrite it
+            logger.warning("ignoring an unreadable reference model %s: %s", stored, e)
+    start = time.perf_counter()
     folder, filename = os.path.split(path)
-    return AutoModelForCausalLM.from_pretrained(
+    model = AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=filename, dtype=dtype, quantization_config=GgufConfig(dequantize=True)
     ).eval()
+    if time.perf_counter() - start >= MIN_READ_SECONDS:
+        _store(stored, model)
+    return model
+
+
+MIN_READ_SECONDS = 5.0
+KEEP = 4
+
+
+def _reference_file(path: str, dtype: torch.dtype) -> Path:
+    """Where transformers' reading of a GGUF file is kept: its Python dequantization takes 30-80 s for a
+    0.5B model (every test module and `llmserve eval --reference` would pay it again), mapping the result
+    takes about a second. Keyed by the file (path, size, modification time), the dtype and the versions of
+    transformers and torch: the same reading, not a copy of ours."""
+    import transformers
+
+    st = os.stat(path)
+    parts = [os.path.abspath(path), st.st_size, st.st_mtime_ns, str(dtype), transformers.__version__,
+             torch.__version__]
+    return cache_root() / "reference" / f"{hashlib.sha256(repr(parts).encode()).hexdigest()[:32]}.pt"
+
+
+def _store(path: Path, model) -> None:
+    """Writes the model (the whole module: a GGUF-read one refuses `save_pretrained`) and keeps the `KEEP` most
+    recently written; one that cannot be written costs the next reading its time only."""
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(model, tmp)
+        os.replace(tmp, path)
+    except Exception as e:  # noqa: BLE001 - a full disk, or a module that does not pickle
+        tmp.unlink(missing_ok=True)
+        logger.warning("could not keep the reference model: %s", e)
+        return
+    stored = sorted(path.parent.glob("*.pt"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in stored[KEEP:]:
+        old.unlink(missing_ok=True)
 
 
 def quantized_reference(model, method: str, grids: dict[str, dict[str, tuple[torch.Tensor, ...]]] | None = None):

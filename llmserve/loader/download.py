@@ -42,7 +42,8 @@ class ModelFileError(RuntimeError):
 
 
 def cache_root() -> Path:
-    """llmserve's cache folder: `LLMSERVE_CACHE`, else ~/.cache/llmserve (models, tokenizers, calibration ranges)."""
+    """llmserve's cache folder: `LLMSERVE_CACHE`, else ~/.cache/llmserve (models, tokenizers, calibration ranges,
+    prepared weights, transformers' readings for the reference)."""
     return Path(os.environ.get("LLMSERVE_CACHE", Path.home() / ".cache" / "llmserve"))
 
 
