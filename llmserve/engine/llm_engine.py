@@ -141,6 +141,20 @@ class LLMEngine:
         params: SamplingParams | None = None,
         cache_salt: str | None = None,
     ) -> Request:
+        req = self.new_request(request_id, prompt, params, cache_salt)
+        self.scheduler.add_request(req)
+        return req
+
+    def new_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """A checked request, not yet queued (`scheduler.add_request` queues it). It reads only what never
+        changes (the tokenizer, the length rule, the grammar compiler), so a server builds it on its event loop
+        while a step runs, and hands it to the step loop."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -153,7 +167,6 @@ class LLMEngine:
         req = Request(request_id, text, token_ids, params, max_tokens, self.eos_token_ids, detok, cache_salt)
         if params.structured_outputs is not None:
             req.grammar = self.structured.new_matcher(params.structured_outputs)
-        self.scheduler.add_request(req)
         return req
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
