@@ -32,7 +32,9 @@ def reference_model(model: str | None = None, dtype: torch.dtype = torch.float32
     stored = _reference_file(path, dtype)
     if stored.exists():
         try:
-            return torch.load(stored, mmap=True, weights_only=False).eval()
+            model = torch.load(stored, mmap=True, weights_only=False).eval()
+            os.utime(stored)  # most recently used: the last to be evicted
+            return model
         except Exception as e:  # a truncated or foreign file: read the GGUF again, and overwrite it
             logger.warning("ignoring an unreadable reference model %s: %s", stored, e)
     start = time.perf_counter()
@@ -64,7 +66,7 @@ def _reference_file(path: str, dtype: torch.dtype) -> Path:
 
 def _store(path: Path, model) -> None:
     """Writes the model (the whole module: a GGUF-read one refuses `save_pretrained`) and keeps the `KEEP` most
-    recently written; one that cannot be written costs the next reading its time only."""
+    recently used; one that cannot be written costs the next reading its time only."""
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
