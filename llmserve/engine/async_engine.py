@@ -303,11 +303,14 @@ class AsyncLLM:
                         self._wake.wait(HEALTH_CHECK_INTERVAL_S)
                         if not self.engine.healthy:  # idle, but a rank died: stop now, not at the next request
                             raise RunnerStoppedError("the engine's model runner stopped (a tensor-parallel rank died)")
-                    inbox, self._inbox = self._inbox, []
-                    aborts, self._aborts = self._aborts, []
                 with self._cond:
-                    for req in inbox:
-                        self.engine.scheduler.add_request(req)
+                    # moved under both locks: a request is always in the inbox or the waiting queue, where the
+                    # queue bound counts it
+                    with self._wake:
+                        for req in self._inbox:
+                            self.engine.scheduler.add_request(req)
+                        self._inbox.clear()
+                        aborts, self._aborts = self._aborts, []
                     for request_id in aborts:
                         self.engine.abort_request(request_id)
                     if self._stopping and not self.engine.has_unfinished_requests():
