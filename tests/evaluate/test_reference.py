@@ -12,27 +12,28 @@ from llmserve.evaluate.reference import reference_model
 @pytest.fixture
 def kept_readings(tmp_path, monkeypatch):
     monkeypatch.setenv("LLMSERVE_CACHE", str(tmp_path))
-    monkeypatch.setattr(reference, "MIN_READ_SECONDS", 0.0)  # SmolLM2's reading is quicker than worth keeping
+    monkeypatch.setattr(reference, "MIN_READ_SECONDS", 0.0)  # a small model's reading is quicker than worth keeping
     return tmp_path / "reference"
 
 
 def _logits(model) -> torch.Tensor:
     with torch.inference_mode():
-        return model(torch.tensor([[1, 504, 3458, 282, 4649, 314]])).logits[0]
+        return model(torch.tensor([[1, 50, 345, 28, 464, 31]])).logits[0]
 
 
-def test_a_second_reading_maps_the_kept_model_and_an_unreadable_one_is_read_again(kept_readings, hf_model):
-    reference_model(None, torch.float32)
+def test_a_second_reading_maps_the_kept_model_and_an_unreadable_one_is_read_again(kept_readings, mixed_kquant_gguf):
+    read = reference_model(mixed_kquant_gguf, torch.float32)  # a small Qwen2 GGUF: a reading takes a second
     [kept] = kept_readings.glob("*.pt")
-    mapped = reference_model(None, torch.float32)
-    assert type(mapped) is type(hf_model)
-    assert torch.equal(_logits(mapped), _logits(hf_model))
+    size = kept.stat().st_size
+    mapped = reference_model(mixed_kquant_gguf, torch.float32)
+    assert type(mapped) is type(read)
+    assert torch.equal(_logits(mapped), _logits(read))
     assert all(_mapped_from(kept, t) for t in mapped.parameters())  # not read from the GGUF again
 
     kept.write_bytes(b"truncated")
-    read_again = reference_model(None, torch.float32)
-    assert torch.equal(_logits(read_again), _logits(hf_model))
-    assert kept.stat().st_size > 100_000_000  # replaced
+    read_again = reference_model(mixed_kquant_gguf, torch.float32)
+    assert torch.equal(_logits(read_again), _logits(read))
+    assert kept.stat().st_size == size  # replaced
 
 
 def _mapped_from(path, tensor: torch.Tensor) -> bool:
