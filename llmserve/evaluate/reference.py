@@ -48,20 +48,29 @@ def reference_model(model: str | None = None, dtype: torch.dtype = torch.float32
 
 
 MIN_READ_SECONDS = 5.0
-KEEP = 4
+KEEP = 6
 
 
 def _reference_file(path: str, dtype: torch.dtype) -> Path:
     """Where transformers' reading of a GGUF file is kept: its Python dequantization takes 30-80 s for a
     0.5B model (every test module and `llmserve eval --reference` would pay it again), mapping the result
-    takes about a second. Keyed by the file (path, size, modification time), the dtype and the versions of
-    transformers and torch: the same reading, not a copy of ours."""
+    takes about a second. Keyed by the file's content (its size and a digest of its first and last
+    `_SAMPLE` bytes: the header, the metadata and the last tensors; not its path or modification time, which
+    every fresh install of a model package changes), the dtype and the versions of transformers and torch:
+    the same reading, not a copy of ours."""
     import transformers
 
-    st = os.stat(path)
-    parts = [os.path.abspath(path), st.st_size, st.st_mtime_ns, str(dtype), transformers.__version__,
-             torch.__version__]
+    digest = hashlib.sha256()
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        digest.update(f.read(_SAMPLE))
+        f.seek(max(size - _SAMPLE, 0))
+        digest.update(f.read(_SAMPLE))
+    parts = [size, digest.hexdigest(), str(dtype), transformers.__version__, torch.__version__]
     return cache_root() / "reference" / f"{hashlib.sha256(repr(parts).encode()).hexdigest()[:32]}.pt"
+
+
+_SAMPLE = 4 << 20
 
 
 def _store(path: Path, model) -> None:
