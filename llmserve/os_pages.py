@@ -39,11 +39,14 @@ def _libc_madvise():
 # Linux's advice values (mmap's module lacks MADV_POPULATE_READ before Python 3.12's builds on newer headers)
 MADV_DONTNEED = mmap.MADV_DONTNEED
 MADV_POPULATE_READ = 22  # Linux 5.14+: page tables filled in one call (elsewhere EINVAL: then pages fault as read)
+MADV_POPULATE_WRITE = 23  # the same, the pages faulted as written: an anonymous mapping's allocated and zeroed
 
 
-def advise_storages(storages: list[torch.UntypedStorage], advice: int) -> int:
+def advise_storages(storages: list[torch.UntypedStorage], advice: int, chunk: int | None = None) -> int:
     """madvise(`advice`) over the whole pages of each storage; returns the bytes the kernel took the advice for (0
-    where the C library has no madvise). `drop_resident_pages` and `populate` below are its two uses."""
+    where the C library has no madvise). `chunk`: at most that many bytes a call, for a thread beside others: a
+    populating call holds the process's memory-map lock, and every mmap or munmap (the allocator's too) waits for
+    it. `drop_resident_pages` and `populate` below are its uses, and the weight arena's (weight_arena.py)."""
     madvise = _libc_madvise()
     if madvise is None:
         return 0
@@ -51,8 +54,11 @@ def advise_storages(storages: list[torch.UntypedStorage], advice: int) -> int:
     for storage in storages:
         start = -(-storage.data_ptr() // page) * page
         end = (storage.data_ptr() + storage.nbytes()) // page * page
-        if end > start and madvise(start, end - start, advice) == 0:
-            advised += end - start
+        step = chunk or max(end - start, 1)
+        for at in range(start, end, step):
+            n = min(step, end - at)
+            if madvise(at, n, advice) == 0:
+                advised += n
     return advised
 
 

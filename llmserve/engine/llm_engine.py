@@ -207,8 +207,11 @@ class LLMEngine:
         return self.runner.healthy
 
     def shutdown(self) -> None:
-        """Stop what the engine started beside this process (tensor-parallel workers); idempotent."""
+        """Stop what the engine started beside this process (tensor-parallel workers, a draft's), and finish what it
+        writes for the next start; idempotent."""
         self.runner.shutdown()
+        if self.speculator is not None and isinstance(self.speculator.proposer, DraftModelProposer):
+            self.speculator.proposer.engine.shutdown()
 
     def stats(self) -> EngineStats:
         sched, kv = self.scheduler.stats(), self.kv_cache.stats_snapshot()

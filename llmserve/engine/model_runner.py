@@ -35,7 +35,7 @@ from llmserve.models.decoder import LayerMethods, compile_layers
 from llmserve.models.fused_stack import fused_decode_stack
 from llmserve.os_pages import drop_resident_pages, populate
 from llmserve.quantization.prepared_cache import load_prepared, mapped_storages, save_prepared
-from llmserve.quantization.weight_arena import place_on_huge_pages
+from llmserve.quantization.weight_arena import ArenaInBackground, place_on_huge_pages
 from llmserve.quantization.weight_only import ModelQuantizer
 from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.rejection_sampler import verify
@@ -104,19 +104,22 @@ class ModelRunner:
         self.eos_token_ids = ckpt.eos_token_ids  # banned until min_tokens, unless ignore_eos
         self.attention = ATTENTION_BACKENDS[plan.attention]()
         methods = LayerMethods(self.attention, native_elementwise=plan.elementwise == Kernels.NATIVE)
-        quantizer = None if plan.weights == "as loaded" else ModelQuantizer(
-            plan.weights, plan.small_step_kernels == Kernels.NATIVE, plan.small_step_max_tokens, ckpt.grids,
-            plan.head, plan.activation_parts, every_step=plan.large_steps == LargeSteps.QUANTIZED)
+        quantized = plan.weights != "as loaded"
         # each layer quantized as soon as it is loaded (its dense weights released before the next is read), unless
         # something reads the dense model first: key smoothing, or cutting it into tensor-parallel ranks
-        streamed = quantizer is not None and tp is None and plan.kv_cache.dtype != torch.int8
-        if streamed:  # the quantizer holds the grids now, and drops each as its weight is quantized
-            ckpt.int4_grids = ckpt.int8_grids = None
+        streamed = quantized and tp is None and plan.kv_cache.dtype != torch.int8
         # kept only where every step runs the quantized kernels: a dense or int8 copy would double what is written
         prepared_key = prepared_key if streamed and plan.large_steps == LargeSteps.QUANTIZED else None
         build_start = time.perf_counter()
         model = load_prepared(prepared_key) if prepared_key else None
         self.prepared_from_cache = model is not None
+        # built only for a model not mapped: the file's grids it takes are read when first used (loader/checkpoint.py)
+        quantizer = ModelQuantizer(
+            plan.weights, plan.small_step_kernels == Kernels.NATIVE, plan.small_step_max_tokens, ckpt.grids,
+            plan.head, plan.activation_parts, every_step=plan.large_steps == LargeSteps.QUANTIZED,
+        ) if quantized and not self.prepared_from_cache else None
+        if streamed:  # the quantizer holds the grids now, and drops each as its weight is quantized
+            ckpt.int4_grids = ckpt.int8_grids = None
         if model is not None:  # as an earlier start built it; its layers attend through this runner's backend
             logger.info("prepared weights mapped from the cache in %.1fs", time.perf_counter() - build_start)
             for layer in model.layers:
@@ -133,11 +136,14 @@ class ModelRunner:
             else:
                 self.key_smoothing = smooth_keys(model, ckpt.tokenizer, ckpt.int4_grids)
                 logger.info(self.key_smoothing.describe())
-        grids = ckpt.grids
+        # what the whole-model quantizer below takes (as key smoothing left them); a model that keeps its loaded
+        # weights never reads them
+        grids = ckpt.grids if quantizer is not None and not streamed else None
         kv_spec = plan.kv_cache
         if tp is not None:  # the dense model cut to this rank's heads, units and vocabulary rows, then quantized
             shard_model(model, tp)
-            grids = {method: shard_grids(found, ckpt.config, tp) for method, found in grids.items()}
+            if grids is not None:
+                grids = {method: shard_grids(found, ckpt.config, tp) for method, found in grids.items()}
             self.config = shard_config(ckpt.config, tp.size)
             kv_spec = dataclasses.replace(kv_spec, num_kv_heads=self.config.num_kv_heads)
         if streamed and not self.prepared_from_cache:
@@ -153,7 +159,13 @@ class ModelRunner:
         release = plan.compile == CompileMode.OFF and not plan.int8_activations
         if packed := prepack_linears(model, release_plain=release):
             logger.info("%d linear weights prepacked for oneDNN", packed)
-        if plan.huge_pages:
+        # a mapped model serves from the file's pages at once and moves onto huge pages between two steps, its arena
+        # prepared beside serving; one built here moves now, its originals freed as it goes (a lower peak)
+        self._arena: ArenaInBackground | None = None
+        if plan.huge_pages and self.prepared_from_cache and plan.compile == CompileMode.OFF \
+                and not plan.cuda_graph_max_tokens:
+            self._arena = ArenaInBackground(model, mapped_storages(model))
+        elif plan.huge_pages:
             try:
                 mapped = mapped_storages(model) if self.prepared_from_cache else []
                 populate(mapped)
@@ -195,8 +207,32 @@ class ModelRunner:
         if self.fused_stack is not None:
             self.fused_stack = fused_decode_stack(self.model, self.kv_caches)
 
+    def move_weights_to_arena(self) -> None:
+        """Between steps, once the arena prepared beside serving is ready: the weights moved in, the one-call stack
+        rebuilt on them, and the file's pages the copy read dropped (the embedding faults back as used)."""
+        arena, self._arena = self._arena, None
+        try:
+            placed = arena.move()
+        except OSError as e:  # refused before any weight moved: they stay where they are
+            logger.warning("the weights stay on the file's pages: huge pages refused (%s)", e)
+            return
+        if self.fused_stack is not None:
+            self.fused_stack = fused_decode_stack(self.model, self.kv_caches)
+        drop_resident_pages(arena.mapped)
+        logger.info("%.1f MB of streamed weights moved onto huge pages", placed / 1e6)
+
+    @property
+    def arena_pending(self) -> bool:
+        """Whether the weights still wait for their huge-page arena (see `move_weights_to_arena`)."""
+        return self._arena is not None
+
     def shutdown(self) -> None:
-        """Nothing runs beside this process (see distributed/executor.py for a runner that starts workers)."""
+        """Waits for the prepared weights being written for the next start: cut short, the next start would build
+        them again. Nothing else runs beside this process (see distributed/executor.py for a runner that starts
+        workers)."""
+        if self.prepared_writer is not None and self.prepared_writer.is_alive():
+            logger.info("finishing the prepared weights for the next start")
+            self.prepared_writer.join()
 
     def update_states(self, out: SchedulerOutput) -> None:
         """Apply what changed since the last step: requests gone, new ones, new blocks. Once per step."""
@@ -240,6 +276,8 @@ class ModelRunner:
         (a chunk after its cached context, as a speculative draft's catch-up on verified tokens is): it takes
         that call rather than the layer-by-layer prefill path, which costs a draft's short catch-up far more
         (docs/performance.md, "Speculative decoding")."""
+        if self._arena is not None and self._arena.ready:
+            self.move_weights_to_arena()
         ids = list(out.num_scheduled_tokens)
         as_decodes = (out.total_num_scheduled_tokens <= self.plan.fused_decode_max_tokens
                       and all(self._requests[i].params.prompt_logprobs is None for i in ids))

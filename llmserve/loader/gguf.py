@@ -24,7 +24,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K, quant_shape_to_byte_shape
 
-from llmserve.loader.checkpoint import Checkpoint, LazyTensors
+from llmserve.loader.checkpoint import Checkpoint, LazyGrids, LazyTensors
 from llmserve.loader.download import cache_root
 from llmserve.loader.ggml_blocks import dequantize
 from llmserve.loader.gguf_header import GGUFHeader, read_gguf_header
@@ -131,22 +131,17 @@ def load_gguf(path: str, name: str, tokenizer: object | None = None) -> Checkpoi
     arch = meta["general.architecture"]
     hf = hf_config_from_metadata(meta, arch, header.tensor_shapes)
     config = config_from_hf(hf)
-    makers, formats, grids, grids8 = {}, {}, {}, {}
+    makers, formats, named = {}, {}, []
     for tensor in read_tensors(path, header):
         hf_name = _hf_name(tensor.name, arch)
-        grid, grid8 = int4_grid(tensor), int8_grid(tensor)
         heads = None
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = hf["num_attention_heads"] if "q_proj" in hf_name else hf["num_key_value_heads"]
-            grid = grid and tuple(_unpermute_rope_rows(g, heads) for g in grid)
-            grid8 = grid8 and tuple(_unpermute_rope_rows(g, heads) for g in grid8)
         makers[hf_name] = _decoder(tensor, heads, arch in _NORM_PLUS_ONE and hf_name.endswith("norm.weight"))
-        tensor.release()  # the grids read every block's header: all its pages, until it is decoded
         formats[hf_name] = tensor.tensor_type.name
-        for found, into in ((grid, grids), (grid8, grids8)):
-            if found is not None:
-                into[hf_name] = tuple(torch.from_numpy(np.ascontiguousarray(g)) for g in found)
+        named.append((hf_name, tensor, heads))
     weights = LazyTensors(makers)
+    int4_grids, int8_grids = _lazy_grids(named)
     if tokenizer is None:
         tokenizer = gguf_tokenizer(path)
     return Checkpoint(
@@ -157,9 +152,33 @@ def load_gguf(path: str, name: str, tokenizer: object | None = None) -> Checkpoi
         chat_template=meta.get("tokenizer.chat_template"),
         eos_token_ids=gguf_eos_ids(meta),
         source_formats=formats,
-        int4_grids=grids,
-        int8_grids=grids8,
+        int4_grids=int4_grids,
+        int8_grids=int8_grids,
     )
+
+
+def _lazy_grids(named: list[tuple[str, GGUFTensor, int | None]]) -> tuple[LazyGrids, LazyGrids]:
+    """The file's int4 and int8 grids (`Checkpoint.int4_grids`, `int8_grids`) by Hugging Face name, both read
+    when either is first used; `named`: (name, tensor, heads to unpermute or None) per tensor."""
+    read: list[list[dict]] = []
+
+    def part(which: int) -> dict:
+        if not read:
+            grids, grids8 = {}, {}
+            for hf_name, tensor, heads in named:
+                grid, grid8 = int4_grid(tensor), int8_grid(tensor)
+                if heads is not None:
+                    grid = grid and tuple(_unpermute_rope_rows(g, heads) for g in grid)
+                    grid8 = grid8 and tuple(_unpermute_rope_rows(g, heads) for g in grid8)
+                tensor.release()  # the grids read every block's header: all its pages, until it is decoded
+                for found, into in ((grid, grids), (grid8, grids8)):
+                    if found is not None:
+                        into[hf_name] = tuple(torch.from_numpy(np.ascontiguousarray(g)) for g in found)
+            read.append([grids, grids8])
+        found, read[0][which] = read[0][which], {}  # held by its LazyGrids alone: dropped with it
+        return found
+
+    return LazyGrids(lambda: part(0)), LazyGrids(lambda: part(1))
 
 
 def gguf_eos_ids(meta: dict) -> list[int]:
