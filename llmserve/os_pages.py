@@ -42,23 +42,26 @@ MADV_POPULATE_READ = 22  # Linux 5.14+: page tables filled in one call (elsewher
 MADV_POPULATE_WRITE = 23  # the same, the pages faulted as written: an anonymous mapping's allocated and zeroed
 
 
-def advise_storages(storages: list[torch.UntypedStorage], advice: int, chunk: int | None = None) -> int:
+def advise_storages(storages: list[torch.UntypedStorage], advice: int) -> int:
     """madvise(`advice`) over the whole pages of each storage; returns the bytes the kernel took the advice for (0
-    where the C library has no madvise). `chunk`: at most that many bytes a call, for a thread beside others: a
-    populating call holds the process's memory-map lock, and every mmap or munmap (the allocator's too) waits for
-    it. `drop_resident_pages` and `populate` below are its uses, and the weight arena's (weight_arena.py)."""
+    where the C library has no madvise). `drop_resident_pages` and `populate` below are its two uses."""
+    return sum(advise_range(storage.data_ptr(), storage.nbytes(), advice) for storage in storages)
+
+
+def advise_range(address: int, nbytes: int, advice: int, chunk: int | None = None) -> int:
+    """madvise(`advice`) over the whole pages in [address, address + nbytes); returns the bytes advised. `chunk`: at
+    most that many bytes a call, for a thread beside others: a populating call holds the process's memory-map lock,
+    and every mmap or munmap (the allocator's too) waits for it."""
     madvise = _libc_madvise()
     if madvise is None:
         return 0
     page, advised = mmap.PAGESIZE, 0
-    for storage in storages:
-        start = -(-storage.data_ptr() // page) * page
-        end = (storage.data_ptr() + storage.nbytes()) // page * page
-        step = chunk or max(end - start, 1)
-        for at in range(start, end, step):
-            n = min(step, end - at)
-            if madvise(at, n, advice) == 0:
-                advised += n
+    start, end = -(-address // page) * page, (address + nbytes) // page * page
+    step = chunk or max(end - start, 1)
+    for at in range(start, end, step):
+        n = min(step, end - at)
+        if madvise(at, n, advice) == 0:
+            advised += n
     return advised
 
 

@@ -164,7 +164,7 @@ class ModelRunner:
         self._arena: ArenaInBackground | None = None
         if plan.huge_pages and self.prepared_from_cache and plan.compile == CompileMode.OFF \
                 and not plan.cuda_graph_max_tokens:
-            self._arena = ArenaInBackground(model, mapped_storages(model))
+            self._arena = ArenaInBackground(model)
         elif plan.huge_pages:
             try:
                 mapped = mapped_storages(model) if self.prepared_from_cache else []
@@ -207,23 +207,24 @@ class ModelRunner:
         if self.fused_stack is not None:
             self.fused_stack = fused_decode_stack(self.model, self.kv_caches)
 
-    def move_weights_to_arena(self) -> None:
-        """Between steps, once the arena prepared beside serving is ready: the weights moved in, the one-call stack
-        rebuilt on them, and the file's pages the copy read dropped (the embedding faults back as used)."""
-        arena, self._arena = self._arena, None
-        try:
-            placed = arena.move()
-        except OSError as e:  # refused before any weight moved: they stay where they are
-            logger.warning("the weights stay on the file's pages: huge pages refused (%s)", e)
-            return
-        if self.fused_stack is not None:
-            self.fused_stack = fused_decode_stack(self.model, self.kv_caches)
-        drop_resident_pages(arena.mapped)
-        logger.info("%.1f MB of streamed weights moved onto huge pages", placed / 1e6)
+    def swap_in_arena_weights(self) -> None:
+        """Between steps: the weights the arena's thread copied since the last step swapped in, the one-call stack
+        rebuilt on them, and the file's pages they leave dropped (quantization/weight_arena.py)."""
+        arena = self._arena
+        if left := arena.swap():
+            if self.fused_stack is not None:
+                self.fused_stack = fused_decode_stack(self.model, self.kv_caches)
+            drop_resident_pages(left)
+        if arena.done:
+            self._arena = None
+            if arena.error is not None:  # refused before any weight moved: they stay where they are
+                logger.warning("the weights stay on the file's pages: huge pages refused (%s)", arena.error)
+            else:
+                logger.info("%.1f MB of streamed weights moved onto huge pages", arena.placed / 1e6)
 
     @property
     def arena_pending(self) -> bool:
-        """Whether the weights still wait for their huge-page arena (see `move_weights_to_arena`)."""
+        """Whether weights still wait for their huge-page arena (see `swap_in_arena_weights`)."""
         return self._arena is not None
 
     def shutdown(self) -> None:
@@ -276,8 +277,8 @@ class ModelRunner:
         (a chunk after its cached context, as a speculative draft's catch-up on verified tokens is): it takes
         that call rather than the layer-by-layer prefill path, which costs a draft's short catch-up far more
         (docs/performance.md, "Speculative decoding")."""
-        if self._arena is not None and self._arena.ready:
-            self.move_weights_to_arena()
+        if self._arena is not None:
+            self.swap_in_arena_weights()
         ids = list(out.num_scheduled_tokens)
         as_decodes = (out.total_num_scheduled_tokens <= self.plan.fused_decode_max_tokens
                       and all(self._requests[i].params.prompt_logprobs is None for i in ids))

@@ -11,6 +11,7 @@ the products read the same bytes at another address.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import threading
 
@@ -18,14 +19,14 @@ import torch
 from torch import nn
 
 from llmserve.engine.heap import trim_heap
-from llmserve.os_pages import MADV_POPULATE_WRITE, advise_storages, anonymous_pages
+from llmserve.os_pages import MADV_POPULATE_WRITE, advise_range, anonymous_pages, drop_resident_pages
 
 HUGE_PAGE = 2 << 20
 _ALIGN = 64  # each tensor starts on a cache line, as the allocator's do
 # the heap's freed pages handed back after each this many bytes copied: the originals lie among other chunks, where
 # glibc keeps them resident (engine/heap.py), and the arena would otherwise add all of them to the start's peak
 _TRIM_EVERY = 64 << 20
-_POPULATE_CHUNK = HUGE_PAGE  # the memory-map lock held for a few ms at a time (os_pages.advise_storages)
+_CHUNK = 16 * HUGE_PAGE  # what a background fill copies before a step may swap it in (ArenaInBackground)
 
 
 def streamed_weights(model: nn.Module) -> list[tuple[nn.Module, str]]:
@@ -46,46 +47,73 @@ def place_on_huge_pages(model: nn.Module) -> int:
 
 
 class ArenaInBackground:
-    """The arena made ready beside serving, for a model mapped from a file (quantization/prepared_cache.py): the
-    mapped weights serve at once, while a thread faults the arena's huge pages (1.3-4 s a GB on a Zen 4 cloud host,
-    against ~0.2 s for small pages: most of a mapped start's time). `move` then copies the weights in between two
-    steps (~0.1 s a GB, more for file pages not read yet). The file's pages stay resident beside the arena until the
-    caller drops them, as they would during a copy at start."""
+    """The arena filled beside serving, for a model mapped from a file (quantization/prepared_cache.py): the mapped
+    weights serve at once, while a thread faults the arena's huge pages (1.3-4 s a GB on a Zen 4 cloud host, against
+    ~0.2 s for small pages: most of a mapped start's time) and copies the weights in, `_CHUNK` bytes at a time. Between
+    two steps `swap` makes the copied ones the model's buffers. The file's pages are dropped as each part is copied
+    and again once swapped (a step still reading them faults them back from the page cache), so the file and the
+    arena are never both resident whole: the start's peak holds one copy of the weights, not two."""
 
-    def __init__(self, model: nn.Module, mapped: list[torch.UntypedStorage]) -> None:
-        self.entries = streamed_weights(model)
-        self.mapped = mapped
-        self._arena: torch.Tensor | None = None
+    def __init__(self, model: nn.Module) -> None:
+        self._entries = streamed_weights(model)
+        self._copied: list[list[tuple[nn.Module, str, torch.Tensor]]] = []  # parts copied, not yet swapped in
         self._error: OSError | None = None
-        self._thread = threading.Thread(target=self._prepare, name="llmserve-weight-arena", daemon=True)
+        self.placed = 0  # bytes swapped in so far
+        self._thread = threading.Thread(target=self._fill, name="llmserve-weight-arena", daemon=True)
         self._thread.start()
 
-    def _prepare(self) -> None:
-        # at the lowest priority: faulting huge pages is kernel time that would otherwise take a core from the start
-        # and from the steps (two such threads on a 2-core host left the start a third of a core)
+    def _fill(self) -> None:
+        # at the lowest priority, in the time the start and the steps leave: faulting huge pages is kernel time that
+        # would take a core from them (two such threads on a 2-core host left the start a third of a core). Under
+        # full load it finishes within a minute or two, its steps on the file's small pages meanwhile; at nice 10 it
+        # finished no sooner, and the steps beside it ran slower (docs/performance.md, "Start-up")
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
-            arena = _arena(self.entries)
-            # every huge page faulted here, not during the copy between steps (by the kernel: no torch threads beside
-            # the step's; where refused, the copy faults them)
-            advise_storages([arena.untyped_storage()], MADV_POPULATE_WRITE, chunk=_POPULATE_CHUNK)
-            self._arena = arena
+            arena = _arena(self._entries)
         except OSError as e:
             self._error = e
+            return
+        offset = start = -arena.data_ptr() % HUGE_PAGE
+        part: list[tuple[nn.Module, str, torch.Tensor]] = []
+        for index, (module, name) in enumerate(self._entries):
+            tensor = module._buffers[name]
+            part.append((module, name, arena[offset : offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)))
+            offset += _aligned(tensor.nbytes, _ALIGN)
+            if offset - start < _CHUNK and index < len(self._entries) - 1:
+                continue
+            # faulted by the kernel a huge page a call, then copied by memmove: no torch threads beside the step's
+            # (where the advice is refused, the copy faults them)
+            advise_range(arena.data_ptr() + start, offset - start, MADV_POPULATE_WRITE, chunk=HUGE_PAGE)
+            originals = [m._buffers[n] for m, n, _ in part]
+            for original, (_, _, view) in zip(originals, part, strict=True):
+                ctypes.memmove(view.data_ptr(), original.contiguous().data_ptr(), view.nbytes)
+            drop_resident_pages([t.untyped_storage() for t in originals])
+            self._copied.append(part)  # one reference appended: seen whole by `swap`
+            part, start = [], offset
 
     @property
-    def ready(self) -> bool:
-        return not self._thread.is_alive()
+    def done(self) -> bool:
+        """Every weight swapped in, or the arena refused (see `error`)."""
+        return not self._thread.is_alive() and not self._copied
 
-    def move(self) -> int:
-        """Place the weights in the prepared arena (call between steps, once `ready`); returns the bytes placed.
-        Raises the OSError that refused the arena, with no buffer moved."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        arena, self._arena = self._arena, None
-        return _move_into(arena, self.entries)
+    @property
+    def error(self) -> OSError | None:
+        return self._error
+
+    def swap(self) -> list[torch.UntypedStorage]:
+        """Between steps: the weights copied since the last call become the model's buffers. Returns the storages
+        they leave (the file's), to drop once nothing reads them (after the caller rebuilds what holds them)."""
+        count = len(self._copied)  # the thread only appends
+        parts = self._copied[:count]
+        del self._copied[:count]
+        left = []
+        for part in parts:
+            for module, name, view in part:
+                left.append(module._buffers[name].untyped_storage())
+                module._buffers[name] = view
+                self.placed += _aligned(view.nbytes, _ALIGN)
+        return left
 
 
 def _arena(entries: list[tuple[nn.Module, str]]) -> torch.Tensor:
