@@ -217,8 +217,9 @@ class ModelRunner:
             drop_resident_pages(left)
         if arena.done:
             self._arena = None
-            if arena.error is not None:  # refused before any weight moved: they stay where they are
-                logger.warning("the weights stay on the file's pages: huge pages refused (%s)", arena.error)
+            if arena.error is not None:  # what was not swapped in stays on the file's pages
+                logger.warning("%.1f MB of streamed weights moved onto huge pages, the others stay on the file's "
+                               "pages (%s)", arena.placed / 1e6, arena.error)
             else:
                 logger.info("%.1f MB of streamed weights moved onto huge pages", arena.placed / 1e6)
 

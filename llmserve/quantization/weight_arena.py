@@ -57,7 +57,7 @@ class ArenaInBackground:
     def __init__(self, model: nn.Module) -> None:
         self._entries = streamed_weights(model)
         self._copied: list[list[tuple[nn.Module, str, torch.Tensor]]] = []  # parts copied, not yet swapped in
-        self._error: OSError | None = None
+        self._error: Exception | None = None
         self.placed = 0  # bytes swapped in so far
         self._thread = threading.Thread(target=self._fill, name="llmserve-weight-arena", daemon=True)
         self._thread.start()
@@ -65,15 +65,16 @@ class ArenaInBackground:
     def _fill(self) -> None:
         # at the lowest priority, in the time the start and the steps leave: faulting huge pages is kernel time that
         # would take a core from them (two such threads on a 2-core host left the start a third of a core). Under
-        # full load it finishes within a minute or two, its steps on the file's small pages meanwhile; at nice 10 it
-        # finished no sooner, and the steps beside it ran slower (docs/performance.md, "Start-up")
+        # full load it may take minutes, its steps on the file's small pages meanwhile; at nice 10 it finished no
+        # sooner, and the steps beside it ran slower (docs/performance.md, "Start-up")
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
-            arena = _arena(self._entries)
-        except OSError as e:
+            self._copy_in(_arena(self._entries))
+        except Exception as e:  # noqa: BLE001 - the arena refused, or a copy failed: what is not swapped stays put
             self._error = e
-            return
+
+    def _copy_in(self, arena: torch.Tensor) -> None:
         offset = start = -arena.data_ptr() % HUGE_PAGE
         part: list[tuple[nn.Module, str, torch.Tensor]] = []
         for index, (module, name) in enumerate(self._entries):
@@ -87,18 +88,20 @@ class ArenaInBackground:
             advise_range(arena.data_ptr() + start, offset - start, MADV_POPULATE_WRITE, chunk=HUGE_PAGE)
             originals = [m._buffers[n] for m, n, _ in part]
             for original, (_, _, view) in zip(originals, part, strict=True):
-                ctypes.memmove(view.data_ptr(), original.contiguous().data_ptr(), view.nbytes)
+                source = original.contiguous()  # held through the copy
+                ctypes.memmove(view.data_ptr(), source.data_ptr(), view.nbytes)
             drop_resident_pages([t.untyped_storage() for t in originals])
             self._copied.append(part)  # one reference appended: seen whole by `swap`
             part, start = [], offset
 
     @property
     def done(self) -> bool:
-        """Every weight swapped in, or the arena refused (see `error`)."""
+        """Every weight copied swapped in, and the fill over (see `error` for one cut short)."""
         return not self._thread.is_alive() and not self._copied
 
     @property
-    def error(self) -> OSError | None:
+    def error(self) -> Exception | None:
+        """Why the fill stopped short (the arena refused, or a copy failed): the weights not swapped stay put."""
         return self._error
 
     def swap(self) -> list[torch.UntypedStorage]:

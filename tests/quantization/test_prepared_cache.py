@@ -10,7 +10,7 @@ import torch
 from llmserve import LLM, SamplingParams
 from llmserve.kernels import native_quantized_kernels
 from llmserve.loader import gguf
-from llmserve.quantization import calibration_cache, prepared_cache
+from llmserve.quantization import calibration_cache, prepared_cache, weight_arena
 from llmserve.quantization.weight_arena import streamed_weights
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
@@ -76,6 +76,25 @@ def test_a_mapped_start_reads_no_grids_and_moves_onto_huge_pages_between_steps(c
     assert not runner.arena_pending and len(storages := _streamed_storages(mapped)) == 1
     assert storages.isdisjoint(file_storages)
     assert _outputs(mapped) == expected  # and the one-call stack was rebuilt on them
+
+
+def test_a_refused_arena_leaves_a_mapped_start_serving_from_the_file(cache_folder, monkeypatch):
+    built = _engine()
+    if built.engine.plan.weights == "as loaded" or not built.engine.plan.batch_invariant \
+            or not built.engine.plan.huge_pages:
+        pytest.skip("needs a stored model and the huge-page arena (the native kernels and THP)")
+    expected = _outputs(built)
+
+    def refused(entries):
+        raise OSError("huge pages refused")
+
+    monkeypatch.setattr(weight_arena, "_arena", refused)
+    mapped = _engine()
+    runner = mapped.engine.runner
+    file_storages = {s.data_ptr() for s in prepared_cache.mapped_storages(runner.model)}
+    runner._arena._thread.join()
+    assert _outputs(mapped) == expected and not runner.arena_pending
+    assert _streamed_storages(mapped) <= file_storages  # nothing moved
 
 
 def test_shutdown_waits_for_the_prepared_weights_being_written(cache_folder, monkeypatch):
