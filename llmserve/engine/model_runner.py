@@ -28,7 +28,7 @@ from llmserve.engine.heap import trim_heap
 from llmserve.engine.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from llmserve.kv_cache.key_smoothing import cannot_smooth, smooth_keys
 from llmserve.layers.attention import ATTENTION_BACKENDS, attention_metadata
-from llmserve.layers.linear import prepack_linears
+from llmserve.layers.linear import prepack_linears, release_plain_weights
 from llmserve.layers.sampler import SamplingMetadata, sample
 from llmserve.loader import Checkpoint, build_model
 from llmserve.models.decoder import LayerMethods, compile_layers
@@ -159,6 +159,8 @@ class ModelRunner:
         release = plan.compile == CompileMode.OFF and not plan.int8_activations
         if packed := prepack_linears(model, release_plain=release):
             logger.info("%d linear weights prepacked for oneDNN", packed)
+        if not release and plan.compile == CompileMode.OFF:  # calibration reads the decoder layers', not the head's:
+            release_plain_weights(model.lm_head)  # SmolLM2's dense head copy, 54 MB beside its packed one
         # a mapped model serves from the file's pages at once and moves onto huge pages between two steps, its arena
         # prepared beside serving; one built here moves now, its originals freed as it goes (a lower peak)
         self._arena: ArenaInBackground | None = None

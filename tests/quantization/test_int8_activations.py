@@ -4,6 +4,8 @@ engine's greedy tokens equal transformers computing each projection the same way
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -161,3 +163,18 @@ def test_compiled_decode_batches_run_int8_too(hf_model, long_prompts):
                 top2 = ref(torch.tensor([ids + want[:diverged]])).logits[0, -1].topk(2)
             assert top2.values[0] - top2.values[1] < 0.02 * top2.values[0].abs(), (diverged, top2)
             assert {got[diverged], want[diverged]} == set(top2.indices.tolist()), (diverged, top2)
+
+
+def test_the_default_head_keeps_one_dense_copy_and_still_takes_large_steps():
+    llm = LLM(kv_cache_memory_gb=0.05, max_model_len=512)
+    if not llm.engine.plan.int8_activations:
+        pytest.skip("the default plan runs no int8 activations on this host")
+    head = llm.engine.runner.model.lm_head
+    # calibration smooths the decoder layers' plain weights, never the head's: its packed copy alone is kept
+    assert head.packed is not None and head.weight is None and head.large_step_kernel == "dense"
+    prompt = list(range(100, 160))  # 60 prompt positions through the head at once: its large-step product
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    [out] = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    logprobs = out.prompt_logprobs[1:]
+    assert len(logprobs) == len(prompt) - 1
+    assert all(math.isfinite(entry[token].logprob) for entry, token in zip(logprobs, prompt[1:], strict=True))
