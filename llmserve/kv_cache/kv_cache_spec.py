@@ -13,7 +13,6 @@ rows of head_dim + 4 one-byte elements (kv_cache/kv_quant.py).
 from __future__ import annotations
 
 import math
-import mmap
 from dataclasses import dataclass
 
 import torch
@@ -50,13 +49,10 @@ class KVCacheSpec:
         byte first, time and resident memory at every start, for a cache a short-lived or lightly loaded server never
         fills (docs/performance.md, "Start-up")."""
         shape = self.shape(num_blocks)
-        if torch.device(device).type != "cpu":
-            return [(torch.zeros(shape, dtype=self.dtype, device=device),
-                     torch.zeros(shape, dtype=self.dtype, device=device)) for _ in range(self.num_layers)]
-        # one mapping for every layer's K and V, each on its own pages: one mmap call, where a thread faulting
-        # a weight arena holds the memory-map lock now and then (quantization/weight_arena.py)
-        size = -(-math.prod(shape) * self.dtype.itemsize // mmap.PAGESIZE) * mmap.PAGESIZE
-        pages = anonymous_pages(size * 2 * self.num_layers)
-        caches = [pages[i * size : i * size + math.prod(shape) * self.dtype.itemsize].view(self.dtype).view(shape)
-                  for i in range(2 * self.num_layers)]
-        return list(zip(caches[0::2], caches[1::2], strict=True))
+
+        def zeros() -> torch.Tensor:
+            if torch.device(device).type == "cpu":
+                return anonymous_pages(math.prod(shape) * self.dtype.itemsize).view(self.dtype).view(shape)
+            return torch.zeros(shape, dtype=self.dtype, device=device)
+
+        return [(zeros(), zeros()) for _ in range(self.num_layers)]
