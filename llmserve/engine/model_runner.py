@@ -159,8 +159,8 @@ class ModelRunner:
         release = plan.compile == CompileMode.OFF and not plan.int8_activations
         if packed := prepack_linears(model, release_plain=release):
             logger.info("%d linear weights prepacked for oneDNN", packed)
-        if not release and plan.compile == CompileMode.OFF:  # calibration reads the decoder layers', not the head's:
-            release_plain_weights(model.lm_head)  # SmolLM2's dense head copy, 54 MB beside its packed one
+        if plan.compile == CompileMode.OFF:  # int8 calibration reads the decoder layers' plain weights, never the
+            release_plain_weights(model.lm_head)  # head's (SmolLM2's dense head copy: 54 MB beside its packed one)
         # a mapped model serves from the file's pages at once and moves onto huge pages between two steps, its arena
         # prepared beside serving; one built here moves now, its originals freed as it goes (a lower peak)
         self._arena: ArenaInBackground | None = None

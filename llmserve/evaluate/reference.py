@@ -49,6 +49,7 @@ def reference_model(model: str | None = None, dtype: torch.dtype = torch.float32
 
 MIN_READ_SECONDS = 5.0
 KEEP = 6
+_SAMPLE = 4 << 20  # the bytes read at each end of a file for its key (`_reference_file`)
 
 
 def _reference_file(path: str, dtype: torch.dtype) -> Path:
@@ -68,9 +69,6 @@ def _reference_file(path: str, dtype: torch.dtype) -> Path:
         digest.update(f.read(_SAMPLE))
     parts = [size, digest.hexdigest(), str(dtype), transformers.__version__, torch.__version__]
     return cache_root() / "reference" / f"{hashlib.sha256(repr(parts).encode()).hexdigest()[:32]}.pt"
-
-
-_SAMPLE = 4 << 20
 
 
 def _store(path: Path, model) -> None:

@@ -45,7 +45,7 @@ class LazyGrids(UserDict):
     prepared weights (quantization/prepared_cache.py) never uses them, and reading them touches every page of the
     file (~1.5 s of Qwen2.5-Coder-1.5B's start on a Zen 4 host). Pickled as the dict it holds."""
 
-    def __init__(self, read: Callable[[], dict]) -> None:  # noqa: D107 - UserDict's own would set `data`
+    def __init__(self, read: Callable[[], dict]) -> None:  # not UserDict's own, which would set `data`
         self._read: Callable[[], dict] | None = read
         self._data: dict = {}
 
