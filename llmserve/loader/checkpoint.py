@@ -89,8 +89,11 @@ class Checkpoint:
     # are in `weights` and their per-32 form in `int4_grids`; kept whole so that `llmserve quantize` can
     # write them as they are.
     int4_groups: dict[str, Int4Groups] | None = None
+    # an FP8 checkpoint's scales (loader/fp8_format.py): float32 [out, ceil(in / 128)], one per row and block of 128
+    # inputs, w = q * scale with q e4m3. The fp8 layers keep the file's bytes and scales with them.
+    fp8_grids: dict[str, tuple[torch.Tensor]] | None = None
 
     @property
     def grids(self) -> dict[str, dict[str, tuple[torch.Tensor, ...]]]:
         """The file's own grids by the weight format that keeps them (quantization/methods/)."""
-        return {"int4": self.int4_grids or {}, "int8": self.int8_grids or {}}
+        return {"int4": self.int4_grids or {}, "int8": self.int8_grids or {}, "fp8": self.fp8_grids or {}}

@@ -102,10 +102,10 @@ CLIP_KINDS = {"v": "self_attn.qkv_proj", "o": "self_attn.o_proj", "gate_up": "ml
               "down": "mlp.down_proj"}
 
 
-def calibration_samples(tokenizer, max_seq_len: int) -> list[torch.Tensor]:
-    """The calibration text (quantization/calibration.txt: questions, code, arithmetic, prose) as token
+def calibration_samples(tokenizer, max_seq_len: int, text: str | None = None) -> list[torch.Tensor]:
+    """The calibration text (default quantization/calibration.txt: questions, code, arithmetic, prose) as token
     sequences of at most `max_seq_len` tokens (the whole text, cut in order)."""
-    ids = tokenizer.encode("\n\n".join(calibration_prompts()), add_special_tokens=False)
+    ids = tokenizer.encode("\n\n".join(calibration_prompts()) if text is None else text, add_special_tokens=False)
     return [torch.tensor(ids[i : i + max_seq_len]) for i in range(0, len(ids), max_seq_len) if len(ids) - i >= 2]
 
 

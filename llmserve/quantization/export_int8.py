@@ -8,16 +8,14 @@ same q and scale (its largest |q| is 127), so the served values are the written 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from llmserve.loader.checkpoint import Checkpoint
 from llmserve.loader.int8_format import QUANTIZATION_CONFIG
-from llmserve.models.families import config_to_hf
+from llmserve.quantization.export import write_directory
 from llmserve.quantization.int8_activations import quantize_rows
 from llmserve.quantization.quantize_checkpoint import is_decoder_linear
 
@@ -34,16 +32,5 @@ def save_int8_checkpoint(ckpt: Checkpoint, out_dir: str | Path, dtype: torch.dty
             tensors[name], tensors[f"{name}_scale"] = q.contiguous(), scale.float().contiguous()
         else:
             tensors[name] = tensor.contiguous()
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    hf = config_to_hf(ckpt.config)
-    hf["torch_dtype"] = str(dtype).removeprefix("torch.")
-    hf["eos_token_id"] = ckpt.eos_token_ids[0] if len(ckpt.eos_token_ids) == 1 else ckpt.eos_token_ids
-    hf["quantization_config"] = QUANTIZATION_CONFIG
-    if provenance:
-        hf["llmserve_quantization"] = provenance
-    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": ckpt.eos_token_ids}, indent=2) + "\n")
-    if ckpt.chat_template and not getattr(ckpt.tokenizer, "chat_template", None):
-        ckpt.tokenizer.chat_template = ckpt.chat_template
-    ckpt.tokenizer.save_pretrained(str(out))
+    write_directory(ckpt, out, tensors, str(dtype).removeprefix("torch."), QUANTIZATION_CONFIG, provenance)
     return out

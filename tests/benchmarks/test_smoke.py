@@ -100,6 +100,17 @@ def test_kv_cache_quant(tmp_path: Path) -> None:
     assert doc["engine"]["int8"]["kv_tokens"] > 0 and "| int8 |" in (tmp_path / "kv.md").read_text()
 
 
+def test_int4_methods(tmp_path: Path) -> None:
+    """Round to nearest alone on SmolLM2's groups of 32, beside the unquantized model: quantized, written, read and
+    scored."""
+    run("int4_methods.py", "--methods", "int4", "--ppl-tokens", "256", "--out", str(tmp_path / "m"))
+    doc = json.loads((tmp_path / "m.json").read_text())
+    (base, rtn) = doc["rows"]
+    assert base["method"] == "unquantized" and rtn["method"] == "int4" and rtn["seconds"] > 0
+    assert rtn["perplexity"] > base["perplexity"] > 1
+    assert "| round to nearest | 32 |" in (tmp_path / "m.md").read_text()
+
+
 def test_spec_decode(tmp_path: Path) -> None:
     """One server (speculation off) through the script's serve, bench and report path."""
     run("spec_decode.py", "--workloads", "chat", "--levels", "1:1", "--output-len", "8", "--warmup", "0",

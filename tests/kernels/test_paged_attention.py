@@ -9,6 +9,7 @@ import subprocess
 import pytest
 import torch
 
+from llmserve.host import cpu_flags
 from llmserve.kernels import build_directory, load_cpu_kernels
 from llmserve.layers.attention import DecodeGroup
 from llmserve.layers.attention.torch_ops import _decode_attention
@@ -142,7 +143,9 @@ def _laid_out(k, v, block_size, cache_dtype, gen):
 @pytest.mark.parametrize("context_len", [7, 70, 600])
 def test_a_context_gives_the_same_bits_in_blocks_of_any_size(cache_dtype, threads, context_len):
     # 16 tokens inside one block are read as one run of rows (RowWalker.run: blocks of 16 or 32), else row by row
-    # through the table (blocks of 5): the same values in the same order either way, so the same bits
+    # through the table (blocks of 5): the same values in the same order either way, so the same bits. Except a bf16
+    # cache on an AMX CPU: blocks of a multiple of 16 tokens score and sum on AMX tiles, whose bf16 dot products round
+    # apart from vdpbf16ps's, and blocks of 5 on the vector loops; an engine's one block size keeps one path
     gen = torch.Generator().manual_seed(context_len)
     dtype = torch.float32 if cache_dtype == torch.float32 else torch.bfloat16
     k, v = (torch.randn(context_len, 3, 64, generator=gen).to(dtype) for _ in range(2))
@@ -156,7 +159,11 @@ def test_a_context_gives_the_same_bits_in_blocks_of_any_size(cache_dtype, thread
     finally:
         torch.set_num_threads(before)
     assert outs[0].isfinite().all()
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert torch.equal(outs[1], outs[2])
+    if cache_dtype == torch.bfloat16 and {"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_flags():
+        torch.testing.assert_close(outs[0], outs[1], atol=2e-3, rtol=2e-2)
+    else:
+        assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (6, 2, 48)])

@@ -246,15 +246,17 @@ def test_an_awq_checkpoint_is_not_searched_again(written):
 
 
 def test_bad_methods_are_refused(tiny_gqa, tmp_path, capsys):
-    assert cli_main(["quantize", str(tiny_gqa), "--method", "gptq", "--out", str(tmp_path / "x")]) == 2
-    assert "--method must be one of ['awq', 'int4', 'int8'], got 'gptq'" in capsys.readouterr().err
+    assert cli_main(["quantize", str(tiny_gqa), "--method", "squeezellm", "--out", str(tmp_path / "x")]) == 2
+    assert "--method must be one of ['awq', 'fp8', 'gptq', 'int4', 'int8'], got 'squeezellm'" in capsys.readouterr().err
     assert cli_main(["quantize", str(tiny_gqa), "--method", "awq", "--group-size", "48",
                      "--out", str(tmp_path / "y")]) == 2
     assert "multiple of 32" in capsys.readouterr().err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
     with pytest.raises(ValueError, match="quantization must be one of"):
         ModelConfig(quantization="awq4")
-    with pytest.raises(ValueError, match="one of \\['awq', 'int4'\\]"):
+    with pytest.raises(ValueError, match="one of \\['awq', 'gptq', 'int4'\\]"):
+        quantize_checkpoint(load_checkpoint(str(tiny_gqa)), "squeezellm", AWQConfig())
+    with pytest.raises(ValueError, match="gptq takes a GPTQConfig"):
         quantize_checkpoint(load_checkpoint(str(tiny_gqa)), "gptq", AWQConfig())
 
 

@@ -37,12 +37,14 @@ class LinearMethodSpec:
 
 
 LINEAR_METHODS: dict[str, LinearMethodSpec] = {spec.name: spec for spec in (
-    # groups of 32 inputs, w = q * scale + min (GGUF's Q4_1 grid; Q4_0 and Q4_K held exactly; AWQ's groups)
-    LinearMethodSpec("int4", 4, 32, 4, 16, 32, frozenset({"Q4_0", "Q4_1", "Q4_K", "AWQ"}),
+    # groups of 32 inputs, w = q * scale + min (GGUF's Q4_1 grid; Q4_0 and Q4_K held exactly; AWQ's and GPTQ's groups)
+    LinearMethodSpec("int4", 4, 32, 4, 16, 32, frozenset({"Q4_0", "Q4_1", "Q4_K", "AWQ", "GPTQ"}),
                      "llmserve.quantization.methods.int4:Int4Method"),
     # symmetric per output channel, or the file's Q6_K / Q8_0 / Q5_0 grid; "INT8": `llmserve quantize --method int8`
     LinearMethodSpec("int8", 8, 128, 2, 8, 1, frozenset({"Q6_K", "Q8_0", "Q5_0", "INT8"}),
                      "llmserve.quantization.methods.int8:Int8Method"),
+    # e4m3 bytes, a float32 scale per row and 128 inputs (vLLM's per-tensor / per-channel, DeepSeek's 128 x 128 blocks)
+    LinearMethodSpec("fp8", 8, 128, 4, 8, 128, frozenset({"FP8"}), "llmserve.quantization.methods.fp8:Fp8Method"),
 )}
 
 # Mixes of methods, one per tensor: the first whose file grid holds the tensor, else the last. A K-quant file
