@@ -90,7 +90,7 @@ def gptq_quantize(model: nn.Module, samples: list[torch.Tensor], config: GPTQCon
             xs = [layer(x, rope, (None, None), None) for x, rope in zip(xs, ropes, strict=True)]
             logger.info("GPTQ: layer %d/%d quantized (%.0fs)", index + 1, len(model.layers),
                         time.perf_counter() - start)
-    logger.info("GPTQ: %d layers on %d calibration tokens in %.1fs", len(model.layers), sum(len(s) for s in samples),
+    logger.info("GPTQ: %d layers on %d calibration tokens in %.1fs", len(model.layers), tokens,
                 time.perf_counter() - start)
     return groups
 
