@@ -409,7 +409,7 @@ def _decode_route(config: EngineConfig, model: ModelConfig, device: str, weights
     fused = (tp == 1 and weights != "as loaded" and products.small == Kernels.NATIVE
              and elementwise == Kernels.NATIVE and attention == "native"
              and all(int4_packs(*shape) for shape in _linear_shapes(model)))
-    if fused and not set(methods_of(weights)) <= _FUSED_METHODS:  # a kernel the call does not know: layer by layer
+    if fused and not all(LINEAR_METHODS[m].in_one_call for m in methods_of(weights)):  # layer by layer
         fused = False
         reasons["decode steps"] = f"{weights} layers run layer by layer (the one native call holds int4 and int8)"
     fused_max = (min(small_step_cap(m, products.small_max, products.activation_parts) for m in methods_of(weights))
@@ -508,8 +508,6 @@ _Q8_MEASURED = "Q8_0 inputs cost Qwen2.5-Coder-1.5B's Q4_K_M +0.03 % perplexity,
 # GGML types with more than 4 bits a weight that int8 stands in for per output channel beside int4 in a K-quant mix
 # (each value changed by at most half an int8 step of its row); those int8 holds exactly are its `file_types`
 _WIDER_PER_CHANNEL = {"Q5_1", "Q5_K"}
-# the formats whose small-step kernels the one native decode call runs (kernels/decode_layer.cpp)
-_FUSED_METHODS = {"int4", "int8"}
 _DECODER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.quantization.int4_groups import Int4Groups, check_group_size
+from llmserve.quantization.int4_groups import Int4Groups, stored_groups
 
 AWQ_FORMAT = "AWQ"  # `Checkpoint.source_formats` value of a weight read from this layout
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -32,13 +32,8 @@ def pack_awq(groups: Int4Groups) -> dict[str, torch.Tensor]:
 def unpack_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> Int4Groups:
     """The groups of one linear from its three tensors (`pack_awq`'s inverse)."""
     q, zeros = _unpack_columns(qweight).t().contiguous(), _unpack_columns(qzeros).t().contiguous()
-    out_features, in_features = q.shape
-    check_group_size(group_size, in_features)
-    n_groups = in_features // group_size
-    if scales.shape != (n_groups, out_features) or zeros.shape != (out_features, n_groups):
-        raise ValueError(f"AWQ tensors disagree: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, "
-                         f"scales {tuple(scales.shape)} for group size {group_size}")
-    return Int4Groups(q, scales.float().t().contiguous(), zeros, group_size)
+    return stored_groups(q, zeros, scales, group_size, "AWQ", f"qweight {tuple(qweight.shape)}, qzeros "
+                         f"{tuple(qzeros.shape)}, scales {tuple(scales.shape)}")
 
 
 def read_awq_tensors(tensors: dict[str, torch.Tensor], quantization_config: dict

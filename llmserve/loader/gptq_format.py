@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.quantization.int4_groups import Int4Groups, check_group_size
+from llmserve.quantization.int4_groups import Int4Groups, check_group_size, stored_groups
 
 GPTQ_FORMAT = "GPTQ"  # `Checkpoint.source_formats` value of a weight read from this layout
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
@@ -47,20 +47,16 @@ def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
     """The groups of one linear from its tensors (`pack_gptq`'s inverse). ValueError for shuffled groups."""
     _check_format(checkpoint_format)
     q = _unpack_rows(qweight).t().contiguous()  # [out, in]
-    out_features, in_features = q.shape
-    check_group_size(group_size, in_features)
-    n_groups = in_features // group_size
-    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(in_features) // group_size):
+    check_group_size(group_size, q.shape[1])
+    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(q.shape[1]) // group_size):
         raise ValueError("this GPTQ checkpoint's groups are shuffled (act order without static groups: g_idx is not "
                          "i // group_size); llmserve's int4 kernels take groups of contiguous inputs. Quantize the "
                          "model again with `llmserve quantize --method gptq --act-order` (static groups)")
     zeros = _unpack_rows(qzeros.t().contiguous()).contiguous()  # [out, groups]
     if checkpoint_format == "gptq":
         zeros = zeros + 1
-    if scales.shape != (n_groups, out_features) or zeros.shape != (out_features, n_groups):
-        raise ValueError(f"GPTQ tensors disagree: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, "
-                         f"scales {tuple(scales.shape)} for group size {group_size}")
-    return Int4Groups(q, scales.float().t().contiguous(), zeros, group_size)
+    return stored_groups(q, zeros, scales, group_size, "GPTQ", f"qweight {tuple(qweight.shape)}, qzeros "
+                         f"{tuple(qzeros.shape)}, scales {tuple(scales.shape)}")
 
 
 def read_gptq_tensors(tensors: dict[str, torch.Tensor], quantization_config: dict

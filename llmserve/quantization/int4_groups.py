@@ -54,6 +54,19 @@ def check_group_size(group_size: int, in_features: int | None = None) -> None:
         raise ValueError(f"int4 group size {group_size} does not divide the {in_features} input features")
 
 
+def stored_groups(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_size: int, layout: str,
+                  stored: str) -> Int4Groups:
+    """A checkpoint's groups of one linear as its reader unpacked them: q [out, in] and zeros [out, in / group_size]
+    integers, scales [in / group_size, out] as the file stores them (fp16). ValueError, naming the `layout` and the
+    `stored` tensors' shapes, where they disagree."""
+    out_features, in_features = q.shape
+    check_group_size(group_size, in_features)
+    n_groups = in_features // group_size
+    if scales.shape != (n_groups, out_features) or zeros.shape != (out_features, n_groups):
+        raise ValueError(f"{layout} tensors disagree: {stored} for group size {group_size}")
+    return Int4Groups(q, scales.float().t().contiguous(), zeros, group_size)
+
+
 def fit_groups(w: torch.Tensor, group_size: int) -> Int4Groups:
     """Round to nearest on the group's range (AutoAWQ's `pseudo_quantize_tensor` with zero points):
     s = (max - min) / 15 as an fp16 value, z = -round(min / s), q = round(w / s) + z, both in [0, 15]."""

@@ -34,15 +34,18 @@ class LinearMethodSpec:
     file_types: frozenset[str]  # a checkpoint's tensor formats (`Checkpoint.source_formats`) stored on a grid this
     # method holds exactly: a file of only these runs on it by default, at the file's own values
     implementation: str  # "module:class" of its `LinearMethod`
+    # the one native decode call (kernels/decode_layer.cpp) reads this format's packed weights; a format it does not
+    # know runs its decode steps layer by layer
+    in_one_call: bool = False
 
 
 LINEAR_METHODS: dict[str, LinearMethodSpec] = {spec.name: spec for spec in (
     # groups of 32 inputs, w = q * scale + min (GGUF's Q4_1 grid; Q4_0 and Q4_K held exactly; AWQ's and GPTQ's groups)
     LinearMethodSpec("int4", 4, 32, 4, 16, 32, frozenset({"Q4_0", "Q4_1", "Q4_K", "AWQ", "GPTQ"}),
-                     "llmserve.quantization.methods.int4:Int4Method"),
+                     "llmserve.quantization.methods.int4:Int4Method", in_one_call=True),
     # symmetric per output channel, or the file's Q6_K / Q8_0 / Q5_0 grid; "INT8": `llmserve quantize --method int8`
     LinearMethodSpec("int8", 8, 128, 2, 8, 1, frozenset({"Q6_K", "Q8_0", "Q5_0", "INT8"}),
-                     "llmserve.quantization.methods.int8:Int8Method"),
+                     "llmserve.quantization.methods.int8:Int8Method", in_one_call=True),
     # e4m3 bytes, a float32 scale per row and 128 inputs (vLLM's per-tensor / per-channel, DeepSeek's 128 x 128 blocks)
     LinearMethodSpec("fp8", 8, 128, 4, 8, 128, frozenset({"FP8"}), "llmserve.quantization.methods.fp8:Fp8Method"),
 )}
