@@ -172,22 +172,32 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor parallelism over torch.distributed (gloo on CPU, NCCL on CUDA): worker processes the engine
-    starts, one per rank past the first (distributed/executor.py)."""
+    """Tensor and pipeline parallelism over torch.distributed (gloo on CPU, NCCL on CUDA): worker processes the
+    engine starts, one per rank past the first (distributed/executor.py); tensor_parallel_size x
+    pipeline_parallel_size ranks in all."""
 
     tensor_parallel_size: int = _option(1, "ranks the model is split over (heads, MLP units, vocabulary); the "
                                         "engine starts one worker process per rank past the first")
+    pipeline_parallel_size: int = _option(1, "stages the decoder layers are split over, each stage "
+                                          "tensor_parallel_size ranks; a step's requests cross them in "
+                                          "micro-batches")
     threads_per_rank: int | None = _option(None, "CPU threads of each rank (default: the engine's threads / ranks)")
     collective_timeout_s: float = _option(60.0, "seconds a rank waits in a collective before the group is "
                                           "declared failed (a dead or hung rank)")
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.threads_per_rank is not None and self.threads_per_rank < 1:
             raise ValueError(f"threads_per_rank must be >= 1, got {self.threads_per_rank}")
         if self.collective_timeout_s <= 0:
             raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: the engine's process and one worker per rank past it."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")

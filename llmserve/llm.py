@@ -37,7 +37,7 @@ class LLM:
         self._warned_thread = False
 
     def shutdown(self) -> None:
-        """Stop the worker processes of a tensor-parallel engine now (they stop at exit anyway)."""
+        """Stop the worker processes of a parallel engine now (they stop at exit anyway)."""
         self.engine.shutdown()
 
     def get_tokenizer(self):

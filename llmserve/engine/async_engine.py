@@ -37,7 +37,7 @@ from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.structured_output import StructuredOutputManager
 
-# how often an idle step loop checks that the engine can still step (a tensor-parallel rank alive)
+# how often an idle step loop checks that the engine can still step (every parallel rank alive)
 HEALTH_CHECK_INTERVAL_S = 1.0
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class AsyncLLM:
         on_stop: Callable[[BaseException], None] | None = None,
     ) -> None:
         """`on_stop`: called (from the engine thread) if the engine stops for good while serving, e.g. a
-        tensor-parallel rank died; the server exits on it."""
+        parallel rank died; the server exits on it."""
         self.max_queued_requests = max_queued_requests
         self._on_stop = on_stop
         self._cond = threading.Condition()
@@ -277,7 +277,7 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        """The step loop runs and the engine can step (every tensor-parallel rank alive)."""
+        """The step loop runs and the engine can step (every parallel rank alive)."""
         return self._thread.is_alive() and self.engine.healthy
 
     # --- the step loop ------------------------------------------------------------------------
@@ -302,7 +302,7 @@ class AsyncLLM:
                     while not (self._inbox or self._aborts or self._stopping or self.engine.has_unfinished_requests()):
                         self._wake.wait(HEALTH_CHECK_INTERVAL_S)
                         if not self.engine.healthy:  # idle, but a rank died: stop now, not at the next request
-                            raise RunnerStoppedError("the engine's model runner stopped (a tensor-parallel rank died)")
+                            raise RunnerStoppedError("the engine's model runner stopped (a parallel rank died)")
                 with self._cond:
                     # moved under both locks: a request is always in the inbox or the waiting queue, where the
                     # queue bound counts it

@@ -20,6 +20,7 @@ import psutil
 import torch
 
 from llmserve.config import QUANTIZATION_METHODS, EngineConfig, SpeculativeConfig
+from llmserve.distributed.pipeline_parallel import stage_layers
 from llmserve.distributed.tensor_parallel import check_shardable
 from llmserve.engine.cuda_graphs import MAX_GRAPH_BATCH
 from llmserve.host import cpu_has_native_bf16, cpu_has_vnni, transparent_huge_pages
@@ -116,6 +117,7 @@ class BuildPlan:
     head: str = "int8"  # a quantized model's output head: "int8" (it ranks every token), "int4" for a draft
     activation_parts: int = 2  # the native int4 and int8 kernels' inputs: 2 int8 parts (~16 bits) or 1 (Q8_0)
     tensor_parallel_size: int = 1  # ranks the model is split over (distributed/)
+    pipeline_stages: tuple[range, ...] = ()  # each pipeline stage's decoder layers (distributed/); () for one stage
     speculative: SpeculativeConfig | None = None  # speculative decoding, as asked or as "auto" resolved it
     cuda_graph_max_tokens: int = 0  # decode-only steps up to this many tokens replay CUDA graphs (0: never)
     huge_pages: bool = False  # the streamed weights in one huge-page arena (quantization/weight_arena.py)
@@ -123,6 +125,10 @@ class BuildPlan:
     # on the native decode kernel for prompt tokens too (layers/attention/native.py)
     batch_invariant: bool = False
     reasons: dict[str, str] = field(default_factory=dict, compare=False)  # why, per choice
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return len(self.pipeline_stages) or 1
 
     @property
     def int8_activations(self) -> bool:
@@ -154,6 +160,9 @@ class BuildPlan:
             ("elementwise", self.elementwise),
             ("argmax", self.argmax),
             *([("tensor parallel", f"{self.tensor_parallel_size} ranks")] if self.tensor_parallel_size > 1 else []),
+            *([("pipeline parallel", f"{self.pipeline_parallel_size} stages, layers " + ", ".join(
+                f"{r.start}-{r.stop - 1}" if len(r) > 1 else str(r.start) for r in self.pipeline_stages))]
+              if self.pipeline_stages else []),
             ("decode steps", self._routes()),
             *([("speculation", self._speculation_row())] if self.speculative or "speculation" in self.reasons else []),
             ("KV cache", f"{self.num_kv_blocks} blocks x {self.kv_cache.block_size} tokens "
@@ -226,8 +235,10 @@ def resolve_plan(config: EngineConfig, model: ModelConfig, source_formats: dict[
     _check_family(config, model)
     weights = _weights(mc.quantization, source_formats, on_cpu, reasons)
     tp = config.parallel.tensor_parallel_size
-    if tp > 1:
-        _check_tensor_parallel(config, model, weights, reasons)
+    if config.parallel.world_size > 1:
+        _check_parallel(config, model, weights, reasons)
+    pp = config.parallel.pipeline_parallel_size
+    stages = tuple(stage_layers(model, pp)) if pp > 1 else ()
     head = "int8"
     if mc.draft and mc.quantization == "auto" and built and native_quantized_kernels():
         weights = head = "int4"  # on PyTorch's int4 kernel a step would cost more than the target's
@@ -247,6 +258,7 @@ def resolve_plan(config: EngineConfig, model: ModelConfig, source_formats: dict[
         argmax=Kernels.NATIVE if built else Kernels.TORCH, compile=route.compile,
         fused_decode_max_tokens=route.fused_max_tokens,
         kv_cache=spec, num_kv_blocks=num_blocks, max_model_len=max_model_len, head=head, tensor_parallel_size=tp,
+        pipeline_stages=stages,
         activation_parts=products.activation_parts, speculative=route.speculative,
         cuda_graph_max_tokens=route.cuda_graph_max_tokens, huge_pages=huge_pages, batch_invariant=batch_invariant,
         reasons=reasons,
@@ -339,8 +351,8 @@ def _large_steps(config: EngineConfig, weights: str, small: Kernels, q8: bool, s
         if weights == "int4+int8":
             reasons["large steps"] = "auto: int8 activations cost this kind of file +1.8 % perplexity"
         return LargeSteps.DENSE
-    if config.parallel.tensor_parallel_size > 1:
-        reasons["large steps"] = "auto: tensor parallel (the calibration runs in one process)"
+    if config.parallel.world_size > 1:
+        reasons["large steps"] = "auto: parallel ranks (the calibration runs in one process)"
         return LargeSteps.DENSE
     if config.scheduler.max_num_batched_tokens <= small_max:
         # no step is ever large (and calibration, seeing none, would have nothing to measure)
@@ -395,10 +407,10 @@ class _DecodeRoute:
 def _decode_route(config: EngineConfig, model: ModelConfig, device: str, weights: str, products: _Products,
                   elementwise: Kernels, attention: str, reasons: dict[str, str]) -> _DecodeRoute:
     mc = config.model
-    tp = config.parallel.tensor_parallel_size
+    ranks = config.parallel.world_size
     compile_mode = CompileMode.OFF
-    if mc.compile and tp > 1:
-        reasons["decode steps"] = "tensor parallel: eager (compiled graphs would hold the collectives)"
+    if mc.compile and ranks > 1:
+        reasons["decode steps"] = "parallel: eager (compiled graphs would hold the collectives)"
     elif mc.compile and model.moe is not None:
         reasons["decode steps"] = "experts: eager (which experts run, and on how many rows, is known only at run time)"
     elif mc.compile:
@@ -406,7 +418,7 @@ def _decode_route(config: EngineConfig, model: ModelConfig, device: str, weights
     # every family's layers (experts too) and int8 linears (a K-quant mix's) run inside the one call, which takes
     # steps as large as every method's small-step kernel does (int8's: 8 tokens with ~16-bit inputs, int4's with
     # Q8_0 ones)
-    fused = (tp == 1 and weights != "as loaded" and products.small == Kernels.NATIVE
+    fused = (ranks == 1 and weights != "as loaded" and products.small == Kernels.NATIVE
              and elementwise == Kernels.NATIVE and attention == "native"
              and all(int4_packs(*shape) for shape in _linear_shapes(model)))
     if fused and not all(LINEAR_METHODS[m].in_one_call for m in methods_of(weights)):  # layer by layer
@@ -427,7 +439,7 @@ def _decode_route(config: EngineConfig, model: ModelConfig, device: str, weights
     cuda_graphs = 0
     if device.startswith("cuda") and mc.enforce_eager:
         reasons["decode steps"] = "enforce_eager"
-    elif device.startswith("cuda") and tp == 1 and compile_mode == CompileMode.OFF:
+    elif device.startswith("cuda") and ranks == 1 and compile_mode == CompileMode.OFF:
         cuda_graphs = min(MAX_GRAPH_BATCH, config.scheduler.max_num_seqs * (
             1 + (speculative.num_speculative_tokens if speculative else 0)))
         reasons["decode steps"] = ("CUDA: each batch and context size class captured at its first step, then "
@@ -481,18 +493,27 @@ def _check_family(config: EngineConfig, model: ModelConfig) -> None:
                          "use 'auto', 'int4' or 'int8'")
 
 
-def _check_tensor_parallel(config: EngineConfig, model: ModelConfig, weights: str, reasons: dict[str, str]) -> None:
-    """ValueError for what tensor parallelism cannot run: a model whose heads or MLP do not split, AWQ
-    searched at start (each rank would search its own), int8 activations (calibrated in one process)."""
-    tp = config.parallel.tensor_parallel_size
+def _check_parallel(config: EngineConfig, model: ModelConfig, weights: str, reasons: dict[str, str]) -> None:
+    """ValueError for what a parallel group cannot run: a model whose heads or MLP do not split over the tensor-
+    parallel ranks, or whose layers are fewer than the stages; AWQ searched at start (each rank would search its
+    own), int8 activations (calibrated in one process)."""
+    parallel = config.parallel
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
     check_shardable(model, tp, weights)
+    stage_layers(model, pp)
+    asked = " and ".join(f"{name}={n}" for name, n in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp))
+                         if n > 1)
     if config.model.quantization == "awq":
-        raise ValueError("tensor_parallel_size > 1 with quantization='awq': search once with `llmserve quantize "
+        raise ValueError(f"{asked} with quantization='awq': search once with `llmserve quantize "
                          "MODEL --method awq --out DIR` and serve DIR")
     if config.model.large_steps == "int8":
-        raise ValueError("int8 large steps are calibrated in one process: not with tensor_parallel_size > 1")
-    reasons["tensor parallel"] = ("each rank its heads, MLP units and vocabulary rows; two all-reduces a layer, "
-                                  "the decoder stack layer by layer")
+        raise ValueError(f"int8 large steps are calibrated in one process: not with {asked}")
+    if tp > 1:
+        reasons["tensor parallel"] = ("each rank its heads, MLP units and vocabulary rows; two all-reduces a layer, "
+                                      "the decoder stack layer by layer")
+    if pp > 1:
+        reasons["pipeline parallel"] = ("balanced by the weights each stage reads, the output head counted on the "
+                                        "last; a step's requests cut into a micro-batch a stage")
 
 
 # Why the quantized kernels take large steps by default (docs/performance.md, "Large steps")
@@ -589,14 +610,14 @@ def _device(config: EngineConfig, reasons: dict[str, str]) -> str:
                                          ("kernels 'native'", mc.kernels == "native"),
                                          (f"large_steps {mc.large_steps!r}", mc.large_steps in ("int8", "quantized"))
                                          ) if asked]
-    tp = config.parallel.tensor_parallel_size
+    ranks = config.parallel.world_size
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if not gpus:
         reasons["device"] = "auto: no CUDA GPU"
     elif cpu_only:
         reasons["device"] = f"auto: {' and '.join(cpu_only)} run on the CPU only"
-    elif gpus < tp:
-        reasons["device"] = f"auto: {tp} tensor-parallel ranks, {gpus} CUDA GPU(s)"
+    elif gpus < ranks:
+        reasons["device"] = f"auto: {ranks} parallel ranks, {gpus} CUDA GPU(s)"
     else:
         reasons["device"] = f"auto: {torch.cuda.get_device_name()}"
         return "cuda"

@@ -86,10 +86,10 @@ class LLMEngine:
             draft_kv_bytes = draft_blocks * self.plan.kv_cache.bytes_per_block
             self.plan = dataclasses.replace(self.plan, num_kv_blocks=self.plan.num_kv_blocks - draft_blocks)
         logger.info(self.plan.describe())
-        if self.plan.tensor_parallel_size > 1:  # rank 0 here, the other ranks in worker processes
-            from llmserve.distributed.executor import TensorParallelRunner
+        if config.parallel.world_size > 1:  # rank 0 here, the other ranks in worker processes
+            from llmserve.distributed.executor import ParallelRunner
 
-            self.runner = TensorParallelRunner(self.plan, ckpt, config)
+            self.runner = ParallelRunner(self.plan, ckpt, config)
         else:
             # a start after the first maps the model as an earlier one built it (quantization/prepared_cache.py)
             prepared = None if config.model.quantization == "awq" else calibration_key(
@@ -203,11 +203,11 @@ class LLMEngine:
 
     @property
     def healthy(self) -> bool:
-        """Whether the engine can run a step (with tensor parallelism: every rank alive)."""
+        """Whether the engine can run a step (with parallel ranks: every one alive)."""
         return self.runner.healthy
 
     def shutdown(self) -> None:
-        """Stop what the engine started beside this process (tensor-parallel workers, a draft's), and finish what it
+        """Stop what the engine started beside this process (parallel workers, a draft's), and finish what it
         writes for the next start; idempotent."""
         self.runner.shutdown()
         if self.speculator is not None and isinstance(self.speculator.proposer, DraftModelProposer):

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from llmserve.distributed.pipeline_parallel import PipelineStage, cut_to_stage, stage_grids
 from llmserve.distributed.tensor_parallel import TensorParallel, shard_config, shard_grids, shard_model
 from llmserve.engine.build_plan import BuildPlan, CompileMode, Int8Products, Kernels, LargeSteps, StepRoute
 from llmserve.engine.cuda_graphs import CudaGraphs
@@ -44,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 
 class RunnerStoppedError(RuntimeError):
-    """The runner cannot run another step (a tensor-parallel rank died or failed): the engine stops, where
+    """The runner cannot run another step (a parallel rank died or failed): the engine stops, where
     any other step failure fails only its requests."""
 
 
@@ -93,8 +94,9 @@ class ModelRunner:
     healthy = True  # one process: if it runs, it is healthy (see distributed/executor.py for several)
 
     def __init__(self, plan: BuildPlan, ckpt: Checkpoint, tp: TensorParallel | None = None,
-                 prepared_key: str | None = None) -> None:
+                 prepared_key: str | None = None, pipeline: PipelineStage | None = None) -> None:
         """`tp`: this process's rank of a tensor-parallel group (it builds and runs its slice of the model).
+        `pipeline`: its stage of a pipeline (it builds and runs that stage's layers; only the last stage samples).
         `prepared_key`: where a quantized model built layer by layer, every step on its kernels, is kept for the next
         start, and read from (quantization/prepared_cache.py); None: always built."""
         self.plan = plan
@@ -106,8 +108,8 @@ class ModelRunner:
         methods = LayerMethods(self.attention, native_elementwise=plan.elementwise == Kernels.NATIVE)
         quantized = plan.weights != "as loaded"
         # each layer quantized as soon as it is loaded (its dense weights released before the next is read), unless
-        # something reads the dense model first: key smoothing, or cutting it into tensor-parallel ranks
-        streamed = quantized and tp is None and plan.kv_cache.dtype != torch.int8
+        # something reads the dense model first: key smoothing, or cutting it into tensor-parallel ranks or stages
+        streamed = quantized and tp is None and pipeline is None and plan.kv_cache.dtype != torch.int8
         # kept only where every step runs the quantized kernels: a dense or int8 copy would double what is written
         prepared_key = prepared_key if streamed and plan.large_steps == LargeSteps.QUANTIZED else None
         build_start = time.perf_counter()
@@ -146,6 +148,12 @@ class ModelRunner:
                 grids = {method: shard_grids(found, ckpt.config, tp) for method, found in grids.items()}
             self.config = shard_config(ckpt.config, tp.size)
             kv_spec = dataclasses.replace(kv_spec, num_kv_heads=self.config.num_kv_heads)
+        self.pipeline = pipeline
+        if pipeline is not None:  # this stage's layers (their cache only), renumbered from 0, grids alike
+            cut_to_stage(model, pipeline)
+            if grids is not None:
+                grids = {method: stage_grids(found, pipeline.layers) for method, found in grids.items()}
+            kv_spec = dataclasses.replace(kv_spec, num_layers=len(pipeline.layers))
         if streamed and not self.prepared_from_cache:
             quantizer.output_head(model)
         elif quantizer is not None and not streamed:  # after key smoothing and the ranks' cut, on their grids
@@ -159,8 +167,9 @@ class ModelRunner:
         release = plan.compile == CompileMode.OFF and not plan.int8_activations
         if packed := prepack_linears(model, release_plain=release):
             logger.info("%d linear weights prepacked for oneDNN", packed)
-        if plan.compile == CompileMode.OFF:  # int8 calibration reads the decoder layers' plain weights, never the
-            release_plain_weights(model.lm_head)  # head's (SmolLM2's dense head copy: 54 MB beside its packed one)
+        if plan.compile == CompileMode.OFF and model.lm_head is not None:  # int8 calibration reads the decoder
+            # layers' plain weights, never the head's (SmolLM2's dense head copy: 54 MB beside its packed one)
+            release_plain_weights(model.lm_head)
         # a mapped model serves from the file's pages at once and moves onto huge pages between two steps, its arena
         # prepared beside serving; one built here moves now, its originals freed as it goes (a lower peak)
         self._arena: ArenaInBackground | None = None
@@ -261,12 +270,15 @@ class ModelRunner:
     def replace_sampled(self, mine: dict[str, list[int]], truth: dict[str, list[int]]) -> None:
         """Swap the tokens this runner sampled in its last `execute` (`mine`) for `truth`: a tensor-parallel
         worker's own draws for the ones rank 0 kept (they differ only where a request samples from the
-        engine's random stream, which is rank 0's)."""
-        for request_id, tokens in mine.items():
+        engine's random stream, which is rank 0's), or, on a pipeline stage that samples nothing, the last
+        stage's tokens appended."""
+        for request_id, tokens in truth.items():
             state = self._requests.get(request_id)
-            if state is not None and tokens:
-                del state.token_ids[-len(tokens):]
-                state.token_ids.extend(truth.get(request_id, ()))
+            if state is None:
+                continue
+            if drawn := mine.get(request_id):
+                del state.token_ids[-len(drawn):]
+            state.token_ids.extend(tokens)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -313,6 +325,8 @@ class ModelRunner:
         else:
             first_token, hidden = self._forward(route, token_ids, counts, starts, tables)
         result = ModelRunnerOutput({request_id: [] for request_id in ids})
+        if self.pipeline is not None and not self.pipeline.last:  # its hidden states went on to the next stage
+            return result
         for i, row in enumerate(rows):
             if row.state.params.prompt_logprobs is not None and row.start + 1 < row.state.num_prompt_tokens:
                 first = first_token[i]

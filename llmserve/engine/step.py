@@ -1,7 +1,7 @@
 """What one engine step passes between its parts: scheduler ▶ model runner ▶ scheduler.
 
 Plain data, no live objects: the runner never sees a `Request`, a detokenizer or the KV manager, so it
-could run in another process (a tensor-parallel worker) from these messages alone. The scheduler says
+could run in another process (a parallel worker) from these messages alone. The scheduler says
 what changed since the last step (new requests, new blocks, finished ids) and how many tokens each
 request runs now; the runner keeps its own copy of each request's tokens, blocks and random generator,
 and answers with the tokens it sampled, a list per request (one token, or several once speculative

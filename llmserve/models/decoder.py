@@ -183,6 +183,7 @@ class DecoderForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:  # the embedding matrix is the output head: one shared parameter
             self.lm_head.weight = self.embed_tokens.weight
         self.tp = None  # tensor parallel: each rank's head holds some vocabulary rows
+        self.pp = None  # pipeline parallel: this stage's layers, between the previous stage and the next
 
     def forward(
         self,
@@ -191,11 +192,19 @@ class DecoderForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """Hidden states after the final norm, [T, hidden], layer by layer."""
-        x = self.embed(input_ids)
+        """Hidden states after the final norm, [T, hidden], layer by layer. A pipeline stage (`pp`) past the first
+        takes its input from the stage before; one before the last sends its output on (and returns it unnormed)."""
+        pp = self.pp
+        if pp is None or pp.first:
+            x = self.embed(input_ids)
+        else:
+            x = pp.receive(len(input_ids), self.config.hidden_size, input_ids.device)
         rope = self.rope_tables(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, kv_cache, meta)
+        if pp is not None and not pp.last:
+            pp.send(x)
+            return x
         return self.norm(x)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -228,10 +228,11 @@ class ModelQuantizer:
                 found.pop(source, None)
 
     def __call__(self, model: nn.Module) -> nn.Module:
-        """The whole model's, layers and head."""
+        """The whole model's, layers and head (a pipeline stage before the last holds none)."""
         for index in range(len(model.layers)):
             self.layer(model, index)
-        self.output_head(model)
+        if model.lm_head is not None:
+            self.output_head(model)
         return model
 
 
