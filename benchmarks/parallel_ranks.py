@@ -15,7 +15,7 @@ Per layout (tensor-parallel ranks x pipeline stages, the threads split evenly am
 defaults otherwise: decode tokens/s of 1 and of 8 concurrent requests (greedy, `--output-len` tokens after a short
 prompt, the prompt's time left out), and the seconds of one `--prefill-len`-token prompt. Layouts are interleaved over
 `--rounds` (each built afresh), so a noisy neighbour slows them alike; the ratios to 1x1 are what to read.
-Writes <out>.json and <out>.md (default benchmarks/results/parallel-ranks/<host>).
+Writes <out>.json and <out>.md (default benchmarks/results/parallel-ranks/<host>-<model>).
 """
 
 from __future__ import annotations
@@ -83,9 +83,9 @@ def main() -> None:
             run = measure(args.model, tp, pp, args.output_len, args.prefill_len)
             print("  ", {k: round(v, 2) if isinstance(v, float) else v for k, v in run.items()}, flush=True)
             runs.setdefault(f"{tp}x{pp}", []).append(run)
-    out = args.out or REPO / "benchmarks" / "results" / "parallel-ranks" / host_tag()
+    out = args.out or REPO / "benchmarks" / "results" / "parallel-ranks" / f"{host_tag()}-{args.model}"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"model": args.model, "runs": runs}, indent=1))
+    out.parent.joinpath(out.name + ".json").write_text(json.dumps({"model": args.model, "runs": runs}, indent=1))
     keys = ("decode_b1_tok_s", "decode_b8_tok_s", "prefill_s")
     medians = {layout: {k: statistics.median(r[k] for r in rs) for k in keys} for layout, rs in runs.items()}
     base = medians.get("1x1")
@@ -105,7 +105,7 @@ def main() -> None:
                      f"{m['decode_b8_tok_s']:.1f}{ratio('decode_b8_tok_s')} | "
                      f"{m['prefill_s']:.2f}{ratio('prefill_s', True)} | "
                      f"{', '.join(str(r) for r in runs[layout][-1]['rss_gib'])} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.parent.joinpath(out.name + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -79,6 +79,10 @@ KEY_NOTES: dict[str, dict[str, str]] = {
                  "`{dollars_per_hour, input_tokens_per_second, output_tokens_per_second}` (a machine); none: free",
         "compress": "prompt compression for this model: a mapping of the `compress` keys below; none: only where "
                     "a request asks for it",
+        "prefill": "`--role prefill` servers: a chat or completion first computes its prompt on one of them "
+                   "(disaggregated prefill/decode; with `decode`, `upstreams` may be empty)",
+        "decode": "`--role decode` servers: they pull the prompt's KV from the prefill server and answer; given "
+                  "with `prefill`",
     },
     "CompressPolicy": {
         "scorer": "a model of `models:` (a small causal LM) that scores each context token",

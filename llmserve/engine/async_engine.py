@@ -25,6 +25,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from llmserve.config import EngineConfig
 from llmserve.engine.detokenizer import TokenBytes
@@ -41,6 +42,8 @@ from llmserve.structured_output import StructuredOutputManager
 HEALTH_CHECK_INTERVAL_S = 1.0
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class QueueFullError(RuntimeError):
@@ -97,6 +100,8 @@ class AsyncLLM:
         self._wake = threading.Condition(threading.Lock())
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
+        # functions to run on the engine between two steps (`between_steps`), with where their answer goes
+        self._calls: list[tuple[Callable[[LLMEngine], Any], asyncio.AbstractEventLoop, asyncio.Future]] = []
         # Callers (abort_all) waiting for the engine lock; the step loop lets them in between steps.
         self._num_callers = 0
         self._callers_lock = threading.Lock()
@@ -217,6 +222,19 @@ class AsyncLLM:
             self._wake.notify()
         return streams
 
+    async def between_steps(self, fn: Callable[[LLMEngine], T]) -> T:
+        """`fn(engine)` run by the step loop before its next step, and its result (or its exception): for what reads
+        or changes the engine's state, such as its KV blocks, without racing a step, and on the one thread that runs
+        torch kernels (see the module's docstring). Never waits for more than the step under way."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._wake:
+            if self._dead is not None:
+                raise EngineDeadError(f"engine stopped: {self._dead}")
+            self._calls.append((fn, loop, future))
+            self._wake.notify()
+        return await future
+
     def abort(self, request_id: str) -> None:
         """Stop a request: its stream ends now, its blocks are freed before the next step. Never waits for a
         step."""
@@ -299,7 +317,8 @@ class AsyncLLM:
         try:
             while True:
                 with self._wake:
-                    while not (self._inbox or self._aborts or self._stopping or self.engine.has_unfinished_requests()):
+                    while not (self._inbox or self._aborts or self._calls or self._stopping
+                               or self.engine.has_unfinished_requests()):
                         self._wake.wait(HEALTH_CHECK_INTERVAL_S)
                         if not self.engine.healthy:  # idle, but a rank died: stop now, not at the next request
                             raise RunnerStoppedError("the engine's model runner stopped (a parallel rank died)")
@@ -311,8 +330,11 @@ class AsyncLLM:
                             self.engine.scheduler.add_request(req)
                         self._inbox.clear()
                         aborts, self._aborts = self._aborts, []
+                        calls, self._calls = self._calls, []
                     for request_id in aborts:
                         self.engine.abort_request(request_id)
+                    for fn, loop, future in calls:
+                        _run_call(self.engine, fn, loop, future)
                     if self._stopping and not self.engine.has_unfinished_requests():
                         return
                     self._step()
@@ -323,6 +345,9 @@ class AsyncLLM:
             with self._cond, self._wake:
                 self._dead = e
                 self._inbox.clear()
+                for _, loop, future in self._calls:
+                    loop.call_soon_threadsafe(_settle, future, None, EngineDeadError(f"engine stopped: {e}"))
+                self._calls.clear()
                 self._deliver([(r, EngineDeadError(f"engine stopped: {e}")) for r in list(self._streams)])
             self.engine.shutdown()
             if self._on_stop is not None:
@@ -359,6 +384,25 @@ class AsyncLLM:
                 per_loop.setdefault(loop, []).append((queue, item))
         for loop, queued in per_loop.items():
             loop.call_soon_threadsafe(_put_all, queued)
+
+
+def _run_call(engine: LLMEngine, fn: Callable[[LLMEngine], Any], loop: asyncio.AbstractEventLoop,
+              future: asyncio.Future) -> None:
+    """One `between_steps` call; its exception is its caller's, never the loop's."""
+    try:
+        result, error = fn(engine), None
+    except Exception as e:
+        result, error = None, e
+    loop.call_soon_threadsafe(_settle, future, result, error)
+
+
+def _settle(future: asyncio.Future, result: object, error: BaseException | None) -> None:
+    if future.done():  # its caller gave up (a client gone)
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def _failure(out: RequestOutput) -> RequestFailedError:

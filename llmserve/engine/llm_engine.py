@@ -26,7 +26,9 @@ from llmserve.engine.model_runner import ModelRunner, RunnerStoppedError
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.engine.scheduler import RequestUpdate, Scheduler
 from llmserve.engine.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from llmserve.kv_cache.block_hash import BlockHash, extend_block_hashes
 from llmserve.kv_cache.kv_cache_manager import KVCacheManager
+from llmserve.kv_cache.kv_transfer import KVFormat, export_blocks, import_blocks
 from llmserve.loader import load_checkpoint, load_tokenizer, same_tokenizer
 from llmserve.loader.default_models import resolve_model_path
 from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -168,6 +170,38 @@ class LLMEngine:
         if params.structured_outputs is not None:
             req.grammar = self.structured.new_matcher(params.structured_outputs)
         return req
+
+    # --- a prompt's KV blocks to or from another instance (kv_cache/kv_transfer.py) ------------------------------
+
+    @property
+    def kv_format(self) -> KVFormat:
+        """What this instance's KV blocks are, for a receiver to check."""
+        spec = self.plan.kv_cache
+        return KVFormat(self.model_name, self.plan.weights, str(spec.dtype).removeprefix("torch."), spec.block_size,
+                        spec.num_layers, spec.num_kv_heads, spec.row_width)
+
+    def prompt_block_hashes(self, token_ids: list[int], cache_salt: str | None = None) -> list[BlockHash]:
+        """The hashes of the prompt's full blocks that a prefix hit can cover (all but the last token's)."""
+        bs = self.plan.kv_cache.block_size
+        hashes: list[BlockHash] = []
+        extend_block_hashes(hashes, token_ids[: (len(token_ids) - 1) // bs * bs], bs, cache_salt)
+        return hashes
+
+    def export_kv(self, block_hashes: list[BlockHash], token_ids: list[int]) -> tuple[int, bytes]:
+        """The leading run of these blocks this instance holds, and their bytes. Between steps only."""
+        return export_blocks(self.kv_cache.pool, self._local_caches(), block_hashes, token_ids,
+                             self.plan.kv_cache.block_size)
+
+    def import_kv(self, sent: KVFormat, count: int, payload: bytes, block_hashes: list[BlockHash],
+                  token_ids: list[int]) -> int:
+        """Another instance's blocks into the prefix cache; how many were written. Between steps only."""
+        return import_blocks(self.kv_cache.pool, self._local_caches(), self.kv_format, sent, count, payload,
+                             block_hashes, token_ids)
+
+    def _local_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if not isinstance(self.runner, ModelRunner):
+            raise RuntimeError("KV blocks move to or from one process's cache: not with parallel ranks")
+        return self.runner.kv_caches
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks now; returns its last output, or None if unknown."""

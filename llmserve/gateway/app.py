@@ -9,6 +9,12 @@ A failure before the client's first byte (connection refused, timeout, 5xx, a st
 first event) is retried on another replica, at most `retries` times; after the first byte it cannot be, and
 the stream ends with an error event. A client that goes away closes the upstream connection, which aborts
 the upstream request.
+
+A model with `prefill` and `decode` replicas (disaggregation) sends a chat or completion in two hops: a prefill
+hop (max_tokens 1) computes the prompt's KV on a prefill instance, then the request itself goes to a decode
+instance told where that KV is (`kv_transfer_params`, vLLM's names). A hop that fails on every replica falls
+back to the plain request on the model's `upstreams` (else, after a failed prefill, on its decode instances,
+which compute the prompt themselves): a failure costs time, never the answer.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from llmserve.gateway.cache.response_cache import CachePlan, ResponseCache
 from llmserve.gateway.cache.store import CacheStore, StoreUnavailable, open_store
 from llmserve.gateway.compression import HEADER as COMPRESSION_HEADER
 from llmserve.gateway.compression import Compression, Compressor
-from llmserve.gateway.config import APIKey, GatewayConfig
+from llmserve.gateway.config import APIKey, GatewayConfig, ModelRoute, role_pool
 from llmserve.gateway.metrics import GatewayMetrics
 from llmserve.gateway.ratelimit import RateLimiter
 from llmserve.gateway.response_homes import ResponseHomes
@@ -66,6 +72,9 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 OPEN_NAMESPACE = APIKey(key="", namespace="default")
 _EMPTY_CHOICES = (b'"choices":[]', b'"choices": []')  # the usage chunk, compact or not
 _RETRYABLE_UPSTREAM = frozenset({429, 500, 502, 503, 504})  # another replica may well answer
+DISAGGREGATION_HEADER = "x-llmserve-disaggregation"  # "prefill=URL; decode=URL" or "fallback=URL; reason=..."
+_DISAGGREGATED = ("chat", "completions")  # the routes a prefill/decode model sends in two hops
+_FALLBACK_REASONS = {"fallback_prefill_failed": "prefill failed", "fallback_decode_failed": "decode failed"}
 
 
 class _UpstreamFailed(Exception):
@@ -74,6 +83,33 @@ class _UpstreamFailed(Exception):
     def __init__(self, why: str, status: int | None = None, body: bytes | None = None) -> None:
         super().__init__(why)
         self.status, self.body = status, body
+
+
+class _Exhausted(Exception):
+    """Every replica of a pool that was tried failed; `last`: the last failure (None: none could be tried)."""
+
+    def __init__(self, last: _UpstreamFailed | None) -> None:
+        super().__init__(str(last))
+        self.last = last
+
+
+@dataclass(frozen=True)
+class _Leg:
+    """One place a request may go: a pool of replicas and the body they get; for a disaggregated model's chat or
+    completion, the outcome it counts (disaggregated_requests_total) and the prefill replica that holds the KV."""
+
+    pool: str  # a key of UpstreamPool.replicas
+    payload: dict[str, Any]
+    outcome: str | None = None
+    prefill_url: str | None = None
+
+    def header(self, url: str) -> str | None:
+        """x-llmserve-disaggregation for an answer from `url`."""
+        if self.outcome is None:
+            return None
+        if self.prefill_url is not None:
+            return f"prefill={self.prefill_url}; decode={url}"
+        return f"fallback={url}; reason={_FALLBACK_REASONS[self.outcome]}"
 
 
 @dataclass
@@ -90,6 +126,7 @@ class _Call:
     decision: RouteDecision | None = None  # a routed name's choice (`model` is the chosen one)
     compression: Compression | None = None
     home: str | None = None  # the only replica that may answer (a Responses continuation's)
+    disaggregation: str | None = None  # what the last _send did, for x-llmserve-disaggregation
 
 
 @dataclass
@@ -312,23 +349,90 @@ class Gateway:
     # --- upstream --------------------------------------------------------------------------------
 
     async def _send(self, call: _Call) -> tuple[Replica, aiohttp.ClientResponse, float]:
-        """A replica's 200 response (headers read), trying others on failure; APIError when none answers.
-        The caller owns the response and the replica's outstanding count."""
+        """A replica's 200 response (headers read), trying others on failure, leg after leg; APIError when none
+        answers. The caller owns the response and the replica's outstanding count."""
         route = self.config.models[call.model]
         payload = dict(call.body)
+        payload.pop("kv_transfer_params", None)  # never a caller's: it would make our replicas fetch from any URL
         if route.upstream_model:
             payload["model"] = route.upstream_model
         if call.stream and call.route != "responses":  # usage always: for the tokens/min limits and the cache
             payload["stream_options"] = {**(payload.get("stream_options") or {}), "include_usage": True}
-        data = orjson.dumps(payload)
         path = _PATHS[call.route]
-        balancer = self.balancers[call.model]
         prefix = prefix_chunks(call.body) if route.balancing == "prefix_aware" else []
+        last: _UpstreamFailed | None = None
+        for leg in await self._legs(call, route, payload, prefix):
+            data = orjson.dumps(leg.payload)
+            try:
+                replica, response, sent = await self._attempts(call, leg.pool, prefix,
+                                                               lambda r, data=data: self._post(r, path, data))
+            except _Exhausted as e:
+                last = e.last or last
+                continue
+            call.disaggregation = leg.header(replica.url)
+            if leg.outcome is not None:
+                self.metrics.disaggregated.labels(call.model, leg.outcome).inc()
+            return replica, response, sent
+        if last is not None and last.status is not None:  # the upstream's own error, as it sent it
+            raise _PassThrough(last.status, last.body or b"")
+        raise APIError(503, f"no replica of {call.model!r} could take the request"
+                       + (f" (last error: {last})" if last else " (none is healthy)"),
+                       code="no_healthy_upstream", headers={"Retry-After": "1"})
+
+    async def _legs(self, call: _Call, route: ModelRoute, payload: dict[str, Any], prefix: list[bytes]) -> list[_Leg]:
+        """Where the request goes, in order of fallback. A disaggregated model's chat or completion: after a
+        prefill hop, its decode replicas told where the KV is, then its `upstreams`; after a failed prefill hop,
+        its `upstreams` (else its decode replicas, which compute the prompt themselves). Its other routes: its
+        `upstreams`, else its decode replicas."""
+        if not route.prefill:
+            return [_Leg(call.model, payload)]
+        plain = call.model if route.upstreams else role_pool(call.model, "decode")
+        if call.route not in _DISAGGREGATED:
+            return [_Leg(plain, payload)]
+        prefill = await self._prefill(call, payload, prefix)
+        if prefill is None:
+            return [_Leg(plain, payload, "fallback_prefill_failed")]
+        remote = {"do_remote_prefill": True, "remote_url": prefill.url}
+        legs = [_Leg(role_pool(call.model, "decode"), {**payload, "kv_transfer_params": remote}, "prefill_decode",
+                     prefill.url)]
+        if route.upstreams:
+            legs.append(_Leg(call.model, payload, "fallback_decode_failed"))
+        return legs
+
+    async def _prefill(self, call: _Call, payload: dict[str, Any], prefix: list[bytes]) -> Replica | None:
+        """The prefill hop: the prompt's KV computed into a prefill replica's prefix cache, for a decode replica to
+        pull. Only its status matters. The replica that holds it; None when every try failed (an upstream's
+        non-retryable answer, the request's own fault, is passed through)."""
+        hop = {**payload, "max_tokens": 1, "stream": False, "n": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        hop.pop("stream_options", None)
+        if call.route == "chat" and "max_completion_tokens" in hop:
+            hop["max_completion_tokens"] = 1
+        data, path = orjson.dumps(hop), _PATHS[call.route]
+        began = time.perf_counter()
+        try:
+            replica, _, sent = await self._attempts(call, role_pool(call.model, "prefill"), prefix,
+                                                    lambda r: self._drained(r, path, data))
+        except _Exhausted as e:
+            logger.warning("%s: the prefill hop failed (%s); sending the request without it", call.model,
+                           e.last or "no replica")
+            return None
+        replica.finished()
+        replica.succeeded()
+        now = time.perf_counter()
+        self.metrics.upstream_latency.labels(replica.url).observe(now - sent)
+        self.metrics.prefill_seconds.labels(call.model).observe(now - began)
+        return replica
+
+    async def _attempts(self, call: _Call, pool: str, prefix: list[bytes],
+                        post: Callable[[Replica], Awaitable[aiohttp.ClientResponse]],
+                        ) -> tuple[Replica, aiohttp.ClientResponse, float]:
+        """`post`'s 200 response from one of `pool`'s replicas, trying others on failure, at most `retries` more;
+        _Exhausted when none answered. The caller owns the response and the replica's outstanding count."""
+        balancer = self.balancers[call.model]
         tried: set[str] = set()
         last: _UpstreamFailed | None = None
         for attempt in range(self.config.retries + 1):
-            candidates = [r for r in self.pool.candidates(call.model)
-                          if r.url not in tried and call.home in (None, r.url)]
+            candidates = [r for r in self.pool.candidates(pool) if r.url not in tried and call.home in (None, r.url)]
             if not candidates:
                 break
             if attempt:
@@ -338,7 +442,7 @@ class Gateway:
             replica.started(time.monotonic())
             sent = time.perf_counter()
             try:
-                response = await self._post(replica, path, data)
+                response = await post(replica)
             except _UpstreamFailed as e:
                 replica.finished()
                 self._failed(replica, e)
@@ -349,11 +453,7 @@ class Gateway:
                 raise
             self.metrics.upstream_ttfb.labels(replica.url).observe(time.perf_counter() - sent)
             return replica, response, sent
-        if last is not None and last.status is not None:  # the upstream's own error, as it sent it
-            raise _PassThrough(last.status, last.body or b"")
-        raise APIError(503, f"no replica of {call.model!r} could take the request"
-                       + (f" (last error: {last})" if last else " (none is healthy)"),
-                       code="no_healthy_upstream", headers={"Retry-After": "1"})
+        raise _Exhausted(last)
 
     async def _post(self, replica: Replica, path: str, data: bytes) -> aiohttp.ClientResponse:
         assert self.pool.session is not None
@@ -367,6 +467,17 @@ class Gateway:
             if response.status in _RETRYABLE_UPSTREAM:
                 raise _UpstreamFailed(f"HTTP {response.status}", response.status, body)
             raise _PassThrough(response.status, body)  # the request's own fault: no other replica would differ
+        return response
+
+    async def _drained(self, replica: Replica, path: str, data: bytes) -> aiohttp.ClientResponse:
+        """_post, its answer read and let go (a prefill hop's body says nothing the gateway needs)."""
+        response = await self._post(replica, path, data)
+        try:
+            await response.read()
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            raise _UpstreamFailed(f"{type(e).__name__}: {e}") from None
+        finally:
+            response.release()
         return response
 
     def _failed(self, replica: Replica, e: _UpstreamFailed) -> None:
@@ -531,7 +642,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await gateway.start()
         _log_isolation(config)
-        logger.info("gateway serving %s", ", ".join(f"{name} ({len(r.upstreams)} upstream(s), {r.balancing})"
+        logger.info("gateway serving %s", ", ".join(f"{name} ({_replicas_said(r)}, {r.balancing})"
                                                     for name, r in config.models.items()))
         yield
         await gateway.close()
@@ -575,7 +686,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
-        available = {name: len(gateway.pool.available(name)) for name in config.models}
+        available = {pool: len(gateway.pool.available(pool)) for pool in gateway.pool.replicas}  # role pools too
         ok = any(available.values())
         return JSONResponse({"status": "ok" if ok else "no healthy upstream", "replicas": available},
                             status_code=200 if ok else 503)
@@ -593,6 +704,11 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return JSONResponse(dashboard.snapshot(gateway.metrics.registry))
 
     return app
+
+
+def _replicas_said(route: ModelRoute) -> str:
+    said = f"{len(route.upstreams)} upstream(s)"
+    return said + (f", {len(route.prefill)} prefill + {len(route.decode)} decode" if route.prefill else "")
 
 
 def _log_isolation(config: GatewayConfig) -> None:
@@ -656,6 +772,8 @@ def _route_headers(call: _Call) -> dict[str, str]:
     compression = call.compression.header() if call.compression is not None else None
     if compression is not None:
         headers[COMPRESSION_HEADER] = compression
+    if call.disaggregation is not None:
+        headers[DISAGGREGATION_HEADER] = call.disaggregation
     return headers
 
 

@@ -15,6 +15,10 @@ models:
     # down to rate x the context's tokens; the question, instructions, identifiers, numbers, quotes, URLs and
     # code are kept. Per request: the body's "compress": false | true | {rate: 0.5, ...} (OpenAI's extra_body).
     # Answers say what was done in x-llmserve-compression ("rate=0.58 tokens=812->471" or "skipped: <reason>")
+  qwen-pd:                      # prefill/decode disaggregation (`llmserve serve --role prefill|decode`): chat and
+    prefill: [http://10.0.0.1:8000]     # completions prefill on a prefill instance, then decode on a decode one
+    decode: [http://10.0.0.2:8000, http://10.0.0.3:8000]   # that pulls the prompt's KV from it; both or neither
+    upstreams: [http://10.0.0.4:8000]   # optional with both: role `both` instances, the fallback when a hop fails
 routers:                        # names that resolve per request to a weak or a strong model (routing/router.py)
   coder: {weak: qwen-0.5b, strong: qwen-1.5b, router: learned, file: coder-router.json, strong_share: 0.3}
 keys:                           # none: open, every caller in namespace "default"
@@ -59,13 +63,22 @@ class ModelRoute:
     health_path: str = "/health"  # what the prober GETs; a hosted API has none: "/v1/models"
     price: Price = FREE  # what its tokens cost (usage.cost, the cost metrics); none given: free
     compress: CompressPolicy | None = None  # its prompts' compression; None: only where a request asks for it
+    # prefill/decode disaggregation: instances that compute prompts' KV, and instances that pull it and decode;
+    # both or neither. With both, `upstreams` (role `both` instances) is the fallback and may be empty
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.upstreams:
-            raise ValueError(f"model {self.name!r}: no upstreams")
-        for url in self.upstreams:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"model {self.name!r}: upstream {url!r} is not an http(s) URL")
+        if bool(self.prefill) != bool(self.decode):
+            given, missing = ("prefill", "decode") if self.prefill else ("decode", "prefill")
+            raise ValueError(f"model {self.name!r}: {given} without {missing}: disaggregation needs both prefill and "
+                             "decode instances (or neither)")
+        if not self.upstreams and not self.prefill:
+            raise ValueError(f"model {self.name!r}: no upstreams (or prefill and decode)")
+        for role, urls in (("upstream", self.upstreams), ("prefill", self.prefill), ("decode", self.decode)):
+            for url in urls:
+                if not url.startswith(("http://", "https://")):
+                    raise ValueError(f"model {self.name!r}: {role} {url!r} is not an http(s) URL")
         if self.balancing not in BALANCING:
             raise ValueError(f"model {self.name!r}: balancing must be one of {', '.join(BALANCING)}, "
                              f"not {self.balancing!r}")
@@ -143,6 +156,10 @@ class GatewayConfig:
         for name, route in self.models.items():
             if route.compress is not None and route.compress.scorer not in (None, *self.models):
                 raise ValueError(f"models.{name}.compress.scorer: {route.compress.scorer!r} is not one of the models")
+            clash = [role_pool(name, role) for role in ("prefill", "decode") if route.prefill]
+            if set(clash) & set(self.models):
+                raise ValueError(f"models.{name}: its prefill/decode replicas are kept as {' and '.join(clash)}, "
+                                 "which another model is named")
 
     def key_table(self) -> dict[str, APIKey]:
         return {k.key: k for k in self.keys}
@@ -158,6 +175,12 @@ class GatewayConfig:
         for k in self.keys:
             counts[k.namespace] = counts.get(k.namespace, 0) + 1
         return {name: n for name, n in counts.items() if n > 1}
+
+
+def role_pool(model: str, role: str) -> str:
+    """Where a disaggregated model's `prefill` or `decode` replicas are kept among the pools of replicas (its
+    `upstreams` are under its own name): so health probes, metrics and the dashboard cover them too."""
+    return f"{model}/{role}"
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> GatewayConfig:
@@ -206,9 +229,6 @@ def _model(name: str, spec: dict[str, Any]) -> ModelRoute:
     api_key = os.environ.get(env) if env else None
     if env and not api_key:
         raise ValueError(f"model {name!r}: api_key_env names {env}, which is not set")
-    upstreams = spec.pop("upstreams", None) or []
-    if isinstance(upstreams, str):
-        upstreams = [upstreams]
     price = spec.pop("price", None)
     if price is not None and not isinstance(price, dict):
         raise ValueError(f"models.{name}.price: a mapping, e.g. {{input_per_million: 0.15, output_per_million: 0.6}}")
@@ -216,10 +236,17 @@ def _model(name: str, spec: dict[str, Any]) -> ModelRoute:
     if compress is not None and not isinstance(compress, dict):
         raise ValueError(f"models.{name}.compress: a mapping, e.g. {{scorer: NAME, rate: 0.6}}")
     policy = CompressPolicy.from_config(compress, f"models.{name}.compress") if compress is not None else None
-    return ModelRoute(name=name, upstreams=tuple(u.rstrip("/") for u in upstreams), api_key=api_key,
+    upstreams, prefill, decode = (_urls(spec, role) for role in ("upstreams", "prefill", "decode"))
+    return ModelRoute(name=name, upstreams=upstreams, prefill=prefill, decode=decode, api_key=api_key,
                       price=Price.from_config(price, f"models.{name}.price") if price is not None else FREE,
                       compress=policy,
                       **_only(ModelRoute, spec, f"models.{name}"))
+
+
+def _urls(spec: dict[str, Any], name: str) -> tuple[str, ...]:
+    """A list of URLs, or one, popped from a model's spec."""
+    urls = spec.pop(name, None) or []
+    return tuple(u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls))
 
 
 def _key(entry: dict[str, Any]) -> APIKey:

@@ -57,6 +57,12 @@ class GatewayMetrics:
                                                   "the upstream.", ["model"], registry=r)
         self.rate_limited = Counter(f"{PREFIX}rate_limited", "Requests refused by a key's rate limits.",
                                     ["namespace", "limit"], registry=r)
+        self.disaggregated = Counter(f"{PREFIX}disaggregated_requests", "Chat and completion requests of "
+                                     "prefill/decode models, by outcome: prefill_decode, fallback_prefill_failed, "
+                                     "fallback_decode_failed.", ["model", "outcome"], registry=r)
+        self.prefill_seconds = Histogram(f"{PREFIX}prefill_seconds", "Time of a successful prefill hop (its "
+                                         "retries included), before a decode instance goes on.", ["model"],
+                                         buckets=_LATENCY_BUCKETS, registry=r)
         for result in ("exact", "semantic", "miss"):
             self.cache_lookups.labels(result)
         r.register(_ReplicaCollector(replicas))

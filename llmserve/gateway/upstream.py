@@ -11,6 +11,9 @@ ejects it again for twice as long (up to a minute). A success resets the count.
 When no replica of a model is available, requests go to the least bad one rather than being refused (the
 shortest ejection left, then the fewest failures): the gateway's view of health may be stale, and a replica that
 is really gone fails fast and the request is retried on the next.
+
+A disaggregated model's prefill and decode replicas are pools of their own, keyed by `role_pool` ("m/prefill",
+"m/decode"; its `upstreams` stay under "m"), so the prober, the metrics and the dashboard cover them like any other.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any
 
 import aiohttp
 
-from llmserve.gateway.config import GatewayConfig, HealthConfig, ModelRoute
+from llmserve.gateway.config import GatewayConfig, HealthConfig, ModelRoute, role_pool
 
 logger = logging.getLogger(__name__)
 
@@ -111,11 +114,14 @@ class UpstreamPool:
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
-        self.replicas: dict[str, list[Replica]] = {
-            name: [Replica(url=url, model=name, api_key=route.api_key, health_path=route.health_path)
-                   for url in route.upstreams]
-            for name, route in config.models.items()
-        }
+        # pool name (a model's, or a role_pool) -> its replicas
+        self.replicas: dict[str, list[Replica]] = {}
+        for name, route in config.models.items():
+            for pool, urls in ((name, route.upstreams), (role_pool(name, "prefill"), route.prefill),
+                               (role_pool(name, "decode"), route.decode)):
+                if urls or pool == name:
+                    self.replicas[pool] = [Replica(url=url, model=pool, api_key=route.api_key,
+                                                   health_path=route.health_path) for url in urls]
         self.session: aiohttp.ClientSession | None = None
         self._prober: asyncio.Task | None = None
         self._cards: dict[str, tuple[float, dict[str, Any]]] = {}  # model -> (read at, its replica's fields)
@@ -123,18 +129,19 @@ class UpstreamPool:
     def route(self, model: str) -> ModelRoute | None:
         return self.config.models.get(model)
 
-    def available(self, model: str) -> list[Replica]:
+    def available(self, pool: str) -> list[Replica]:
+        """`pool`: a model's name, or a role_pool."""
         now = time.monotonic()
-        return [r for r in self.replicas.get(model, ()) if r.available(now)]
+        return [r for r in self.replicas.get(pool, ()) if r.available(now)]
 
-    def candidates(self, model: str) -> list[Replica]:
+    def candidates(self, pool: str) -> list[Replica]:
         """Where a request may go: the available replicas, else every replica, least bad first (a request is
         tried rather than refused because the gateway's view of health may be stale)."""
-        available = self.available(model)
+        available = self.available(pool)
         if available:
             return available
         now = time.monotonic()
-        return sorted(self.replicas.get(model, ()), key=lambda r: r.badness(now))
+        return sorted(self.replicas.get(pool, ()), key=lambda r: r.badness(now))
 
     def all(self) -> list[Replica]:
         return [r for replicas in self.replicas.values() for r in replicas]
@@ -162,7 +169,8 @@ class UpstreamPool:
         cached = self._cards.get(model)
         if cached is not None and time.monotonic() - cached[0] < CARD_TTL_S:
             return cached[1]
-        replicas, card = self.available(model), {}
+        # a disaggregated model may have no `upstreams`: its decode instances serve the same model
+        replicas, card = self.available(model) or self.available(role_pool(model, "decode")), {}
         if replicas:
             replica = replicas[0]
             try:

@@ -26,6 +26,7 @@ from llmserve.engine.async_engine import AsyncLLM, ServingStats
 from llmserve.loader.default_models import embedding_model
 from llmserve.server.config import ServerConfig
 from llmserve.server.errors import APIError, install_handlers
+from llmserve.server.kv_transfer import KVTransfer
 from llmserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from llmserve.server.middleware import GateMiddleware, RequestBodyMiddleware, RequestIdMiddleware
 from llmserve.server.openapi import (
@@ -44,6 +45,7 @@ from llmserve.server.protocol import (
     EmbeddingRequest,
     EmbeddingResponse,
     HealthStatus,
+    KVBlocksRequest,
     ModelCard,
     ModelList,
     ResponseObject,
@@ -69,6 +71,7 @@ class ServerState:
         self.completion: OpenAIServingCompletion | None = None
         self.embedding: OpenAIServingEmbedding | None = None
         self.responses: OpenAIServingResponses | None = None
+        self.kv: KVTransfer | None = None
         self.info: ModelInfo | None = None
         self.model_root: str | None = None  # the loaded model's own name
         self.load_error: BaseException | None = None
@@ -119,8 +122,9 @@ class ServerState:
         )
         self.metrics.bind(self.info.served_names[0])
         llm.structured_outputs.prepare()  # the grammar library's tokenizer index, built in the background
-        self.chat = OpenAIServingChat(llm, self.info, self.metrics)
-        self.completion = OpenAIServingCompletion(llm, self.info, self.metrics)
+        self.kv = KVTransfer(llm, self.metrics, config.role, config.api_key, config.request_timeout)
+        self.chat = OpenAIServingChat(llm, self.info, self.metrics, self.kv)
+        self.completion = OpenAIServingCompletion(llm, self.info, self.metrics, self.kv)
         self.responses = OpenAIServingResponses(self.chat)
         self.model_root = llm.model_name
         self.llm = llm  # last: from here on the routes serve
@@ -158,6 +162,8 @@ def create_app(config: ServerConfig, on_engine_failure: Callable[[BaseException]
             # uvicorn has already waited for open responses; this lets the engine finish anything left
             await asyncio.to_thread(state.llm.shutdown, config.shutdown_timeout)
             logger.info("engine stopped")
+        if state.kv is not None:  # KV files written for decode instances that never took them
+            state.kv.shared.sweep(0)
         if state.embedding is not None:
             state.embedding.embedder.close()
 
@@ -253,6 +259,15 @@ def _api_routes(state: ServerState) -> APIRouter:
     async def stored_response(response_id: str) -> JSONResponse:
         state.generating()
         return JSONResponse(state.responses.get(response_id))
+
+    if state.config.role != "decode":
+        @router.post("/kv/blocks", response_class=Response, include_in_schema=False)
+        async def kv_blocks(body: KVBlocksRequest) -> Response:
+            """A prompt's KV blocks for a decode instance (server/kv_transfer.py): raw bytes, their format in a
+            header."""
+            state.generating()
+            headers, payload = await state.kv.export(body)
+            return Response(payload, media_type="application/octet-stream", headers=headers)
 
     @router.post("/embeddings", response_model=EmbeddingResponse, responses=API_ERRORS)
     async def embeddings(body: EmbeddingRequest) -> JSONResponse:

@@ -63,6 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--shutdown-timeout", type=float, default=ServerConfig.shutdown_timeout,
                      help="seconds running requests may take to finish after SIGTERM; then those still open end "
                      "(a stream with an error event and [DONE], others 503) (default: %(default)s)")
+    net.add_argument("--role", default="both", choices=("prefill", "decode", "both"),
+                     help="disaggregated serving: prefill (prompts' KV pulled by decode instances), decode (pulls a "
+                     "prompt's KV from the prefill instance a request names), or both (default); see "
+                     "docs/deployment.md")
     net.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                      help="log level (default: %(default)s)")
     net.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
@@ -106,6 +110,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         allowed_origins=args.allowed_origins,
         shutdown_timeout=args.shutdown_timeout,
         log_stats_interval=args.log_stats_interval,
+        role=args.role,
         url=f"http://{args.host}:{args.port}",
     )
 

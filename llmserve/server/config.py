@@ -22,6 +22,8 @@ class ServerConfig:
     shutdown_timeout: float = 30.0  # seconds running requests may take to finish after a stop signal
     url: str | None = None  # where clients reach us, for the start-up log line
     log_stats_interval: float = 10.0  # seconds between the engine's periodic stats lines
+    # disaggregated prefill/decode (server/kv_transfer.py): "prefill" answers KV pulls, "decode" makes them, "both"
+    role: str = "both"
 
     def __post_init__(self) -> None:
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
@@ -34,3 +36,10 @@ class ServerConfig:
         for name in ("request_timeout", "shutdown_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.role not in ("prefill", "decode", "both"):
+            raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
+        if self.role != "both" and not self.engine.cache.enable_prefix_caching:
+            raise ValueError(f"role {self.role}: the prompt's KV moves through the prefix cache; leave prefix "
+                             "caching on")
+        if self.role != "both" and self.engine.parallel.world_size > 1:
+            raise ValueError(f"role {self.role}: KV blocks move to or from one process's cache, not parallel ranks")

@@ -51,6 +51,16 @@ class ServerMetrics:
         self._failure = Counter(f"{PREFIX}request_failure", "Engine requests that ended in an error, by kind "
                                 "(constraint: the output constraint failed while decoding; engine: a step failed).",
                                 labels + ["reason"], registry=self.registry)
+        # disaggregated prefill/decode (server/kv_transfer.py): blocks sent and received, pulls that failed (their
+        # prompts computed here instead), and each pull's time
+        self._kv_blocks = Counter(f"{PREFIX}kv_transfer_blocks", "KV blocks moved between instances, by direction "
+                                  "(export: sent to a decode instance; import: written here from a prefill one).",
+                                  labels + ["direction"], registry=self.registry)
+        self._kv_failures = Counter(f"{PREFIX}kv_transfer_failures", "KV pulls that failed (the prompt was computed "
+                                    "here instead), by reason.", labels + ["reason"], registry=self.registry)
+        self._kv_seconds = Histogram(f"{PREFIX}kv_transfer_seconds", "Time of one KV pull: request, transfer and "
+                                     "the write into the cache.", labels, buckets=_TTFT_BUCKETS,
+                                     registry=self.registry)
         self.registry.register(_EngineCollector(stats, lambda: self._model_name))
 
     def bind(self, model_name: str) -> None:
@@ -63,6 +73,17 @@ class ServerMetrics:
             self._success.labels(model_name, reason)
         for reason in ("constraint", "engine"):
             self._failure.labels(model_name, reason)
+        for direction in ("export", "import"):
+            self._kv_blocks.labels(model_name, direction)
+
+    def kv_blocks(self, direction: str, count: int) -> None:
+        self._kv_blocks.labels(self._model_name, direction).inc(count)
+
+    def kv_pull(self, seconds: float, failure: str | None = None) -> None:
+        """A KV pull's time, and why it failed (None: it did not)."""
+        self._kv_seconds.labels(self._model_name).observe(seconds)
+        if failure is not None:
+            self._kv_failures.labels(self._model_name, failure).inc()
 
     def success(self, finish_reason: str) -> None:
         self._success.labels(self._model_name, finish_reason).inc()

@@ -62,6 +62,27 @@ class StructuredOutputsRequest(BaseModel):
     json_object: StrictBool | None = None
 
 
+class KVTransferParams(BaseModel):
+    """vLLM's `kv_transfer_params`, the fields of disaggregated prefill and decode (server/kv_transfer.py)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    do_remote_decode: StrictBool = False  # this request is a prefill for another instance
+    do_remote_prefill: StrictBool = False  # the prompt's KV waits at `remote_url`: pull it first
+    remote_url: str | None = None
+
+
+class KVBlocksRequest(BaseModel):
+    """`POST /v1/kv/blocks`: the KV blocks a decode instance pulls, by their hashes and tokens."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    block_hashes: list[str] = Field(max_length=1 << 16)  # hexadecimal, the prompt's leading blocks in order
+    token_ids: list[Integer] = Field(max_length=1 << 22)  # those blocks' tokens, for the collision check
+    # "shm": the asker is on this host; the bytes go into a shared-memory file it reads and removes
+    transport: Literal["tcp", "shm"] = "tcp"
+
+
 class _SamplingRequest(BaseModel):
     """Fields chat and completions share. Unknown fields are ignored, as OpenAI's server does."""
 
@@ -88,6 +109,7 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: StrictBool = True
     user: str | None = None
     cache_salt: str | None = None  # as vLLM: requests with different salts never share prefix-cache blocks
+    kv_transfer_params: KVTransferParams | None = None  # disaggregated prefill and decode
     logit_bias: dict[str, Number] | None = None  # OpenAI's: token ids (as text) -> bias in [-100, 100]
     # Structured outputs: OpenAI's response_format, or vLLM's extra parameters (its current spelling,
     # structured_outputs, and the older guided_* names); at most one of them per request.

@@ -81,7 +81,8 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(request, max_tokens, num_logprobs, structured_outputs=constraint)
         choices = self.choices([prompt_ids], [params], request.n, request.cache_salt)
         request_id = new_request_id("chatcmpl")
-        return ChatRun(request, self.streams(request_id, choices), choices, request_id, model, num_logprobs,
+        streams = self.streams(request_id, choices, request.kv_transfer_params)
+        return ChatRun(request, streams, choices, request_id, model, num_logprobs,
                        {t.function.name for t in tools}, tool_grammar is not None)
 
     # --- request → prompt ---------------------------------------------------------------------

@@ -53,7 +53,7 @@ class OpenAIServingCompletion(OpenAIServing):
         echoes = [self._prompt_text(request.prompt, c.prompt_index, c.prompt_ids) if request.echo else ""
                   for c in choices]
         request_id = new_request_id("cmpl")
-        streams = self.streams(request_id, choices)
+        streams = self.streams(request_id, choices, request.kv_transfer_params)
         if request.stream:
             events = await primed(self._stream(streams, choices, echoes, request, request_id, model))
             return SSEResponse(events)

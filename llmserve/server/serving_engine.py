@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +30,9 @@ from llmserve.engine.input_processor import ContextLengthError
 from llmserve.outputs import Logprob, RequestOutput
 from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 from llmserve.server.errors import APIError, bad_value
+from llmserve.server.kv_transfer import KVTransfer
 from llmserve.server.metrics import ServerMetrics
-from llmserve.server.protocol import PromptTokensDetails, UsageInfo, _SamplingRequest
+from llmserve.server.protocol import KVTransferParams, PromptTokensDetails, UsageInfo, _SamplingRequest
 from llmserve.server.sse import SSE_DONE
 from llmserve.structured_output import GrammarError
 from llmserve.structured_output.manager import COMPILE_BUDGET_S
@@ -65,10 +66,11 @@ class Choice:
 class OpenAIServing:
     """Base of the chat and completion handlers: request checks and the engine round trip."""
 
-    def __init__(self, llm: AsyncLLM, info: ModelInfo, metrics: ServerMetrics) -> None:
+    def __init__(self, llm: AsyncLLM, info: ModelInfo, metrics: ServerMetrics, kv: KVTransfer | None = None) -> None:
         self.llm = llm
         self.info = info
         self.metrics = metrics
+        self.kv = kv  # this server's half of disaggregated prefill/decode; None: a request's kv_transfer_params ignored
 
     def check_model(self, model: str | None) -> str:
         return check_model(self.info, model)
@@ -140,8 +142,18 @@ class OpenAIServing:
                 out.append(Choice(p * n + i, p, ids, base.for_choice(i), cache_salt))
         return out
 
-    def streams(self, request_id: str, choices: list[Choice]) -> ChoiceStreams:
-        return ChoiceStreams(self.llm, self.metrics, request_id, choices)
+    def streams(self, request_id: str, choices: list[Choice], transfer: KVTransferParams | None = None
+                ) -> ChoiceStreams:
+        """The choices' engine requests, their prompts' KV first pulled from a prefill instance where `transfer`
+        says so (400 for what this server's role does not do)."""
+        source = self.kv.check(transfer) if self.kv is not None else None
+        pull = None
+        if source is not None:
+            kv, prompts, salt = self.kv, [c.prompt_ids for c in choices], choices[0].cache_salt
+
+            async def pull() -> None:
+                await kv.pull(source, prompts, salt)
+        return ChoiceStreams(self.llm, self.metrics, request_id, choices, pull)
 
 
 def check_model(info: ModelInfo, model: str | None) -> str:
@@ -265,7 +277,10 @@ class ChoiceStreams:
     queue cost a task switch per token, a visible share of the event loop's CPU per streamed token.
     """
 
-    def __init__(self, llm: AsyncLLM, metrics: ServerMetrics, request_id: str, choices: list[Choice]) -> None:
+    def __init__(self, llm: AsyncLLM, metrics: ServerMetrics, request_id: str, choices: list[Choice],
+                 before: Callable[[], Awaitable[None]] | None = None) -> None:
+        """`before`: awaited before the choices are admitted (a KV pull)."""
+        self._before = before
         self._llm = llm
         self._metrics = metrics
         self._request_id = request_id
@@ -276,6 +291,8 @@ class ChoiceStreams:
         self._tasks: list[asyncio.Task] = []
 
     async def __aenter__(self) -> ChoiceStreams:
+        if self._before is not None:
+            await self._before()
         try:
             self._streams = self._llm.add_requests([
                 NewRequest(c.prompt_ids, c.params, f"{self._request_id}-{c.index}", c.cache_salt)

@@ -2,31 +2,22 @@
 transformers and the one-rank engine, with stages alone and beside tensor parallelism, chunked, preempted and
 speculating; a sampled sequence is the one the stages computed; a file's grids follow their layers to their stage;
 a dead stage stops the engine within a bounded time and leaves no process behind; the layers are split by the
-weights each stage reads; what cannot be split is refused before anything starts."""
+weights each stage reads (what cannot be split is refused with tensor parallelism's refusals, in
+test_tensor_parallel.py)."""
 
 from __future__ import annotations
-
-import os
-import signal
-import time
 
 import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.config import engine_config
 from llmserve.distributed.pipeline_parallel import micro_batches, stage_grids, stage_layers
-from llmserve.engine.build_plan import resolve_plan
-from llmserve.engine.model_runner import RunnerStoppedError
 from llmserve.engine.step import SchedulerOutput
-from llmserve.evaluate.reference import reference_greedy, reference_model
-from llmserve.loader import load_checkpoint
 from llmserve.models.config import ModelConfig
+from tests.distributed.conftest import PROMPTS, assert_a_killed_worker_stops_the_engine
 from tests.greedy import assert_greedy_equals
 from tests.quantization.tiny_models import make_tiny_hf_dir
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a village at the edge of a forest,",
-           " ".join(f"Item {i}: the quick brown fox." for i in range(20))]
 COMMON = dict(dtype="float32", kv_cache_memory_gb=0.05, max_model_len=512, quantization="none")
 
 
@@ -34,20 +25,6 @@ COMMON = dict(dtype="float32", kv_cache_memory_gb=0.05, max_model_len=512, quant
 def tiny(tmp_path_factory) -> str:
     """Qwen2-shaped, three layers: two stages take layers 0-1 and 2 (the head weighs more than a layer here)."""
     return str(make_tiny_hf_dir(tmp_path_factory.mktemp("tiny-pp"), "qwen2", kv_heads=2, layers=3))
-
-
-@pytest.fixture(scope="module")
-def prompts(tiny) -> list[list[int]]:
-    tokenizer = load_checkpoint(tiny).tokenizer
-    return [tokenizer.encode(p) for p in PROMPTS]
-
-
-@pytest.fixture(scope="module")
-def expected(tiny, prompts) -> list[list[int]]:
-    reference = reference_model(tiny, torch.float32)
-    tokens = [reference_greedy(reference, ids, 16) for ids in prompts]
-    assert len({tuple(t) for t in tokens}) == len(tokens)
-    return tokens
 
 
 @pytest.fixture(scope="module")
@@ -126,15 +103,7 @@ def test_a_dead_middle_stage_stops_the_engine_in_bounded_time_and_leaves_no_proc
     workers = llm.engine.runner._workers
     [out] = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 4
-    os.kill(workers[0].pid, signal.SIGKILL)
-    workers[0].join(10)
-    assert not llm.engine.healthy
-    start = time.monotonic()
-    with pytest.raises(RunnerStoppedError, match="exited"):
-        llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)
-    assert time.monotonic() - start < 20
-    llm.shutdown()
-    assert not any(w.is_alive() for w in workers)
+    assert_a_killed_worker_stops_the_engine(llm, workers[0], prompts[0], "exited")
 
 
 def _config(layers: int, vocab: int, hidden: int = 576, intermediate: int = 1536) -> ModelConfig:
@@ -181,13 +150,3 @@ def test_grids_are_renumbered_with_their_layers():
                                                "model.embed_tokens.weight": g}
     assert stage_grids(None, range(0, 1)) is None
 
-
-@pytest.mark.parametrize(("options", "needle"), [
-    (dict(pipeline_parallel_size=4), "has 3 decoder layers"),
-    (dict(pipeline_parallel_size=2, quantization="awq"), "pipeline_parallel_size=2 with quantization='awq'"),
-    (dict(pipeline_parallel_size=2, quantization="int4", large_steps="int8"), "calibrated in one process"),
-    (dict(pipeline_parallel_size=0), "pipeline_parallel_size must be >= 1"),
-])
-def test_what_cannot_be_split_is_refused_before_anything_starts(tiny, options, needle):
-    with pytest.raises(ValueError, match=needle):
-        resolve_plan(engine_config(model=tiny, **options), load_checkpoint(tiny).config)

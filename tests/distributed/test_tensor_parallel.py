@@ -1,13 +1,9 @@
 """Tensor parallelism over torch.distributed (gloo, two ranks on this CPU): greedy output equals
 transformers and the one-rank engine, with and without int4; a sampled sequence is the one every rank
 computed; a dead rank stops the engine within a bounded time and leaves no process behind; what cannot
-be sharded is refused before anything starts."""
+be split (over ranks or pipeline stages) is refused before anything starts."""
 
 from __future__ import annotations
-
-import os
-import signal
-import time
 
 import pytest
 import torch
@@ -15,16 +11,13 @@ import torch
 from llmserve import LLM, SamplingParams
 from llmserve.config import engine_config
 from llmserve.engine.build_plan import resolve_plan
-from llmserve.engine.model_runner import RunnerStoppedError
-from llmserve.evaluate.reference import reference_greedy, reference_model
 from llmserve.loader import load_checkpoint
+from tests.distributed.conftest import PROMPTS, assert_a_killed_worker_stops_the_engine
 from tests.greedy import assert_greedy_equals
 from tests.quantization.tiny_models import make_tiny_hf_dir
 
 pytestmark = pytest.mark.processes  # tensor-parallel worker processes
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a village at the edge of a forest,",
-           " ".join(f"Item {i}: the quick brown fox." for i in range(20))]
 COMMON = dict(dtype="float32", kv_cache_memory_gb=0.05, max_model_len=512)
 
 
@@ -35,24 +28,10 @@ def tiny(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def prompts(tiny) -> list[list[int]]:
-    tokenizer = load_checkpoint(tiny).tokenizer
-    return [tokenizer.encode(p) for p in PROMPTS]
-
-
-@pytest.fixture(scope="module")
 def tp2(tiny):
     llm = LLM(tiny, tensor_parallel_size=2, quantization="none", **COMMON)
     yield llm
     llm.shutdown()
-
-
-@pytest.fixture(scope="module")
-def expected(tiny, prompts) -> list[list[int]]:
-    reference = reference_model(tiny, torch.float32)
-    tokens = [reference_greedy(reference, ids, 16) for ids in prompts]
-    assert len({tuple(t) for t in tokens}) == len(tokens)
-    return tokens
 
 
 def test_two_ranks_greedy_equals_transformers(tp2, prompts, expected):
@@ -123,15 +102,7 @@ def test_a_dead_rank_stops_the_engine_in_bounded_time_and_leaves_no_process(tiny
     llm = LLM(tiny, tensor_parallel_size=2, quantization="none", collective_timeout_s=20, **COMMON)
     workers = llm.engine.runner._workers
     assert [w.is_alive() for w in workers] == [True]
-    os.kill(workers[0].pid, signal.SIGKILL)
-    workers[0].join(10)
-    assert not llm.engine.healthy
-    start = time.monotonic()
-    with pytest.raises(RunnerStoppedError, match="exited with code -9"):
-        llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)
-    assert time.monotonic() - start < 20
-    llm.shutdown()
-    assert not any(w.is_alive() for w in workers)
+    assert_a_killed_worker_stops_the_engine(llm, workers[0], prompts[0], "exited with code -9")
     # the group was left: a new one can form in this process
     again = LLM(tiny, tensor_parallel_size=2, quantization="none", **COMMON)
     try:
@@ -147,8 +118,12 @@ def test_a_dead_rank_stops_the_engine_in_bounded_time_and_leaves_no_process(tiny
     (dict(tensor_parallel_size=2, quantization="awq"), "llmserve quantize"),
     (dict(tensor_parallel_size=2, quantization="int4", large_steps="int8"), "calibrated in one process"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be >= 1"),
+    (dict(pipeline_parallel_size=3), "has 2 decoder layers"),
+    (dict(pipeline_parallel_size=2, quantization="awq"), "pipeline_parallel_size=2 with quantization='awq'"),
+    (dict(pipeline_parallel_size=2, large_steps="int8", quantization="int4"), "not with pipeline_parallel_size=2"),
+    (dict(pipeline_parallel_size=0), "pipeline_parallel_size must be >= 1"),
 ])
-def test_what_cannot_be_sharded_is_refused_before_anything_starts(tiny, options, needle):
+def test_what_cannot_be_split_is_refused_before_anything_starts(tiny, options, needle):
     with pytest.raises(ValueError, match=needle):
         resolve_plan(engine_config(model=tiny, **options), load_checkpoint(tiny).config)
 

@@ -28,18 +28,33 @@ def _workers(proc: psutil.Process) -> list[psutil.Process]:
             if "spawn_main" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())]
 
 
-@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size"])
-def test_a_dead_rank_makes_the_server_unhealthy_and_exit_non_zero(tiny, tmp_path, flag):
-    one = ServerProcess(tmp_path / "one.log", "--model", tiny)
-    two = ServerProcess(tmp_path / "two.log", "--model", tiny, flag, "2")
+ASK = dict(model="tiny-tp-serve", prompt="The capital of France is", max_tokens=12, temperature=0)
+
+
+def _answer(server: ServerProcess) -> str:
+    return openai.OpenAI(base_url=f"{server.base}/v1", api_key="-").completions.create(**ASK).choices[0].text
+
+
+@pytest.fixture(scope="module")
+def one_rank_answer(tiny, tmp_path_factory) -> str:
+    one = ServerProcess(tmp_path_factory.mktemp("one-rank") / "one.log", "--model", tiny)
     try:
         one.wait_ready()
-        two.wait_ready()
-        ask = dict(model="tiny-tp-serve", prompt="The capital of France is", max_tokens=12, temperature=0)
-        texts = [openai.OpenAI(base_url=f"{s.base}/v1", api_key="-").completions.create(**ask).choices[0].text
-                 for s in (one, two)]
-        assert texts[0] == texts[1] and texts[0]
+        return _answer(one)
+    finally:
         assert one.stop() == 0
+
+
+@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size"])
+def test_a_dead_rank_makes_the_server_unhealthy_and_exit_non_zero(tiny, tmp_path, flag, one_rank_answer):
+    two = ServerProcess(tmp_path / "two.log", "--model", tiny, flag, "2")
+    try:
+        two.wait_ready()
+        assert _answer(two) == one_rank_answer and one_rank_answer
+        # a prompt's KV moves between one process's caches only (server/kv_transfer.py)
+        refused = httpx.post(f"{two.base}/v1/completions", timeout=30, json={
+            **ASK, "kv_transfer_params": {"do_remote_prefill": True, "remote_url": "http://127.0.0.1:9"}})
+        assert refused.status_code == 400 and "parallel ranks" in refused.json()["error"]["message"]
         [worker] = _workers(psutil.Process(two.proc.pid))
         worker.kill()
         start = time.monotonic()
@@ -52,7 +67,6 @@ def test_a_dead_rank_makes_the_server_unhealthy_and_exit_non_zero(tiny, tmp_path
             time.sleep(0.2)
         exited_after = time.monotonic() - start
     finally:
-        one.stop()
         code = two.stop()
     log = two.log_path.read_text()
     assert code == 1, log

@@ -55,12 +55,34 @@ admin_key_env: ADMIN
     ("models: {m: {upstreams: [http://a]}}\ncache: {semantic_threshold: 1.5}", "semantic_threshold"),
     ("keys: [{namespace: x}]\nmodels: {m: {upstreams: [http://a]}}", "needs 'key'"),
     ("{}", "no models"),
+    ("models: {m: {prefill: [http://p]}}", "prefill without decode"),
+    ("models: {m: {upstreams: [http://a], decode: [http://d]}}", "decode without prefill"),
+    ("models: {m: {prefill: [http://p], decode: []}}", "prefill without decode"),
+    ("models: {m: {prefill: [ftp://p], decode: [http://d]}}", "prefill 'ftp://p' is not an http"),
+    ("models: {m: {prefill: [http://p], decode: [p:1]}}", "decode 'p:1' is not an http"),
+    ("models: {m: {prefill: [http://p], decode: [http://d]}, m/decode: {upstreams: [http://a]}}", "m/decode"),
 ])
 def test_bad_config_is_refused_with_a_clear_message(tmp_path, text, message):
     path = tmp_path / "gw.yaml"
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
         load_config(path)
+
+
+def test_prefill_and_decode_replicas(tmp_path):
+    path = tmp_path / "gw.yaml"
+    path.write_text("""
+models:
+  pd: {prefill: [http://p:1/], decode: [http://d:1, http://d:2/]}
+  pd-with-fallback: {prefill: http://p:2, decode: http://d:3, upstreams: [http://b:1]}
+  plain: {upstreams: [http://a:1]}
+""")
+    models = load_config(path).models
+    assert (models["pd"].prefill, models["pd"].decode, models["pd"].upstreams) == (
+        ("http://p:1",), ("http://d:1", "http://d:2"), ())  # no upstreams needed with both
+    assert (models["pd-with-fallback"].prefill, models["pd-with-fallback"].decode,
+            models["pd-with-fallback"].upstreams) == (("http://p:2",), ("http://d:3",), ("http://b:1",))
+    assert (models["plain"].prefill, models["plain"].decode) == ((), ())
 
 
 def test_upstream_flag():
