@@ -1,8 +1,9 @@
 """Disaggregated prefill and decode between real servers (`--role prefill` and `--role decode`), straight and through
 the gateway: the decode instance pulls the prompt's KV blocks from the prefill instance and answers what one instance
 answers, streamed or not; a pull that fails (nobody at the address, a transfer cut mid-body, blocks of another format)
-is computed there instead; with the prefill instance gone the gateway falls back to a `both` instance; no KV block
-stays taken on either side after any of it; what a role does not do is refused."""
+is computed there instead; with the prefill instance gone the gateway falls back to the decode instance alone; no KV
+block stays taken on either side after any of it; what a role does not do is refused. What one instance answers is
+the prefill instance's own answer to the plain request."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def servers(tiny, tmp_path_factory) -> Iterator[dict[str, ServerProcess]]:
     # the prefill instance listens beyond loopback too, so that a pull can come over TCP as from another host
     started = {role: ServerProcess(logs / f"{role}.log", "--model", tiny, "--role", role,
                                    *(("--host", "0.0.0.0") if role == "prefill" else ()))
-               for role in ("prefill", "decode", "both")}
+               for role in ("prefill", "decode")}
     try:
         for server in started.values():
             server.wait_ready()
@@ -80,7 +81,7 @@ def _assert_no_block_taken(*servers: ServerProcess) -> None:
 def test_the_decode_instance_answers_from_the_prefill_instances_blocks(tiny, servers, transport):
     """On this host the bytes come through a shared-memory file (none left behind); from an address of the host's
     network, as from another host, over TCP."""
-    prefill, decode, both = servers["prefill"], servers["decode"], servers["both"]
+    prefill, decode = servers["prefill"], servers["decode"]
     address = prefill.base if transport == "shm" else _outward_address()
     if address is None:
         pytest.skip("this host has no address but loopback")
@@ -90,7 +91,7 @@ def test_the_decode_instance_answers_from_the_prefill_instances_blocks(tiny, ser
     prompt = f"{transport}: {PROMPT}"
     full_blocks = (len(load_checkpoint(tiny).tokenizer.encode(prompt)) - 1) // 16  # all a prefix hit can cover
     assert full_blocks >= 5
-    expected = _ask(both, prompt=prompt).choices[0].text
+    expected = _ask(prefill, prompt=prompt).choices[0].text
     before, files = decode.metrics(), _shm_files()
     _ask(prefill, {"do_remote_decode": True}, max_tokens=1, prompt=prompt)
     transfer = {"do_remote_prefill": True, "remote_url": address}
@@ -158,7 +159,7 @@ class _CutTransfer:
 
 @pytest.mark.parametrize("fault", ["nobody there", "cut mid-body", "another format"])
 def test_a_failed_pull_is_computed_here_and_leaves_no_block_taken(servers, fault):
-    prefill, decode, both = servers["prefill"], servers["decode"], servers["both"]
+    prefill, decode = servers["prefill"], servers["decode"]
     prompt_note = {"nobody there": "alpha", "cut mid-body": "beta", "another format": "gamma"}[fault]
     prompt = f"{prompt_note}: " + PROMPT  # blocks neither instance holds yet
     fmt = json.loads(httpx.post(f"{prefill.base}/v1/kv/blocks", json={"block_hashes": [], "token_ids": []},
@@ -175,7 +176,7 @@ def test_a_failed_pull_is_computed_here_and_leaves_no_block_taken(servers, fault
         url = _CutTransfer({"x-llmserve-kv-format": json.dumps({**fmt, "block_size": 32}),
                             "x-llmserve-kv-blocks": "5", "Content-Length": str(5 * block_bytes)},
                            bytes(5 * block_bytes)).url
-    expected = httpx.post(f"{both.base}/v1/completions", json={"prompt": prompt, "max_tokens": 16,
+    expected = httpx.post(f"{prefill.base}/v1/completions", json={"prompt": prompt, "max_tokens": 16,
                                                                "temperature": 0}, timeout=60).json()
     before, refused_before = decode.metrics(), decode.log().count("KVFormatError")
     answer = httpx.post(f"{decode.base}/v1/completions", timeout=60, json={
@@ -208,14 +209,14 @@ def test_what_a_role_does_not_do_is_refused(servers, role, transfer, status, nee
 
 def test_the_gateway_sends_prefill_then_decode_and_falls_back_when_the_prefill_instance_is_gone(servers, tmp_path):
     """Last in this module: it stops the prefill instance."""
-    prefill, decode, both = servers["prefill"], servers["decode"], servers["both"]
-    config = {"models": {"tiny-pd": {"prefill": [prefill.base], "decode": [decode.base], "upstreams": [both.base]}},
+    prefill, decode = servers["prefill"], servers["decode"]
+    config = {"models": {"tiny-pd": {"prefill": [prefill.base], "decode": [decode.base]}},
               "cache": {"exact": False}, "health": {"interval": 0.5, "timeout": 2.0}}
     gateway = GatewayProcess(tmp_path, config)
     try:
         client = openai.OpenAI(base_url=f"{gateway.base}/v1", api_key="-")
         prompt = "delta: " + PROMPT
-        expected = httpx.post(f"{both.base}/v1/completions", timeout=60,
+        expected = httpx.post(f"{prefill.base}/v1/completions", timeout=60,
                               json={"prompt": prompt, "max_tokens": 16, "temperature": 0}).json()["choices"][0]["text"]
         imported = decode.metrics()["llmserve:kv_transfer_blocks_total"]
         raw = client.completions.with_raw_response.create(model="tiny-pd", prompt=prompt, max_tokens=16,
@@ -224,18 +225,22 @@ def test_the_gateway_sends_prefill_then_decode_and_falls_back_when_the_prefill_i
         assert raw.parse().choices[0].text == expected
         assert decode.metrics()["llmserve:kv_transfer_blocks_total"] > imported
         chat = [{"role": "user", "content": "epsilon: " + PROMPT}]
-        expected_chat = httpx.post(f"{both.base}/v1/chat/completions", timeout=60, json={
+        expected_chat = httpx.post(f"{prefill.base}/v1/chat/completions", timeout=60, json={
             "messages": chat, "max_tokens": 12, "temperature": 0}).json()["choices"][0]["message"]["content"]
         stream = client.chat.completions.create(model="tiny-pd", messages=chat, max_tokens=12, temperature=0,
                                                 stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected_chat
         _assert_no_block_taken(prefill, decode)
+        last = httpx.post(f"{prefill.base}/v1/completions", timeout=60, json={
+            "prompt": "zeta: " + PROMPT, "max_tokens": 8, "temperature": 0}).json()["choices"][0]["text"]
         prefill.stop()
         raw = client.completions.with_raw_response.create(model="tiny-pd", prompt="zeta: " + PROMPT, max_tokens=8,
                                                           temperature=0)
-        assert raw.headers["x-llmserve-disaggregation"] == f"fallback={both.base}; reason=prefill failed"
+        # no `both` instance configured: the decode instance computes the prompt itself
+        assert raw.headers["x-llmserve-disaggregation"] == f"fallback={decode.base}; reason=prefill failed"
+        assert raw.parse().choices[0].text == last
         assert gateway.total("llmserve:gateway_disaggregated_requests_total") == 3
-        _assert_no_block_taken(decode, both)
+        _assert_no_block_taken(decode)
     finally:
         gateway.stop()
 
