@@ -188,6 +188,7 @@ def _worker_main(rank: int, size: int, port: int, threads: int, timeout_s: float
         raise SystemExit(1) from e
     ready.put((rank, None))
     sampled: dict[str, list[int]] = {}
+    answers = rank == _reporting_rank(plan) and plan.pipeline_parallel_size > 1  # this rank writes each step's result
     while True:
         try:
             message = pipe.recv_bytes()
@@ -204,7 +205,7 @@ def _worker_main(rank: int, size: int, port: int, threads: int, timeout_s: float
         if pipeline is not None:
             pipeline.flush()
         sampled = result.sampled_token_ids
-        if rank == _reporting_rank(plan) and plan.pipeline_parallel_size > 1:
+        if answers:
             pipe.send_bytes(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
 
 

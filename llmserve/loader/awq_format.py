@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.quantization.int4_groups import Int4Groups, stored_groups
+from llmserve.quantization.int4_groups import Int4Groups, read_packed_linears, stored_groups
 
 AWQ_FORMAT = "AWQ"  # `Checkpoint.source_formats` value of a weight read from this layout
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -45,19 +45,8 @@ def read_awq_tensors(tensors: dict[str, torch.Tensor], quantization_config: dict
         raise ValueError(f"AWQ checkpoints are read in their 4-bit GEMM layout with zero points, not "
                          f"bits={bits}, version={version!r}, zero_point={quantization_config.get('zero_point')}")
     group_size = int(quantization_config.get("group_size", 128))
-    weights, groups = {}, {}
-    for name, tensor in tensors.items():
-        if name.endswith((".qzeros", ".scales")):
-            continue
-        if not name.endswith(".qweight"):
-            weights[name] = tensor
-            continue
-        prefix = name.removesuffix(".qweight")
-        if f"{prefix}.qzeros" not in tensors or f"{prefix}.scales" not in tensors:
-            raise ValueError(f"AWQ checkpoint has {name} without its qzeros and scales")
-        g = unpack_awq(tensor, tensors[f"{prefix}.qzeros"], tensors[f"{prefix}.scales"], group_size)
-        weights[f"{prefix}.weight"], groups[f"{prefix}.weight"] = g.dequantize(), g
-    return weights, groups
+    return read_packed_linears(tensors, "AWQ", (), lambda prefix: unpack_awq(
+        tensors[f"{prefix}.qweight"], tensors[f"{prefix}.qzeros"], tensors[f"{prefix}.scales"], group_size))
 
 
 def _pack_columns(values: torch.Tensor) -> torch.Tensor:

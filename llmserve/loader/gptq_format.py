@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.quantization.int4_groups import Int4Groups, check_group_size, stored_groups
+from llmserve.quantization.int4_groups import Int4Groups, check_group_size, read_packed_linears, stored_groups
 
 GPTQ_FORMAT = "GPTQ"  # `Checkpoint.source_formats` value of a weight read from this layout
 CHECKPOINT_FORMATS = ("gptq", "gptq_v2")
@@ -69,20 +69,9 @@ def read_gptq_tensors(tensors: dict[str, torch.Tensor], quantization_config: dic
     if bits != 4 or group_size == -1:
         raise ValueError(f"GPTQ checkpoints are read with 4 bits in groups (a multiple of 32 inputs), not bits={bits}, "
                          f"group_size={group_size}")
-    weights, groups = {}, {}
-    for name, tensor in tensors.items():
-        if name.endswith((".qzeros", ".scales", ".g_idx")):
-            continue
-        if not name.endswith(".qweight"):
-            weights[name] = tensor
-            continue
-        prefix = name.removesuffix(".qweight")
-        if f"{prefix}.qzeros" not in tensors or f"{prefix}.scales" not in tensors:
-            raise ValueError(f"GPTQ checkpoint has {name} without its qzeros and scales")
-        g = unpack_gptq(tensor, tensors[f"{prefix}.qzeros"], tensors[f"{prefix}.scales"],
-                        tensors.get(f"{prefix}.g_idx"), group_size, checkpoint_format)
-        weights[f"{prefix}.weight"], groups[f"{prefix}.weight"] = g.dequantize(), g
-    return weights, groups
+    return read_packed_linears(tensors, "GPTQ", (".g_idx",), lambda prefix: unpack_gptq(
+        tensors[f"{prefix}.qweight"], tensors[f"{prefix}.qzeros"], tensors[f"{prefix}.scales"],
+        tensors.get(f"{prefix}.g_idx"), group_size, checkpoint_format))
 
 
 def quantization_config(group_size: int, sym: bool, act_order: bool, damp_percent: float) -> dict:

@@ -12,6 +12,7 @@ quantized in memory and for the file it wrote, so both compute the same bits.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,26 @@ def stored_groups(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, gr
     if scales.shape != (n_groups, out_features) or zeros.shape != (out_features, n_groups):
         raise ValueError(f"{layout} tensors disagree: {stored} for group size {group_size}")
     return Int4Groups(q, scales.float().t().contiguous(), zeros, group_size)
+
+
+def read_packed_linears(tensors: dict[str, torch.Tensor], layout: str, companions: tuple[str, ...],
+                        unpack: Callable[[str], Int4Groups]) -> tuple[dict[str, torch.Tensor], dict[str, Int4Groups]]:
+    """A packed-int4 file's tensors (AWQ's, GPTQ's: `X.qweight` beside `X.qzeros`, `X.scales` and the layout's other
+    `companions`): each linear's dense weight `X.weight` and its groups (`unpack(X)`), the other tensors as they are.
+    ValueError for a qweight without its qzeros and scales."""
+    weights, groups = {}, {}
+    for name, tensor in tensors.items():
+        if name.endswith((".qzeros", ".scales", *companions)):
+            continue
+        if not name.endswith(".qweight"):
+            weights[name] = tensor
+            continue
+        prefix = name.removesuffix(".qweight")
+        if f"{prefix}.qzeros" not in tensors or f"{prefix}.scales" not in tensors:
+            raise ValueError(f"{layout} checkpoint has {name} without its qzeros and scales")
+        g = unpack(prefix)
+        weights[f"{prefix}.weight"], groups[f"{prefix}.weight"] = g.dequantize(), g
+    return weights, groups
 
 
 def fit_groups(w: torch.Tensor, group_size: int) -> Int4Groups:
